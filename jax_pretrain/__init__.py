@@ -1,0 +1,1 @@
+"""jax_pretrain: pretrain decoder-only language models with JAX/Flax on one GPU, one node or many."""

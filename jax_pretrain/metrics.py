@@ -1,0 +1,100 @@
+"""Scalars out: TensorBoard (through clu), metrics.jsonl, and the console; MFU.
+
+Only process 0 writes. clu's TensorBoard writer imports TensorFlow; where TensorFlow is missing
+(e.g. a GPU image without it) the scalars go only to the console and metrics.jsonl, after one warning.
+metrics.jsonl is always written: one JSON object per logged step, with the same scalar names.
+"""
+import json
+import os
+
+from absl import logging
+
+# Peak dense bf16 FLOP/s per device (vendor datasheets, SXM parts, no sparsity). Matched as a
+# substring of jax's device_kind, first match wins; override with train.peak_flops.
+PEAK_BF16_FLOPS = (
+    ('GH200', 989e12),
+    ('H200', 989e12),
+    ('H100 PCIe', 756e12),
+    ('H100', 989e12),
+    ('H800', 989e12),
+    ('B200', 2250e12),
+    ('A100', 312e12),
+    ('A800', 312e12),
+    ('L40S', 362e12),
+    ('A10G', 70e12),
+    ('L4', 121e12),
+    ('V100', 125e12),
+)
+
+
+def peak_flops_per_device(device_kind: str, override: float = 0.0) -> float | None:
+  if override > 0:
+    return override
+  for name, flops in PEAK_BF16_FLOPS:
+    if name.lower() in device_kind.lower():
+      return flops
+  return None  # unknown device (e.g. CPU): MFU is not reported
+
+
+def mfu(flops_per_token: float, tokens_per_sec: float, num_devices: int,
+        peak_per_device: float | None) -> float | None:
+  """Model FLOPs utilization: achieved model FLOP/s over the devices' peak."""
+  if not peak_per_device:
+    return None
+  return flops_per_token * tokens_per_sec / (num_devices * peak_per_device)
+
+
+class _LogWriter:
+  """Stand-in for clu's writer when TensorFlow is missing (one warning was logged)."""
+
+  def write_scalars(self, step, scalars):
+    pass  # the console line and metrics.jsonl already carry every scalar
+
+  def write_hparams(self, hparams):
+    pass
+
+  def flush(self):
+    pass
+
+  def close(self):
+    pass
+
+
+def _tensorboard_writer(workdir: str):
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's start-up banner, not ours
+  try:
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top  (imports TensorFlow)
+  except ImportError as e:
+    logging.warning('TensorBoard event files are not written: %s. metrics.jsonl still is. '
+                    'Install tensorflow-cpu and tensorboard to get them.', e)
+    return _LogWriter()
+  return metric_writers.SummaryWriter(os.path.join(workdir, 'tensorboard'))
+
+
+class MetricWriter:
+  """TensorBoard + metrics.jsonl on process 0; does nothing on other processes."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self._enabled = enabled
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self._tb = _tensorboard_writer(workdir)
+    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+
+  def write(self, step: int, scalars: dict[str, float]) -> None:
+    if not self._enabled:
+      return
+    scalars = {k: float(v) for k, v in scalars.items() if v is not None}
+    self._tb.write_scalars(step, scalars)
+    self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
+    self._jsonl.flush()
+
+  def write_hparams(self, hparams: dict) -> None:
+    if self._enabled:
+      self._tb.write_hparams(hparams)
+
+  def close(self) -> None:
+    if self._enabled:
+      self._tb.close()
+      self._jsonl.close()

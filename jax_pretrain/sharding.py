@@ -1,0 +1,92 @@
+"""Device mesh and the one table that maps logical axis names to mesh axes.
+
+Every parameter and key activation carries logical axis names (e.g. ('embed', 'mlp')).
+LOGICAL_AXIS_RULES turns them into a PartitionSpec over the mesh axes ('data', 'fsdp', 'tensor').
+A one-device mesh is the degenerate case: every spec then places everything on that device.
+"""
+from collections.abc import Sequence
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+
+# logical name -> mesh axis (or tuple of axes, or None: replicated).
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # Parameters: FSDP shards the model dimension, tensor parallelism splits heads, MLP and vocab.
+    ('layers', None),
+    ('vocab', 'tensor'),
+    ('embed', 'fsdp'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('head_dim', None),
+    ('mlp', 'tensor'),
+    ('norm', None),
+    # Activations: the batch is split over every data-parallel axis; features follow the weights.
+    ('batch', ('data', 'fsdp')),
+    ('length', None),
+    ('act_embed', None),
+    ('act_heads', 'tensor'),
+    ('act_kv_heads', 'tensor'),
+    ('act_mlp', 'tensor'),
+    ('act_vocab', 'tensor'),
+)
+_RULES = dict(LOGICAL_AXIS_RULES)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None]) -> P:
+  """PartitionSpec for an array whose dimensions carry these logical names."""
+  return P(*(None if name is None else _RULES[name] for name in logical_axes))
+
+
+def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
+  """Fills in the one axis given as -1 and checks the product equals the device count."""
+  sizes = [data, fsdp, tensor]
+  named = ', '.join(f'{n}={s}' for n, s in zip(MESH_AXES, sizes))
+  if sizes.count(-1) > 1:
+    raise ValueError(f'mesh: at most one axis may be -1 (all remaining devices); got {named}.')
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f'mesh: axis sizes must be positive or -1; got {named}.')
+  if -1 in sizes:
+    known = math.prod(s for s in sizes if s != -1)
+    if num_devices % known:
+      raise ValueError(f'mesh: {named} cannot fill {num_devices} devices '
+                       f'({num_devices} is not a multiple of {known}).')
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(f'mesh: {named} uses {math.prod(sizes)} devices but {num_devices} are '
+                     f'present; set the sizes so their product is {num_devices} '
+                     '(or set one axis to -1).')
+  return tuple(sizes)
+
+
+def make_mesh(shape: tuple[int, int, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  devices = jax.devices() if devices is None else list(devices)
+  if len(devices) == math.prod(shape):
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+  # A mesh over a subset of the devices (tests): keep the given order.
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
+              axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(logical_axes))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | None) -> jax.Array:
+  """with_sharding_constraint by logical names; a no-op without a mesh (plain apply, tests)."""
+  if mesh is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  """Devices that each see a different part of the batch."""
+  return mesh.shape['data'] * mesh.shape['fsdp']

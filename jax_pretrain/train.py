@@ -1,0 +1,345 @@
+"""The training loop: state created in its shardings, one jitted train step, eval, logging.
+
+Flow: resolve config -> mesh -> model/optimizer -> abstract state (eval_shape) -> shardings ->
+jit(init, out_shardings) -> AOT-compile the step -> loop { prefetched batch -> step -> log N-1 }.
+"""
+import dataclasses
+import json
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from absl import logging
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from jax_pretrain import checkpoint as checkpoint_lib
+from jax_pretrain import config as config_lib
+from jax_pretrain import data as data_lib
+from jax_pretrain import metrics as metrics_lib
+from jax_pretrain import model as model_lib
+from jax_pretrain import optim
+from jax_pretrain import sample as sample_lib
+from jax_pretrain import sharding
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def make_loss_fn(model: nn.Module, pad_id: int):
+  """(params, tokens [B, T+1]) -> (sum of next-token NLL over non-pad targets, their count).
+
+  Sums, not means, so that micro-batches and data-parallel shards combine exactly.
+  """
+  def loss_fn(params, tokens_BxT1):
+    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+    logits_BxTxV = model.apply({'params': params}, inputs_BxT).astype(jnp.float32)
+    logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+    target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    weights_BxT = (targets_BxT != pad_id).astype(jnp.float32)
+    return jnp.sum((logz_BxT - target_logit_BxT) * weights_BxT), jnp.sum(weights_BxT)
+  return loss_fn
+
+
+def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id: int,
+                    mesh=None):
+  """A pure (state, batch) -> (state, metrics) function; jit it once."""
+  loss_and_grad = jax.value_and_grad(make_loss_fn(model, pad_id), has_aux=True)
+
+  def train_step(state: TrainState, batch):
+    tokens_BxT1 = batch['tokens']
+    if grad_accum_steps == 1:
+      (loss_sum, weight), grads = loss_and_grad(state.params, tokens_BxT1)
+    else:
+      # Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps its own rows (no transfer).
+      B, T1 = tokens_BxT1.shape
+      micro_AxMxT1 = tokens_BxT1.reshape(B // grad_accum_steps, grad_accum_steps, T1)
+      micro_AxMxT1 = sharding.constrain(micro_AxMxT1.swapaxes(0, 1), (None, 'batch', None), mesh)
+
+      def accumulate(carry, tokens_MxT1):
+        (loss_i, weight_i), grads_i = loss_and_grad(state.params, tokens_MxT1)
+        loss_sum, weight, grads = carry
+        return (loss_sum + loss_i, weight + weight_i, jax.tree.map(jnp.add, grads, grads_i)), None
+
+      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+               jax.tree.map(jnp.zeros_like, state.params))
+      (loss_sum, weight, grads), _ = jax.lax.scan(accumulate, zeros, micro_AxMxT1)
+
+    weight = jnp.maximum(weight, 1.0)
+    grads = jax.tree.map(lambda g: g / weight, grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                              opt_state=opt_state)
+    metrics = {'loss': loss_sum / weight, 'grad_norm': optax.global_norm(grads),
+               'lr': schedule(state.step)}
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(model, pad_id: int):
+  loss_fn = make_loss_fn(model, pad_id)
+  return lambda params, batch: loss_fn(params, batch['tokens'])
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything built from the config before the first step."""
+  config: ml_collections.ConfigDict
+  run: config_lib.RunShape
+  mesh: Any
+  model: model_lib.Transformer
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  state_shardings: TrainState
+  batch_sharding: Any
+  abstract_state: TrainState
+  init_fn: Any
+
+
+def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
+  """Resolves the config, builds mesh, model and optimizer, and the abstract sharded state."""
+  devices = jax.devices() if devices is None else devices
+  config, run = config_lib.resolve(config, len(devices), backend=devices[0].platform)
+  mesh = sharding.make_mesh(run.mesh_shape, devices)
+  model = model_lib.Transformer(config_lib.model_config(config), mesh=mesh)
+  optimizer = optim.make_optimizer(config.train)
+  schedule = optim.learning_rate_schedule(config.train)
+  dummy_BxT = jnp.zeros((1, config.data.seq_len), jnp.int32)
+
+  def init_fn(rng):
+    params = nn.meta.unbox(model.init(rng, dummy_BxT)['params'])
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params))
+
+  rng = jax.random.key(config.train.seed)
+  boxed = jax.eval_shape(lambda r: model.init(r, dummy_BxT)['params'], rng)
+  logical_specs = nn.get_partition_spec(boxed)
+  param_shardings = jax.tree.map(lambda spec: sharding.named_sharding(mesh, tuple(spec)),
+                                 logical_specs, is_leaf=lambda x: isinstance(x, jax.P))
+  abstract = jax.eval_shape(init_fn, rng)
+  replicated = sharding.replicated(mesh)
+  opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state,
+                                        param_shardings,
+                                        transform_non_params=lambda _: replicated)
+  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+  return Setup(config=config, run=run, mesh=mesh, model=model, optimizer=optimizer,
+               schedule=schedule, state_shardings=state_shardings,
+               batch_sharding=sharding.named_sharding(mesh, ('batch', None)),
+               abstract_state=checkpoint_lib.abstract_with_shardings(abstract, state_shardings),
+               init_fn=init_fn)
+
+
+def init_state(s: Setup) -> TrainState:
+  """Creates the state directly in its shardings: no host ever holds the full model."""
+  init = jax.jit(s.init_fn, out_shardings=s.state_shardings)
+  return init(jax.random.key(s.config.train.seed))
+
+
+def jit_train_step(s: Setup, pad_id: int):
+  step = make_train_step(s.model, s.optimizer, s.schedule,
+                         grad_accum_steps=s.run.grad_accum_steps, pad_id=pad_id, mesh=s.mesh)
+  return jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding),
+                 out_shardings=(s.state_shardings, sharding.replicated(s.mesh)),
+                 donate_argnums=(0,))
+
+
+def jit_eval_step(s: Setup, pad_id: int):
+  return jax.jit(make_eval_step(s.model, pad_id),
+                 in_shardings=(s.state_shardings.params, s.batch_sharding),
+                 out_shardings=sharding.replicated(s.mesh))
+
+
+def abstract_batch(s: Setup, batch_size: int):
+  return {'tokens': jax.ShapeDtypeStruct((batch_size, s.config.data.seq_len + 1), jnp.int32,
+                                         sharding=s.batch_sharding)}
+
+
+class Prefetcher:
+  """Reads host batches in a background thread and puts them on the devices ahead of use.
+
+  Yields (global device batch, the data iterator's state after that batch), so a checkpoint
+  records the state of what was consumed, not of what was prefetched.
+  """
+
+  def __init__(self, iterator, batch_sharding, depth: int = 2):
+    self._iterator, self._sharding = iterator, batch_sharding
+    self._queue: queue.Queue = queue.Queue(maxsize=depth)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def _run(self):
+    try:
+      while not self._stop.is_set():
+        host = next(self._iterator)
+        state = self._iterator.get_state()
+        device = {k: jax.make_array_from_process_local_data(self._sharding, v)
+                  for k, v in host.items()}
+        self._queue.put((device, state))
+    except Exception as e:  # pylint: disable=broad-except  (re-raised in the consumer)
+      self._queue.put(e)
+
+  def __next__(self):
+    item = self._queue.get()
+    if isinstance(item, Exception):
+      raise item
+    return item
+
+  def close(self):
+    self._stop.set()
+    while self._thread.is_alive():
+      try:
+        self._queue.get_nowait()
+      except queue.Empty:
+        self._thread.join(timeout=0.1)
+
+
+def evaluate(eval_step, params, batches, batch_sharding) -> float:
+  """Mean next-token loss over the eval set; one host sync at the end."""
+  loss_sum, weight = jnp.zeros(()), jnp.zeros(())
+  for batch in batches:
+    device_batch = jax.make_array_from_process_local_data(batch_sharding, batch['tokens'])
+    l, w = eval_step(params, {'tokens': device_batch})
+    loss_sum, weight = loss_sum + l, weight + w
+  loss_sum, weight = jax.device_get((loss_sum, weight))
+  return float(loss_sum / max(weight, 1.0))
+
+
+def _format_eta(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
+
+
+def describe(s: Setup, num_params: int) -> str:
+  c, run, m = s.config, s.run, s.config.model
+  return '\n'.join([
+      f'parameters        {num_params:,} ({num_params / 1e6:.1f}M)',
+      f'model             {m.num_layers} layers × d_model {m.d_model}, {m.num_heads} heads '
+      f'({m.num_kv_heads} kv) × {m.head_dim}, mlp {m.mlp_dim}, vocab {m.vocab_size}',
+      f'tokens per step   {run.tokens_per_step:,} ({c.train.batch_size} × {c.data.seq_len})',
+      f'steps             {c.train.steps:,} ({c.train.total_tokens:,} tokens), warmup '
+      f'{c.train.warmup_steps:,} ({c.train.warmup_tokens:,} tokens)',
+      f'grad accumulation {run.grad_accum_steps} micro-batches of {c.train.micro_batch_size} '
+      f'per device',
+      f'mesh              data={run.mesh_shape[0]} fsdp={run.mesh_shape[1]} '
+      f'tensor={run.mesh_shape[2]} on {s.mesh.size} × {s.mesh.devices.flat[0].device_kind}',
+      f'attention         {m.attention}, remat {m.remat}',
+      f'precision         compute {m.dtype}, params and optimizer {m.param_dtype}',
+  ])
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains per the config, writing logs and checkpoints to workdir; returns the final metrics."""
+  s = build(config)
+  config, run = s.config, s.run
+  is_main = jax.process_index() == 0
+  data = data_lib.build(config, jax.process_index(), jax.process_count())
+  pad_id = data.tokenizer.pad_id
+  num_params = model_lib.count_params(s.abstract_state.params)
+  if is_main:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True) + '\n')
+    print(describe(s, num_params), flush=True)
+
+  checkpointer = checkpoint_lib.Checkpointer(workdir)
+  latest = checkpointer.latest_step()
+  if latest is not None:
+    state, data_state = checkpointer.restore(latest, s.abstract_state)
+    data.train.set_state(data_state)
+    if is_main:
+      print(f'resuming from step {latest} ({checkpointer.directory})', flush=True)
+  else:
+    state = init_state(s)
+
+  t0 = time.perf_counter()
+  train_step = jit_train_step(s, pad_id).lower(
+      s.abstract_state, abstract_batch(s, config.train.batch_size)).compile()
+  eval_step = jit_eval_step(s, pad_id)
+  if is_main:
+    print(f'compiled train step in {time.perf_counter() - t0:.1f}s', flush=True)
+
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+  flops_per_token = model_lib.flops_per_token(config_lib.model_config(config), config.data.seq_len)
+  peak = metrics_lib.peak_flops_per_device(s.mesh.devices.flat[0].device_kind,
+                                           config.train.peak_flops)
+  steps = config.train.steps
+  prefetcher = Prefetcher(data.train, s.batch_sharding)
+  start_step = int(jax.device_get(state.step))
+  pending = None  # (step, device metrics) of a logged step, read one step later
+  last_time, last_step = time.perf_counter(), start_step
+  final: dict[str, float] = {}
+
+  def log_train(step, device_metrics):
+    nonlocal last_time, last_step
+    m = jax.device_get(device_metrics)
+    now = time.perf_counter()
+    step_time = (now - last_time) / max(step - last_step, 1)
+    last_time, last_step = now, step
+    tokens_per_sec = run.tokens_per_step / step_time
+    scalars = {'train/loss': m['loss'], 'train/ppl': float(np.exp(min(m['loss'], 50.0))),
+               'train/lr': m['lr'], 'train/grad_norm': m['grad_norm'],
+               'train/tokens': step * run.tokens_per_step,
+               'perf/tokens_per_sec': tokens_per_sec, 'perf/step_time': step_time,
+               'perf/mfu': metrics_lib.mfu(flops_per_token, tokens_per_sec, s.mesh.size, peak)}
+    writer.write(step, scalars)
+    final.update(scalars)
+    if is_main:
+      mfu = f" | MFU {scalars['perf/mfu']:.1%}" if scalars['perf/mfu'] is not None else ''
+      print(f'step {step}/{steps} | loss {m["loss"]:.4f} | lr {m["lr"]:.2e} | '
+            f'grad_norm {m["grad_norm"]:.3f} | {tokens_per_sec:,.0f} tok/s | '
+            f'{step_time:.3f} s/step{mfu} | ETA {_format_eta((steps - step) * step_time)}',
+            flush=True)
+
+  def run_eval(step):
+    loss = evaluate(eval_step, state.params, data.eval_batches(), s.batch_sharding)
+    scalars = {'eval/loss': loss, 'eval/ppl': float(np.exp(min(loss, 50.0)))}
+    writer.write(step, scalars)
+    final.update(scalars)
+    if is_main:
+      print(f'eval at step {step} | loss {loss:.4f} | ppl {scalars["eval/ppl"]:.2f}', flush=True)
+
+  data_state = data.train.get_state()
+  try:
+    for step in range(start_step, steps):
+      batch, data_state = next(prefetcher)
+      state, metrics = train_step(state, batch)
+      done = step + 1
+      if pending is not None:  # step N-1's metrics, read while step N runs
+        log_train(*pending)
+        pending = None
+      if done % config.train.log_every == 0 or done == steps:
+        pending = (done, metrics)
+      if done % config.train.eval_every == 0 or done == steps:
+        if pending is not None:
+          log_train(*pending)
+          pending = None
+        run_eval(done)
+        last_time = time.perf_counter()  # eval time is not step time
+    if pending is not None:
+      log_train(*pending)
+    if config.checkpoint.save_final and start_step < steps:
+      checkpointer.save(steps, state, data_state)
+  finally:
+    prefetcher.close()
+    checkpointer.close()
+    writer.close()
+
+  if is_main and config.train.sample_prompt and config.train.sample_tokens > 0:
+    text = sample_lib.generate_text(config_lib.model_config(config), state.params, data.tokenizer,
+                                    config.train.sample_prompt, config.train.sample_tokens,
+                                    seed=config.train.seed)
+    print(f'sample: {config.train.sample_prompt!r} -> {text!r}', flush=True)
+  return final
