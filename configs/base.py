@@ -38,7 +38,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.steps = 0                  # optimizer steps; 0: derive from total_tokens
   t.total_tokens = 0           # run length in tokens (alternative to steps)
   t.batch_size = 64            # global batch, in sequences
-  t.micro_batch_size = 8       # sequences per data-parallel device per forward/backward
+  t.micro_batch_size = 0       # sequences per data-parallel device per forward/backward;
+                               # 0: batch_size / data-parallel devices (no accumulation)
   t.learning_rate = 3e-4       # peak learning rate
   t.min_learning_rate = 3e-5   # end of the cosine decay
   t.warmup_steps = 0           # linear warmup; 0: derive from warmup_tokens

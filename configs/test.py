@@ -11,7 +11,6 @@ def get_config():
   c.model.remat = 'none'
   c.data.seq_len = 32
   c.train.batch_size = 16
-  c.train.micro_batch_size = 16
   c.train.steps = 20
   c.train.warmup_steps = 4
   c.train.learning_rate = 3e-3

@@ -75,9 +75,14 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
   # Batch and accumulation.
   dp = c.mesh.data * c.mesh.fsdp
   _check(d.seq_len > 0, f'data.seq_len must be positive, got {d.seq_len}.')
-  _check(t.batch_size > 0 and t.micro_batch_size > 0,
-         f'train.batch_size={t.batch_size} and train.micro_batch_size={t.micro_batch_size} '
-         'must be positive.')
+  _check(t.batch_size > 0 and t.micro_batch_size >= 0,
+         f'train.batch_size={t.batch_size} must be positive and train.micro_batch_size='
+         f'{t.micro_batch_size} non-negative.')
+  if t.micro_batch_size == 0:
+    _check(t.batch_size % dp == 0,
+           f'train.batch_size={t.batch_size} is not a multiple of the {dp} data-parallel devices '
+           '(mesh data×fsdp).')
+    t.micro_batch_size = t.batch_size // dp
   per_pass = t.micro_batch_size * dp
   _check(t.batch_size % per_pass == 0,
          f'train.batch_size={t.batch_size} is not a multiple of train.micro_batch_size='

@@ -81,7 +81,7 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                               opt_state=opt_state)
-    metrics = {'loss': loss_sum / weight, 'grad_norm': optax.global_norm(grads),
+    metrics = {'loss': loss_sum / weight, 'grad_norm': optax.tree.norm(grads),
                'lr': schedule(state.step)}
     return new_state, metrics
 
@@ -240,9 +240,10 @@ def describe(s: Setup, num_params: int) -> str:
   ])
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       devices=None) -> dict[str, float]:
   """Trains per the config, writing logs and checkpoints to workdir; returns the final metrics."""
-  s = build(config)
+  s = build(config, devices)
   config, run = s.config, s.run
   is_main = jax.process_index() == 0
   data = data_lib.build(config, jax.process_index(), jax.process_count())

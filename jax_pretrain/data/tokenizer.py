@@ -1,5 +1,15 @@
-"""Tokenizers: UTF-8 bytes (no training, used by the embedded default) and sentencepiece."""
+"""Tokenizers: UTF-8 bytes (the embedded default), sentencepiece, and bare ids (pre-tokenized data).
+
+All have encode(str) -> int32 [n], decode(ids) -> str, vocab_size, bos_id, eos_id, pad_id, and
+`identity`: equal for two tokenizers exactly when they map text to the same ids. Prepared data
+records the identity of the tokenizer that made it, so training can refuse a different one.
+"""
+import hashlib
+import os
+
 import numpy as np
+
+from jax_pretrain.data.errors import DataError
 
 
 class ByteTokenizer:
@@ -8,10 +18,91 @@ class ByteTokenizer:
   eos_id = 257
   pad_id = 258
   vocab_size = 259
+  identity = 'byte'
+  path = 'byte'
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int32)
 
+  def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    return [self.encode(t) for t in texts]
+
   def decode(self, ids) -> str:
     data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
     return data.decode('utf-8', errors='replace')
+
+
+def _with_appended_specials(num_pieces: int, ids: list[int]) -> tuple[list[int], int]:
+  """Special ids a model lacks (-1) get fresh ids after its pieces; returns (ids, vocab_size)."""
+  out, next_id = [], num_pieces
+  for i in ids:
+    if i is None or i < 0:
+      i, next_id = next_id, next_id + 1
+    out.append(int(i))
+  return out, next_id
+
+
+class SentencePieceTokenizer:
+  """A sentencepiece .model. A model without a pad (or BOS/EOS) piece gets one appended after its
+  pieces, so pad never collides with a real token; vocab_size then counts it."""
+
+  def __init__(self, path: str):
+    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+    if not os.path.isfile(path):
+      raise DataError(f'{path}: tokenizer file not found.')
+    with open(path, 'rb') as f:
+      proto = f.read()
+    self._sp = spm.SentencePieceProcessor()
+    try:
+      self._sp.LoadFromSerializedProto(proto)
+    except RuntimeError as e:
+      raise DataError(f'{path}: not a sentencepiece model ({str(e).strip()[:120]}).') from None
+    self.path = path
+    self.num_pieces = self._sp.GetPieceSize()
+    (self.bos_id, self.eos_id, self.pad_id), self.vocab_size = _with_appended_specials(
+        self.num_pieces, [self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()])
+    self.identity = 'sentencepiece:' + hashlib.sha256(proto).hexdigest()[:16]
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._sp.EncodeAsIds(text), np.int32)
+
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    return self._sp.EncodeAsIds(texts) if texts else []
+
+  def decode(self, ids) -> str:
+    return self._sp.DecodeIds([int(i) for i in ids if 0 <= int(i) < self.num_pieces])
+
+
+class IdTokenizer:
+  """Pre-tokenized data with no tokenizer at hand: knows the ids, not the text.
+
+  encode() reads a prompt of whitespace-separated ids; any other text becomes [eos_id] (the start of
+  a new document), so that sampling at the end of a run still works. decode() prints the ids.
+  """
+
+  def __init__(self, vocab_size: int, eos_id: int, bos_id: int | None = None,
+               pad_id: int | None = None):
+    (self.bos_id, self.eos_id, self.pad_id), self.vocab_size = _with_appended_specials(
+        vocab_size, [eos_id if bos_id is None else bos_id, eos_id, pad_id])
+    self.identity = f'ids:{vocab_size}:eos={eos_id}'
+    self.path = ''
+
+  def encode(self, text: str) -> np.ndarray:
+    try:
+      return np.asarray([int(t) for t in text.split()] or [self.eos_id], np.int32)
+    except ValueError:
+      return np.asarray([self.eos_id], np.int32)
+
+  def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    raise DataError('this data has no tokenizer (token ids only): raw text sources need '
+                    'data.tokenizer to be set.')
+
+  def decode(self, ids) -> str:
+    return ' '.join(str(int(i)) for i in ids)
+
+
+def load(spec: str):
+  """'byte' or a sentencepiece .model path."""
+  if spec == 'byte':
+    return ByteTokenizer()
+  return SentencePieceTokenizer(spec)

@@ -1,0 +1,13 @@
+"""Test set-up: 8 simulated CPU devices (meshes are tested without GPUs), quiet TensorFlow."""
+import os
+import sys
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)  # `configs` is a top-level package of the checkout
+
+import jax  # pylint: disable=g-import-not-at-top
+
+jax.config.update('jax_num_cpu_devices', 8)

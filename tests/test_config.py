@@ -1,0 +1,84 @@
+"""Config: presets load, overrides apply, bad fields and inconsistent values fail clearly."""
+import os
+
+from absl import flags
+from ml_collections import config_flags
+import pytest
+
+from jax_pretrain import config as config_lib
+from tests.conftest import ROOT
+
+PRESETS = ('default', 'test', 'tiny', 'small', 'medium', 'medium_large', 'large', 'xlarge')
+
+
+def parse(*args):
+  fv = flags.FlagValues()
+  # config_flags learns which --config.x overrides exist from the argv it is given at definition.
+  config_flags.DEFINE_config_file('config', os.path.join(ROOT, 'configs', 'default.py'),
+                                  flag_values=fv, lock_config=True, sys_argv=['prog', *args])
+  fv(['prog', *args])
+  return fv.config
+
+
+def test_overrides_apply():
+  c = parse(f'--config={ROOT}/configs/test.py', '--config.train.steps=7',
+            '--config.model.attention=xla', '--config.train.learning_rate=0.01')
+  assert c.train.steps == 7 and c.model.attention == 'xla' and c.train.learning_rate == 0.01
+
+
+def test_default_config_is_the_embedded_default():
+  assert parse().data.train == 'embedded'
+
+
+def test_unknown_field_names_the_field():
+  with pytest.raises(Exception, match='num_layerz'):
+    parse('--config.model.num_layerz=3')
+
+
+def test_wrong_type_names_the_field():
+  with pytest.raises(Exception, match='train.steps'):
+    parse('--config.train.steps=many')
+
+
+@pytest.mark.parametrize('preset', PRESETS)
+def test_every_preset_resolves(preset):
+  c = parse(f'--config={ROOT}/configs/{preset}.py')
+  resolved, run = config_lib.resolve(c, num_devices=8, backend='cpu' if preset in (
+      'default', 'test') else 'gpu')
+  assert resolved.train.steps > 0 and resolved.model.head_dim > 0
+  assert run.tokens_per_step == resolved.train.batch_size * resolved.data.seq_len
+
+
+def test_tokens_derive_steps_and_both_are_kept():
+  c = parse(f'--config={ROOT}/configs/test.py', '--config.train.steps=0',
+            '--config.train.total_tokens=10000', '--config.train.warmup_steps=0',
+            '--config.train.warmup_tokens=1000')
+  r, run = config_lib.resolve(c, num_devices=1, backend='cpu')
+  assert run.tokens_per_step == 16 * 32
+  assert r.train.steps == 20 and r.train.total_tokens == 20 * 512  # rounded up to whole steps
+  assert r.train.warmup_steps == 2 and r.train.warmup_tokens == 1024
+
+
+@pytest.mark.parametrize('overrides, devices, message', [
+    (('--config.train.batch_size=20', '--config.train.micro_batch_size=4'), 8,
+     r'batch_size=20 is not a multiple of train.micro_batch_size=4 × 8 data-parallel'),
+    (('--config.mesh.data=3', '--config.mesh.fsdp=-1'), 8, r'data=3.*cannot fill 8 devices'),
+    (('--config.mesh.data=2', '--config.mesh.fsdp=2', '--config.mesh.tensor=1'), 8,
+     r'uses 4 devices but 8 are present'),
+    (('--config.mesh.data=1', '--config.mesh.tensor=8'), 8,
+     r'mesh.tensor=8 must divide model.num_heads=4'),
+    (('--config.model.num_kv_heads=3',), 1, r'num_kv_heads=3 must divide model.num_heads=4'),
+    (('--config.model.attention=flash',), 1, r"attention='flash'"),
+    (('--config.model.remat=some',), 1, r"remat='some'"),
+    (('--config.train.warmup_steps=50',), 1, r'warmup_steps=50 must be smaller than train.steps=20'),
+])
+def test_inconsistent_values_fail_with_the_numbers(overrides, devices, message):
+  c = parse(f'--config={ROOT}/configs/test.py', *overrides)
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.resolve(c, num_devices=devices, backend='cpu')
+
+
+def test_cudnn_on_cpu_is_an_error_not_a_fallback():
+  c = parse(f'--config={ROOT}/configs/test.py', '--config.model.attention=cudnn')
+  with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU"):
+    config_lib.resolve(c, num_devices=1, backend='cpu')
