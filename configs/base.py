@@ -29,10 +29,16 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.data = d = ml_collections.ConfigDict()
   d.seq_len = 2048             # tokens per training sequence
-  d.train = 'embedded'         # sources: 'embedded' (the Python reference manual) or paths (data issue)
+  d.train = 'embedded'         # 'SOURCE[#field][:weight],...' (docs/data.md); embedded: Python docs
   d.val = ''                   # eval sources; '' carves val_ratio from the training data
   d.val_ratio = 0.05           # share of the training data held out for eval when val is ''
-  d.tokenizer = 'byte'         # 'byte' (UTF-8 bytes) or a sentencepiece .model path
+  d.tokenizer = ''             # '': from the data (else bytes); 'byte'; or a sentencepiece .model
+  d.text_field = 'text'        # JSONL key, Parquet column or TFDS feature that holds the text
+  d.tfds_data_dir = ''         # TFDS data_dir for tfds:NAME sources ('' : ~/tensorflow_datasets)
+  d.on_bad_record = 'error'    # bad raw-text lines: 'error' | 'skip' (counted, reported per file)
+  d.num_workers = 0            # grain worker processes for batches (0: threads in this process)
+  d.read_threads = 2           # threads assembling batches in each process
+  d.prefetch = 4               # batches buffered ahead of the trainer
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 0                  # optimizer steps; 0: derive from total_tokens
@@ -55,6 +61,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.eval_steps = 20            # eval batches per eval
   t.eval_batch_size = 0        # 0: same as batch_size
   t.peak_flops = 0.0           # device peak dense bf16 FLOP/s for MFU; 0: look up by device kind
+  t.on_nonfinite = 'halt'      # non-finite loss or grad norm: 'halt' (stop, checkpoints intact) | 'skip'
+  t.max_consecutive_skips = 10  # with 'skip': halt after this many non-finite steps in a row
   t.sample_prompt = 'The '     # prompt of the continuation printed at the end ('' disables)
   t.sample_tokens = 64         # tokens generated for that continuation
 
@@ -64,5 +72,10 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.tensor = 1              # tensor-parallel axis size (heads, MLP, vocab)
 
   c.checkpoint = ck = ml_collections.ConfigDict()
+  ck.every_steps = 1000        # steps between (asynchronous) saves; 0: only the final save
+  ck.keep = 2                  # keep the latest this many checkpoints
+  ck.keep_best = 3             # and also the best this many by eval loss (0: none)
+  ck.async_save = True         # write in the background while training continues
   ck.save_final = True         # save the state at the end of training
+  ck.restore_from = ''         # another run's workdir: start from its params (fresh optimizer, data)
   return c

@@ -7,7 +7,6 @@ the numbers that disagree. Everything else reads the resolved config and never r
 import dataclasses
 import math
 
-import jax.numpy as jnp
 import ml_collections
 
 from jax_pretrain import model as model_lib
@@ -113,6 +112,9 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
   _check(0 <= t.min_learning_rate <= t.learning_rate,
          f'train.min_learning_rate={t.min_learning_rate} must lie in [0, train.learning_rate='
          f'{t.learning_rate}].')
+  _check(t.on_nonfinite in ('halt', 'skip'),
+         f"train.on_nonfinite={t.on_nonfinite!r}: choose 'halt' or 'skip'.")
+  _check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
   for field in ('log_every', 'eval_every'):
     _check(t[field] > 0, f'train.{field} must be positive, got {t[field]}.')
 
@@ -124,6 +126,3 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
 def model_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:
   return model_lib.ModelConfig.from_config(config.model)
 
-
-def compute_dtype(config: ml_collections.ConfigDict):
-  return jnp.dtype(config.model.dtype)

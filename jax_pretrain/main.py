@@ -1,11 +1,15 @@
 """Command line: python -m jax_pretrain.main --config=configs/xlarge.py --workdir=runs/xl
 
 Any config field can be overridden: --config.train.steps=100 --config.model.attention=cudnn.
+Several processes (hosts): jax.distributed is initialized from SLURM or Open MPI variables when
+present, or from --coordinator_address/--num_processes/--process_id.
 """
 import os
 import sys
 
-from absl import app
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow (under clu) is noisy at start-up
+
+from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
@@ -20,6 +24,31 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
                                'Directory for config, logs, TensorBoard and checkpoints.')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None,
+                                   'host:port of process 0, for a multi-process run.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in a multi-process run.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0 .. num_processes - 1.')
+
+# Variables that mean a cluster launcher started several processes of this program.
+_LAUNCHER_VARIABLES = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
+
+
+def initialize_distributed() -> None:
+  """jax.distributed.initialize when this is one of several processes; nothing otherwise."""
+  import jax  # pylint: disable=g-import-not-at-top
+  explicit = _COORDINATOR.value is not None or (_NUM_PROCESSES.value or 1) > 1
+  launched = any(int(os.environ.get(v, '1')) > 1 for v in _LAUNCHER_VARIABLES)
+  if not (explicit or launched):
+    return
+  # CPU-only multi-process runs (tests, debugging) need a collectives backend; GPUs use NCCL.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if explicit:
+    jax.distributed.initialize(_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
+  else:
+    jax.distributed.initialize()  # reads the SLURM / Open MPI environment
+  logging.warning('process %d of %d, %d local devices', jax.process_index(),
+                  jax.process_count(), jax.local_device_count())
 
 
 def main(argv):
@@ -27,8 +56,16 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  from jax_pretrain import train  # pylint: disable=g-import-not-at-top  (after flags parse)
-  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  initialize_distributed()
+  # pylint: disable=g-import-not-at-top  (after flags parse and distributed init)
+  from jax_pretrain import checkpoint
+  from jax_pretrain import config as config_lib
+  from jax_pretrain import train
+  try:
+    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except (config_lib.ConfigError, checkpoint.CheckpointError, train.NonFiniteError) as e:
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 if __name__ == '__main__':

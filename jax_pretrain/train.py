@@ -28,6 +28,7 @@ from jax_pretrain import model as model_lib
 from jax_pretrain import optim
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import sharding
+from jax_pretrain import signals
 
 
 @flax.struct.dataclass
@@ -35,6 +36,12 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
+  nonfinite_count: jax.Array  # steps whose update was dropped for a non-finite loss or grad norm
+  consecutive_nonfinite: jax.Array  # of those, how many in a row up to now
+
+
+class NonFiniteError(RuntimeError):
+  """Training produced a non-finite loss or gradient norm and the config says to halt."""
 
 
 def make_loss_fn(model: nn.Module, pad_id: int):
@@ -78,11 +85,20 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
 
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
+    loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                              opt_state=opt_state)
-    metrics = {'loss': loss_sum / weight, 'grad_norm': optax.tree.norm(grads),
-               'lr': schedule(state.step)}
+    params = optax.apply_updates(state.params, updates)
+    # A non-finite loss or gradient drops the whole update: params and moments stay as they were.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    params, opt_state = jax.lax.cond(finite, lambda: (params, opt_state),
+                                     lambda: (state.params, state.opt_state))
+    new_state = state.replace(
+        step=state.step + 1, params=params, opt_state=opt_state,
+        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+        consecutive_nonfinite=jnp.where(finite, 0, state.consecutive_nonfinite + 1))
+    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
+               'nonfinite_count': new_state.nonfinite_count,
+               'consecutive_nonfinite': new_state.consecutive_nonfinite}
     return new_state, metrics
 
   return train_step
@@ -105,7 +121,8 @@ class Setup:
   state_shardings: TrainState
   batch_sharding: Any
   abstract_state: TrainState
-  init_fn: Any
+  init_fn: Any  # rng -> TrainState with fresh params
+  new_state_fn: Any  # params -> TrainState at step 0 with a fresh optimizer
 
 
 def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
@@ -118,10 +135,13 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   schedule = optim.learning_rate_schedule(config.train)
   dummy_BxT = jnp.zeros((1, config.data.seq_len), jnp.int32)
 
+  def new_state(params):
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(step=zero, params=params, opt_state=optimizer.init(params),
+                      nonfinite_count=zero, consecutive_nonfinite=zero)
+
   def init_fn(rng):
-    params = nn.meta.unbox(model.init(rng, dummy_BxT)['params'])
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
+    return new_state(nn.meta.unbox(model.init(rng, dummy_BxT)['params']))
 
   rng = jax.random.key(config.train.seed)
   boxed = jax.eval_shape(lambda r: model.init(r, dummy_BxT)['params'], rng)
@@ -133,12 +153,42 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state,
                                         param_shardings,
                                         transform_non_params=lambda _: replicated)
-  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                               nonfinite_count=replicated, consecutive_nonfinite=replicated)
   return Setup(config=config, run=run, mesh=mesh, model=model, optimizer=optimizer,
                schedule=schedule, state_shardings=state_shardings,
                batch_sharding=sharding.named_sharding(mesh, ('batch', None)),
                abstract_state=checkpoint_lib.abstract_with_shardings(abstract, state_shardings),
-               init_fn=init_fn)
+               init_fn=init_fn, new_state_fn=new_state)
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The resolved config a run saved in its workdir."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{path} not found: is {workdir!r} the workdir of a training run?')
+  with open(path, encoding='utf-8') as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def load_trained(workdir: str, step: int | None = None, devices=None):
+  """(config, params, setup) of a run's latest (or given) checkpoint, on this machine's devices.
+
+  The mesh is rebuilt for the devices at hand (data-parallel over all of them), and the attention
+  falls back to 'xla' where the run used a GPU-only kernel and this machine has no GPU.
+  """
+  config = load_config(workdir)
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  devices = jax.devices() if devices is None else devices
+  if devices[0].platform != 'gpu':
+    config.model.attention = 'xla'
+  s = build(config, devices)
+  checkpointer = checkpoint_lib.Checkpointer(workdir, read_only=True)
+  try:
+    _, params = checkpointer.restore_params(s.abstract_state.params, step)
+  finally:
+    checkpointer.close()
+  return s.config, params, s
 
 
 def init_state(s: Setup) -> TrainState:
@@ -240,107 +290,182 @@ def describe(s: Setup, num_params: int) -> str:
   ])
 
 
+class StepLogger:
+  """Turns step metrics into scalars, the console line and the writers, one step late.
+
+  `record(step, metrics)` keeps the device arrays of a logged step; they are read (`flush`) after
+  the next step has been dispatched, so logging never waits for the device to go idle.
+  """
+
+  def __init__(self, s: Setup, writer: metrics_lib.MetricWriter, start_step: int):
+    c = s.config
+    self._writer, self._steps = writer, c.train.steps
+    self._tokens_per_step = s.run.tokens_per_step
+    self._flops_per_token = model_lib.flops_per_token(config_lib.model_config(c), c.data.seq_len)
+    self._num_devices = s.mesh.size
+    self._peak = metrics_lib.peak_flops_per_device(s.mesh.devices.flat[0].device_kind,
+                                                   c.train.peak_flops)
+    self._pending = None
+    self._last_time, self._last_step = time.perf_counter(), start_step
+    self.latest: dict[str, float] = {}
+
+  def record(self, step: int, device_metrics) -> None:
+    self._pending = (step, device_metrics)
+
+  def pause(self) -> None:
+    """Time spent outside training steps (eval, a blocking save) is not step time."""
+    self._last_time = time.perf_counter()
+
+  def flush(self) -> dict | None:
+    if self._pending is None:
+      return None
+    step, device_metrics = self._pending
+    self._pending = None
+    m = jax.device_get(device_metrics)
+    now = time.perf_counter()
+    step_time = (now - self._last_time) / max(step - self._last_step, 1)
+    self._last_time, self._last_step = now, step
+    tokens_per_sec = self._tokens_per_step / step_time
+    mfu = metrics_lib.mfu(self._flops_per_token, tokens_per_sec, self._num_devices, self._peak)
+    scalars = {'train/loss': m['loss'], 'train/ppl': float(np.exp(min(m['loss'], 50.0))),
+               'train/lr': m['lr'], 'train/grad_norm': m['grad_norm'],
+               'train/tokens': step * self._tokens_per_step,
+               'train/nonfinite_skips': m['nonfinite_count'],
+               'perf/tokens_per_sec': tokens_per_sec, 'perf/step_time': step_time,
+               'perf/mfu': mfu}
+    self.write(step, scalars)
+    if jax.process_index() == 0:
+      mfu_text = f' | MFU {mfu:.1%}' if mfu is not None else ''
+      skips = f' | skipped {m["nonfinite_count"]}' if m['nonfinite_count'] else ''
+      print(f'step {step}/{self._steps} | loss {m["loss"]:.4f} | lr {m["lr"]:.2e} | '
+            f'grad_norm {m["grad_norm"]:.3f} | {tokens_per_sec:,.0f} tok/s | '
+            f'{step_time:.3f} s/step{mfu_text}{skips} | '
+            f'ETA {_format_eta((self._steps - step) * step_time)}', flush=True)
+    return {'step': step, **m}
+
+  def write(self, step: int, scalars: dict) -> None:
+    self._writer.write(step, scalars)
+    self.latest.update({k: v for k, v in scalars.items() if v is not None})
+
+
+def _check_finite(m: dict | None, t: ml_collections.ConfigDict, last_checkpoint: int | None):
+  """Halts per train.on_nonfinite; the bad updates were never applied, so the state is good."""
+  if m is None:
+    return
+  kept = (f'The last checkpoint (step {last_checkpoint}) is intact.' if last_checkpoint is not None
+          else 'No checkpoint was written yet.')
+  if t.on_nonfinite == 'halt' and m['nonfinite_count'] > 0:
+    raise NonFiniteError(
+        f'non-finite loss or gradient norm by step {m["step"]} (loss {m["loss"]}, grad_norm '
+        f'{m["grad_norm"]}); the bad update was not applied. {kept} Lower the learning rate, '
+        'check the data, or set --config.train.on_nonfinite=skip.')
+  if m['consecutive_nonfinite'] > t.max_consecutive_skips:
+    raise NonFiniteError(
+        f'{m["consecutive_nonfinite"]} non-finite steps in a row by step {m["step"]} (more than '
+        f'train.max_consecutive_skips={t.max_consecutive_skips}). {kept}')
+
+
+def _initial_state(s: Setup, checkpointer, data, is_main: bool) -> TrainState:
+  """This workdir's latest checkpoint, else restore_from's params, else fresh parameters."""
+  restored = checkpointer.restore_latest(s.abstract_state)
+  if restored is not None:
+    step, state, data_state = restored
+    data.train.set_state(data_state)
+    if is_main:
+      print(f'resuming from step {step} ({checkpointer.directory})', flush=True)
+    return state
+  source = s.config.checkpoint.restore_from
+  if source:
+    other = checkpoint_lib.Checkpointer(source, read_only=True)
+    try:
+      step, params = other.restore_params(s.abstract_state.params)
+    finally:
+      other.close()
+    if is_main:
+      print(f'starting from the params of {other.directory} step {step} (fresh optimizer and '
+            'data order)', flush=True)
+    return jax.jit(s.new_state_fn, out_shardings=s.state_shardings)(params)
+  return init_state(s)
+
+
+def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -> dict:
+  loss = evaluate(eval_step, params, data.eval_batches(), s.batch_sharding)
+  scalars = {'eval/loss': loss, 'eval/ppl': float(np.exp(min(loss, 50.0)))}
+  logger.write(step, scalars)
+  if jax.process_index() == 0:
+    print(f'eval at step {step} | loss {loss:.4f} | ppl {scalars["eval/ppl"]:.2f}', flush=True)
+  return scalars
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        devices=None) -> dict[str, float]:
-  """Trains per the config, writing logs and checkpoints to workdir; returns the final metrics."""
+  """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics."""
   s = build(config, devices)
-  config, run = s.config, s.run
+  config, t, ck = s.config, s.config.train, s.config.checkpoint
   is_main = jax.process_index() == 0
   data = data_lib.build(config, jax.process_index(), jax.process_count())
   pad_id = data.tokenizer.pad_id
-  num_params = model_lib.count_params(s.abstract_state.params)
   if is_main:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
       f.write(config.to_json_best_effort(indent=2, sort_keys=True) + '\n')
-    print(describe(s, num_params), flush=True)
+    print(describe(s, model_lib.count_params(s.abstract_state.params)), flush=True)
 
-  checkpointer = checkpoint_lib.Checkpointer(workdir)
-  latest = checkpointer.latest_step()
-  if latest is not None:
-    state, data_state = checkpointer.restore(latest, s.abstract_state)
-    data.train.set_state(data_state)
-    if is_main:
-      print(f'resuming from step {latest} ({checkpointer.directory})', flush=True)
-  else:
-    state = init_state(s)
+  checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
+                                             async_save=ck.async_save)
+  state = _initial_state(s, checkpointer, data, is_main)
+  step = int(jax.device_get(state.step))
 
   t0 = time.perf_counter()
   train_step = jit_train_step(s, pad_id).lower(
-      s.abstract_state, abstract_batch(s, config.train.batch_size)).compile()
+      s.abstract_state, abstract_batch(s, t.batch_size)).compile()
   eval_step = jit_eval_step(s, pad_id)
   if is_main:
     print(f'compiled train step in {time.perf_counter() - t0:.1f}s', flush=True)
 
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
-  flops_per_token = model_lib.flops_per_token(config_lib.model_config(config), config.data.seq_len)
-  peak = metrics_lib.peak_flops_per_device(s.mesh.devices.flat[0].device_kind,
-                                           config.train.peak_flops)
-  steps = config.train.steps
+  logger = StepLogger(s, writer, step)
+  stop = signals.StopSignal(check_every=t.log_every)
   prefetcher = Prefetcher(data.train, s.batch_sharding)
-  start_step = int(jax.device_get(state.step))
-  pending = None  # (step, device metrics) of a logged step, read one step later
-  last_time, last_step = time.perf_counter(), start_step
-  final: dict[str, float] = {}
-
-  def log_train(step, device_metrics):
-    nonlocal last_time, last_step
-    m = jax.device_get(device_metrics)
-    now = time.perf_counter()
-    step_time = (now - last_time) / max(step - last_step, 1)
-    last_time, last_step = now, step
-    tokens_per_sec = run.tokens_per_step / step_time
-    scalars = {'train/loss': m['loss'], 'train/ppl': float(np.exp(min(m['loss'], 50.0))),
-               'train/lr': m['lr'], 'train/grad_norm': m['grad_norm'],
-               'train/tokens': step * run.tokens_per_step,
-               'perf/tokens_per_sec': tokens_per_sec, 'perf/step_time': step_time,
-               'perf/mfu': metrics_lib.mfu(flops_per_token, tokens_per_sec, s.mesh.size, peak)}
-    writer.write(step, scalars)
-    final.update(scalars)
-    if is_main:
-      mfu = f" | MFU {scalars['perf/mfu']:.1%}" if scalars['perf/mfu'] is not None else ''
-      print(f'step {step}/{steps} | loss {m["loss"]:.4f} | lr {m["lr"]:.2e} | '
-            f'grad_norm {m["grad_norm"]:.3f} | {tokens_per_sec:,.0f} tok/s | '
-            f'{step_time:.3f} s/step{mfu} | ETA {_format_eta((steps - step) * step_time)}',
-            flush=True)
-
-  def run_eval(step):
-    loss = evaluate(eval_step, state.params, data.eval_batches(), s.batch_sharding)
-    scalars = {'eval/loss': loss, 'eval/ppl': float(np.exp(min(loss, 50.0)))}
-    writer.write(step, scalars)
-    final.update(scalars)
-    if is_main:
-      print(f'eval at step {step} | loss {loss:.4f} | ppl {scalars["eval/ppl"]:.2f}', flush=True)
-
+  config_json = json.loads(config.to_json_best_effort())
+  last_saved = checkpointer.latest_step()
   data_state = data.train.get_state()
   try:
-    for step in range(start_step, steps):
+    while step < t.steps:
       batch, data_state = next(prefetcher)
       state, metrics = train_step(state, batch)
-      done = step + 1
-      if pending is not None:  # step N-1's metrics, read while step N runs
-        log_train(*pending)
-        pending = None
-      if done % config.train.log_every == 0 or done == steps:
-        pending = (done, metrics)
-      if done % config.train.eval_every == 0 or done == steps:
-        if pending is not None:
-          log_train(*pending)
-          pending = None
-        run_eval(done)
-        last_time = time.perf_counter()  # eval time is not step time
-    if pending is not None:
-      log_train(*pending)
-    if config.checkpoint.save_final and start_step < steps:
-      checkpointer.save(steps, state, data_state)
+      step += 1
+      _check_finite(logger.flush(), t, last_saved)  # step - 1's metrics, read while this one runs
+      if step % t.log_every == 0 or step == t.steps:
+        logger.record(step, metrics)
+      eval_due = step % t.eval_every == 0 or step == t.steps
+      save_due = bool(ck.every_steps and step % ck.every_steps == 0) or (
+          step == t.steps and ck.save_final)
+      stopping = stop.requested(step)
+      if eval_due or save_due or stopping:
+        # Never evaluate or save a state before checking the steps that led to it.
+        _check_finite(logger.flush(), t, last_saved)
+        eval_metrics = run_eval(eval_step, state.params, data, s, logger, step) if eval_due else {}
+        if save_due or (stopping and last_saved != step):
+          checkpointer.save(step, state, data_state, config_json,
+                            checkpoint_lib.scalars_for_ranking(eval_metrics))
+          last_saved = step
+        logger.pause()
+      if stopping:
+        checkpointer.wait()
+        if is_main:
+          print(f'received {stop.name}: saved step {step} to {checkpointer.directory}; run the '
+                'same command to resume.', flush=True)
+        return logger.latest
+    _check_finite(logger.flush(), t, last_saved)
   finally:
+    stop.restore()
     prefetcher.close()
     checkpointer.close()
     writer.close()
 
-  if is_main and config.train.sample_prompt and config.train.sample_tokens > 0:
+  if is_main and t.sample_prompt and t.sample_tokens > 0:
     text = sample_lib.generate_text(config_lib.model_config(config), state.params, data.tokenizer,
-                                    config.train.sample_prompt, config.train.sample_tokens,
-                                    seed=config.train.seed)
-    print(f'sample: {config.train.sample_prompt!r} -> {text!r}', flush=True)
-  return final
+                                    t.sample_prompt, t.sample_tokens, seed=t.seed)
+    print(f'sample: {t.sample_prompt!r} -> {text!r}', flush=True)
+  return logger.latest

@@ -1,0 +1,210 @@
+"""Checkpoints: exact resume after SIGTERM and SIGKILL, damaged directories, shape mismatches,
+restoring across meshes, keep-last-plus-best, and the non-finite guard."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import test as test_config
+from jax_pretrain import checkpoint as checkpoint_lib
+from jax_pretrain import train
+from tests.conftest import ROOT
+
+STEPS = 40
+
+
+def command(workdir, *overrides):
+  return [sys.executable, '-m', 'jax_pretrain.main', f'--config={ROOT}/configs/test.py',
+          f'--workdir={workdir}', f'--config.train.steps={STEPS}', '--config.train.log_every=1',
+          '--config.train.eval_every=1000', *overrides]
+
+
+def env():
+  e = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
+  e.pop('XLA_FLAGS', None)
+  return e
+
+
+def logged_losses(workdir) -> dict[int, float]:
+  """step -> train loss, from every run that wrote to this workdir."""
+  losses = {}
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    for record in map(json.loads, f):
+      if 'train/loss' in record:
+        assert record['step'] not in losses, f'step {record["step"]} logged twice'
+        losses[record['step']] = record['train/loss']
+  return losses
+
+
+def run_and_signal(workdir, sig, at_step, *overrides) -> str:
+  """Runs training and sends sig once the log shows at_step; returns the output."""
+  proc = subprocess.Popen(command(workdir, *overrides), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT)
+  out = []
+  for line in proc.stdout:
+    out.append(line)
+    if line.startswith(f'step {at_step}/'):
+      proc.send_signal(sig)
+  proc.wait(timeout=300)
+  return ''.join(out), proc.returncode
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('uninterrupted')
+  subprocess.run(command(workdir), check=True, env=env(), cwd=ROOT, capture_output=True)
+  losses = logged_losses(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  return losses
+
+
+def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_exact(tmp_path, uninterrupted):
+  out, rc = run_and_signal(tmp_path, signal.SIGTERM, 10)
+  assert rc == 0, out
+  assert 'received SIGTERM: saved step' in out
+  stopped = max(logged_losses(tmp_path))
+  assert stopped < STEPS, 'the signal came too late to test anything'
+  resumed = subprocess.run(command(tmp_path), env=env(), cwd=ROOT, capture_output=True, text=True)
+  assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+  assert f'resuming from step {stopped}' in resumed.stdout
+  assert logged_losses(tmp_path) == uninterrupted  # every step, bitwise
+
+
+def test_sigkill_during_async_saves_loses_only_unsaved_steps(tmp_path, uninterrupted):
+  # A save every step: the kill lands while one is being written.
+  out, rc = run_and_signal(tmp_path, signal.SIGKILL, 15, '--config.checkpoint.every_steps=1')
+  assert rc == -signal.SIGKILL, out
+  complete = checkpoint_lib.Checkpointer(tmp_path, read_only=True)
+  last = complete.latest_step()
+  complete.close()
+  assert last is not None and last >= 10
+  shutil.move(tmp_path / 'metrics.jsonl', tmp_path / 'killed.jsonl')
+  resumed = subprocess.run(command(tmp_path, '--config.checkpoint.every_steps=1'), env=env(),
+                           cwd=ROOT, capture_output=True, text=True)
+  assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+  assert f'resuming from step {last}' in resumed.stdout
+  after = logged_losses(tmp_path)
+  assert sorted(after) == list(range(last + 1, STEPS + 1))
+  assert after == {s: uninterrupted[s] for s in after}
+
+
+def small_config(steps=10, **checkpoint):
+  c = test_config.get_config()
+  c.train.steps = steps
+  c.train.eval_every = 5
+  c.checkpoint.every_steps = 5
+  for k, v in checkpoint.items():
+    c.checkpoint[k] = v
+  return c
+
+
+def test_damaged_and_partial_checkpoints_are_skipped(tmp_path, caplog):
+  train.train_and_evaluate(small_config(), str(tmp_path), devices=jax.devices()[:1])
+  ckpt = tmp_path / 'checkpoints'
+  assert sorted(int(p) for p in os.listdir(ckpt) if p.isdigit()) == [5, 10]
+  # Step 10 loses its array data; a half-written step 15 is left behind under a temporary name.
+  for root, _, files in os.walk(ckpt / '10' / 'state'):
+    for f in files:
+      if not f.startswith('_'):
+        os.remove(os.path.join(root, f))
+  (ckpt / '15.orbax-checkpoint-tmp-1234').mkdir()
+  s = train.build(small_config(), devices=jax.devices()[:1])
+  checkpointer = checkpoint_lib.Checkpointer(tmp_path)
+  step, state, data_state = checkpointer.restore_latest(s.abstract_state)
+  checkpointer.close()
+  assert step == 5 and int(state.step) == 5 and data_state
+  assert 'checkpoint' in caplog.text and 'damaged' in caplog.text
+
+
+def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
+  train.train_and_evaluate(small_config(steps=5), str(tmp_path), devices=jax.devices()[:1])
+  c = small_config(steps=10)
+  c.model.mlp_dim = 256
+  with pytest.raises(checkpoint_lib.CheckpointError,
+                     match=r"'params/layers/mlp/w_down' has shape \(2, 128, 64\) in the "
+                           r'checkpoint but \(2, 256, 64\) in the config'):
+    train.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize('save_mesh, restore_mesh', [((1, 8, 1), (1, 1, 1)),
+                                                     ((1, 1, 1), (2, 2, 2))])
+def test_checkpoint_restores_onto_another_mesh(tmp_path, save_mesh, restore_mesh):
+  def setup(mesh):
+    c = small_config(steps=5)
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+    return c, jax.devices()[:int(np.prod(mesh))]
+
+  c, devices = setup(save_mesh)
+  train.train_and_evaluate(c, str(tmp_path), devices=devices)
+  saved = checkpoint_lib.Checkpointer(tmp_path)
+  s = train.build(*setup(save_mesh))
+  _, state_a, _ = saved.restore_latest(s.abstract_state)
+  s_b = train.build(*setup(restore_mesh))
+  _, state_b, _ = saved.restore_latest(s_b.abstract_state)
+  saved.close()
+  for a, b, sharding in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b),
+                            jax.tree.leaves(s_b.state_shardings)):
+    assert b.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_keeps_the_latest_and_the_best_by_eval_loss(tmp_path):
+  checkpointer = checkpoint_lib.Checkpointer(tmp_path, keep=1, keep_best=2, async_save=False)
+  state = {'x': jnp.zeros(3)}
+  for step, loss in [(1, 3.0), (2, 1.0), (3, 2.0), (4, 5.0), (5, 4.0)]:
+    checkpointer.save(step, state, {}, {}, {'eval/loss': loss})
+  checkpointer.wait()
+  assert checkpointer.all_steps() == [2, 3, 5]  # best two (1.0, 2.0) plus the latest
+  checkpointer.close()
+
+
+def test_restore_from_starts_a_new_run_from_another_runs_params(tmp_path):
+  train.train_and_evaluate(small_config(steps=5), str(tmp_path / 'a'), devices=jax.devices()[:1])
+  _, params_a, _ = train.load_trained(str(tmp_path / 'a'), devices=jax.devices()[:1])
+  c = small_config(steps=5, restore_from=str(tmp_path / 'a'))
+  c.train.grad_clip = 0.0  # another optimizer structure: only the params carry over
+  s = train.build(c, devices=jax.devices()[:1])
+  empty = checkpoint_lib.Checkpointer(tmp_path / 'b')
+  state = train._initial_state(s, empty, data=None, is_main=False)  # pylint: disable=protected-access
+  empty.close()
+  assert int(state.step) == 0
+  for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(state.opt_state[0].mu))
+
+
+def test_nonfinite_step_drops_the_update_and_counts_it():
+  s = train.build(small_config(), devices=jax.devices()[:1])
+  state = train.init_state(s)
+  poisoned = state.params['layers']['mlp']['w_up'].at[0, 0, 0].set(jnp.nan)
+  params = dict(state.params, layers=dict(state.params['layers'],
+                                          mlp=dict(state.params['layers']['mlp'], w_up=poisoned)))
+  state = state.replace(params=params)
+  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  step = train.jit_train_step(s, pad_id=258)
+  tokens = jax.random.randint(jax.random.key(0), (16, 33), 0, 256)
+  state, metrics = step(state, {'tokens': tokens})
+  assert not np.isfinite(float(metrics['loss']))
+  assert int(state.step) == 1 and int(state.nonfinite_count) == 1
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.parametrize('mode, message', [('halt', 'non-finite loss or gradient norm'),
+                                           ('skip', 'non-finite steps in a row')])
+def test_nonfinite_run_halts_with_a_clear_message(tmp_path, mode, message):
+  c = small_config(steps=20)
+  c.train.learning_rate = c.train.min_learning_rate = 1e30  # blows the params up at once
+  c.train.warmup_steps = 1
+  c.train.on_nonfinite = mode
+  c.train.max_consecutive_skips = 3
+  c.train.log_every = 1
+  with pytest.raises(train.NonFiniteError, match=message):
+    train.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
