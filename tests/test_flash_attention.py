@@ -51,10 +51,8 @@ _F32_CASES = [
     (True, 4, 1, 64, 32, 16, 64),     # MQA, block_q > block_k
     (True, 2, 2, 64, 16, 32, 64),     # MHA, block_k > block_q
     (True, 4, 2, 128, 32, 32, 128),   # head dim 128
-    (True, 2, 2, 128, 16, 16, 64),
     (False, 4, 2, 64, 16, 32, 64),
     (False, 4, 1, 128, 32, 16, 64),
-    (False, 2, 2, 64, 16, 16, 64),
 ]
 
 
@@ -66,7 +64,7 @@ def test_float32_matches_reference(causal, N, K, H, block_q, block_k, T):
 @pytest.mark.parametrize('causal,N,K,H,block_q,block_k', [
     (True, 4, 2, 128, 32, 16),
     (True, 2, 2, 64, 16, 16),
-    (False, 4, 1, 64, 16, 32),
+    (False, 2, 2, 64, 16, 32),
 ])
 def test_bfloat16_matches_reference(causal, N, K, H, block_q, block_k):
   _check(1, 2, 64, 64, N, K, H, jnp.bfloat16, causal, block_q=block_q, block_k=block_k)
@@ -140,3 +138,9 @@ def test_error_mismatched_shapes():
     flash_attention(q, jnp.zeros((1, 32, 2, 32)), jnp.zeros((1, 32, 2, 32)))
   with pytest.raises(ValueError, match=r'\(1, 32, 2, 64\).*\(2, 32, 2, 64\)'):
     flash_attention(q, jnp.zeros((2, 32, 2, 64)), jnp.zeros((2, 32, 2, 64)))
+
+
+def test_error_gpu_block_not_power_of_two():
+  # Triton tiles must be powers of two; checked up front, before any lowering.
+  with pytest.raises(ValueError, match=r'block_q=48 .* power of two'):
+    flash_attention(*_zeros(1, 96, 2, 64), block_q=48, block_k=32, interpret=False)

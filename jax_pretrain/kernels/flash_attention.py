@@ -50,8 +50,9 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 _LOG2E = math.log2(math.e)
-# Finite stand-in for -inf: exp2(mask - m) underflows to 0 without inf - inf = nan.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Finite stand-in for -inf for masked scores: exp2(mask * scale - m) underflows
+# to 0 without risking inf - inf = nan (stays finite for any scale <= 2).
+_MASK_VALUE = -0.5 * float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +99,11 @@ def _compiler_params(cfg: _Config, head_dim: int, tile_elems: int,
     return None
   params_cls = getattr(plgpu, "CompilerParams", None) or getattr(
       plgpu, "TritonCompilerParams")
-  # 8 warps for the large 128-wide tiles keeps the f32 accumulators in
-  # registers without spilling; 4 warps are enough for small tiles.
-  num_warps = 8 if head_dim > 64 and tile_elems >= 64 * 64 else 4
+  # Register budget (checked with ptxas for sm_90): a 128x128 f32 score tile
+  # or a 64x128 f32 accumulator pair spills at 4 warps, so big tiles get 8
+  # warps; smaller ones run 4 warps and fit two programs per SM.
+  big = tile_elems >= 128 * 128 or (head_dim > 64 and tile_elems >= 64 * 64)
+  num_warps = 8 if big else 4
   return params_cls(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -123,14 +126,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config,
     start = pl.multiple_of(j * block_k, block_k)
     k_KxH = k_ref[pl.ds(start, block_k), :]
     v_KxH = v_ref[pl.ds(start, block_k), :]
-    s_QxK = _dot_nt(q_QxH, k_KxH) * qk_scale
+    s_QxK = _dot_nt(q_QxH, k_KxH)  # unscaled scores
     if masked:
       k_pos_K = start + jnp.arange(block_k, dtype=jnp.int32)
       s_QxK = jnp.where(q_pos_Q[:, None] >= k_pos_K[None, :], s_QxK, _MASK_VALUE)
-    m_new_Q = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1))
+    # The scale is applied to the row max and inside exp2's argument (one FMA
+    # per score) rather than as a separate pass over the tile.
+    m_new_Q = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1) * qk_scale)
     # Rescale what was accumulated under the old max (online softmax).
     alpha_Q = jnp.exp2(m_Q - m_new_Q)
-    p_QxK = jnp.exp2(s_QxK - m_new_Q[:, None])
+    p_QxK = jnp.exp2(s_QxK * qk_scale - m_new_Q[:, None])
     l_Q = l_Q * alpha_Q + jnp.sum(p_QxK, axis=1)
     acc_QxH = acc_QxH * alpha_Q[:, None] + _dot_nn(
         p_QxK.astype(v_KxH.dtype), v_KxH)
@@ -217,11 +222,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
     start = pl.multiple_of(j * block_k, block_k)
     k_KxH = k_ref[pl.ds(start, block_k), :]
     v_KxH = v_ref[pl.ds(start, block_k), :]
-    s_QxK = _dot_nt(q_QxH, k_KxH) * qk_scale
+    s_QxK = _dot_nt(q_QxH, k_KxH)
     if masked:
       k_pos_K = start + jnp.arange(block_k, dtype=jnp.int32)
       s_QxK = jnp.where(q_pos_Q[:, None] >= k_pos_K[None, :], s_QxK, _MASK_VALUE)
-    p_QxK = jnp.exp2(s_QxK - lse_Q[:, None])  # recomputed softmax probabilities
+    # Recomputed softmax probabilities (lse is in base-2 units, already scaled).
+    p_QxK = jnp.exp2(s_QxK * qk_scale - lse_Q[:, None])
     dp_QxK = _dot_nt(do_QxH, v_KxH)
     ds_QxK = p_QxK * (dp_QxK - delta_Q[:, None])
     return dq_QxH + _dot_nn(ds_QxK.astype(k_KxH.dtype), k_KxH)
@@ -268,12 +274,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
     do_QxH = do_ref[pl.ds(start, block_q), g, :]
     lse_Q = lse_ref[g, pl.ds(start, block_q)]
     delta_Q = delta_ref[g, pl.ds(start, block_q)]
-    sT_KxQ = _dot_nt(k_KxH, q_QxH) * qk_scale
+    sT_KxQ = _dot_nt(k_KxH, q_QxH)
     if masked:
       q_pos_Q = start + jnp.arange(block_q, dtype=jnp.int32)
       sT_KxQ = jnp.where(q_pos_Q[None, :] >= k_pos_K[:, None], sT_KxQ,
                          _MASK_VALUE)
-    pT_KxQ = jnp.exp2(sT_KxQ - lse_Q[None, :])
+    pT_KxQ = jnp.exp2(sT_KxQ * qk_scale - lse_Q[None, :])
     dv_KxH = dv_KxH + _dot_nn(pT_KxQ.astype(do_QxH.dtype), do_QxH)
     dpT_KxQ = _dot_nt(v_KxH, do_QxH)
     dsT_KxQ = pT_KxQ * (dpT_KxQ - delta_Q[None, :])

@@ -1,0 +1,72 @@
+"""Two processes on localhost (jax.distributed + gloo) train like one process with the same global
+batch, and their checkpoint restores in a one-process run."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.conftest import ROOT
+
+STEPS = 8
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def command(workdir, *extra):
+  return [sys.executable, '-m', 'jax_pretrain.main', f'--config={ROOT}/configs/test.py',
+          f'--workdir={workdir}', f'--config.train.steps={STEPS}', '--config.train.log_every=1',
+          '--config.train.eval_every=4', '--config.checkpoint.every_steps=4', *extra]
+
+
+def env():
+  e = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
+  e.pop('XLA_FLAGS', None)  # one CPU device per process
+  return e
+
+
+def losses(workdir, key='train/loss'):
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    return {r['step']: r[key] for r in map(json.loads, f) if key in r}
+
+
+def test_two_processes_match_one_process_and_checkpoint_restores_in_one(tmp_path):
+  port = free_port()
+  two = tmp_path / 'two'
+  procs = [subprocess.Popen(command(two, f'--coordinator_address=127.0.0.1:{port}',
+                                    '--num_processes=2', f'--process_id={i}'),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env(), cwd=ROOT) for i in range(2)]
+  outputs = [p.communicate(timeout=400)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out
+  assert 'mesh              data=2 fsdp=1 tensor=1' in outputs[0]
+  assert 'step 1/' not in outputs[1]  # only process 0 logs
+
+  one = tmp_path / 'one'
+  subprocess.run(command(one), check=True, env=env(), cwd=ROOT, capture_output=True)
+  two_losses, one_losses = losses(two), losses(one)
+  assert sorted(two_losses) == list(range(1, STEPS + 1))
+  np.testing.assert_allclose([two_losses[s] for s in sorted(two_losses)],
+                             [one_losses[s] for s in sorted(one_losses)], rtol=1e-5)
+  np.testing.assert_allclose(losses(two, 'eval/loss')[STEPS], losses(one, 'eval/loss')[STEPS],
+                             rtol=1e-5)
+
+  # The two-process checkpoint of step 4 restores in one process, which then computes steps 5-8
+  # as the two processes did.
+  resumed = tmp_path / 'resumed'
+  shutil.copytree(two / 'checkpoints' / '4', resumed / 'checkpoints' / '4')
+  out = subprocess.run(command(resumed), env=env(), cwd=ROOT, capture_output=True, text=True)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert 'resuming from step 4' in out.stdout
+  after = losses(resumed)
+  assert sorted(after) == [5, 6, 7, 8]
+  np.testing.assert_allclose([after[s] for s in range(5, 9)],
+                             [two_losses[s] for s in range(5, 9)], rtol=1e-5)
