@@ -195,3 +195,16 @@ def test_flops_per_token_counts_matmul_params_and_attention():
   attention = 6 * cfg.num_layers * 32 * cfg.num_heads * cfg.head_dim
   # Tied: every parameter but the norms does a matmul (the embedding via the output projection).
   assert model_lib.flops_per_token(cfg, 32) == 6 * (n - norms) + attention
+
+
+def test_pallas_attention_model_matches_xla_attention_model():
+  cfg = small_config()
+  model, params = init(cfg)
+  pallas = model_lib.Transformer(dataclasses.replace(cfg, attention='pallas'))
+  tokens = random_tokens(9, 2, 32, cfg.vocab_size)
+  loss = lambda m: lambda p: jnp.mean(m.apply({'params': p}, tokens) ** 2)
+  with jax.default_matmul_precision('float32'):
+    (l_ref, g_ref), (l, g) = (jax.value_and_grad(loss(m))(params) for m in (model, pallas))
+  assert rel_err(l, l_ref) < 1e-5
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+    assert rel_err(a, b) < 1e-4

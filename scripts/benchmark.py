@@ -1,0 +1,117 @@
+"""Training-step benchmark on synthetic tokens (generated on the devices: input never waits).
+
+  python scripts/benchmark.py --config=configs/xlarge.py [--config.x=y ...] [--steps 20] [--sweep]
+
+Compiles the real train step (the trainer's own code), warms up, then times --steps steps one by
+one and reports the median: tokens/s, MFU (the trainer's formula), peak device memory, compile
+time. --sweep tries micro-batch × remat policy × attention implementation and prints a table,
+best first; a setting that fails (out of memory, unsupported) is listed with its error.
+"""
+import itertools
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', os.path.join(ROOT, 'configs', 'xlarge.py'),
+                                          'Config file to benchmark.', lock_config=True)
+_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps (after warm-up).')
+_WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps after compiling.')
+_SWEEP = flags.DEFINE_bool('sweep', False, 'Try micro-batch × remat × attention.')
+_MICRO_BATCHES = flags.DEFINE_list('micro_batches', ['4', '8', '16'], 'Sweep: micro-batch sizes.')
+_REMATS = flags.DEFINE_list('remats', ['full', 'dots_no_batch', 'minimal', 'none'],
+                            'Sweep: remat policies.')
+_ATTENTIONS = flags.DEFINE_list('attentions', ['cudnn', 'pallas'], 'Sweep: attention kernels.')
+
+
+def benchmark(config, steps: int, warmup: int) -> dict:
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax_pretrain import config as config_lib
+  from jax_pretrain import metrics as metrics_lib
+  from jax_pretrain import model as model_lib
+  from jax_pretrain import train
+
+  s = train.build(config)
+  c = s.config
+  state = train.init_state(s)
+  t0 = time.perf_counter()
+  step = train.jit_train_step(s, pad_id=-1).lower(
+      s.abstract_state, train.abstract_batch(s, c.train.batch_size)).compile()
+  compile_s = time.perf_counter() - t0
+  make_batch = jax.jit(
+      lambda key: {'tokens': jax.random.randint(key, (c.train.batch_size, c.data.seq_len + 1), 0,
+                                                c.model.vocab_size)},
+      out_shardings={'tokens': s.batch_sharding})
+  batches = [make_batch(jax.random.key(i)) for i in range(4)]  # rotate: no cached input
+  times = []
+  for i in range(warmup + steps):
+    t = time.perf_counter()
+    state, metrics = step(state, batches[i % len(batches)])
+    jax.block_until_ready(metrics)
+    if i >= warmup:
+      times.append(time.perf_counter() - t)
+  step_time = statistics.median(times)
+  tokens_per_sec = s.run.tokens_per_step / step_time
+  device = s.mesh.devices.flat[0]
+  peak = metrics_lib.peak_flops_per_device(device.device_kind, c.train.peak_flops)
+  mfu = metrics_lib.mfu(model_lib.flops_per_token(config_lib.model_config(c), c.data.seq_len),
+                        tokens_per_sec, s.mesh.size, peak)
+  memory = (device.memory_stats() or {}).get('peak_bytes_in_use')
+  return {'micro_batch': c.train.micro_batch_size, 'remat': c.model.remat,
+          'attention': c.model.attention, 'step_s': step_time, 'tokens_per_s': tokens_per_sec,
+          'mfu': mfu, 'peak_gib': memory / 2**30 if memory else None, 'compile_s': compile_s,
+          'loss': float(metrics['loss']), 'device': f'{s.mesh.size} × {device.device_kind}'}
+
+
+def row(r: dict) -> str:
+  if 'error' in r:
+    return f'{r["micro_batch"]:>5} {r["remat"]:>14} {r["attention"]:>7}  failed: {r["error"]}'
+  mfu = f'{r["mfu"]:.1%}' if r['mfu'] is not None else 'n/a'
+  mem = f'{r["peak_gib"]:.1f}' if r['peak_gib'] is not None else 'n/a'
+  return (f'{r["micro_batch"]:>5} {r["remat"]:>14} {r["attention"]:>7} {r["step_s"]:>8.3f} '
+          f'{r["tokens_per_s"]:>12,.0f} {mfu:>6} {mem:>8} {r["compile_s"]:>9.1f}')
+
+
+HEADER = (f'{"micro":>5} {"remat":>14} {"attn":>7} {"step_s":>8} {"tokens/s":>12} {"MFU":>6} '
+          f'{"peak_GiB":>8} {"compile_s":>9}')
+
+
+def main(argv):
+  del argv
+  import jax  # pylint: disable=g-import-not-at-top
+  config = _CONFIG.value
+  if not _SWEEP.value:
+    results = [benchmark(config, _STEPS.value, _WARMUP.value)]
+  else:
+    results = []
+    for micro, remat, attention in itertools.product(_MICRO_BATCHES.value, _REMATS.value,
+                                                     _ATTENTIONS.value):
+      c = config.copy_and_resolve_references()
+      c.train.micro_batch_size, c.model.remat, c.model.attention = int(micro), remat, attention
+      try:
+        results.append(benchmark(c, _STEPS.value, _WARMUP.value))
+      except Exception as e:  # pylint: disable=broad-except  (OOM, unsupported kernel, ...)
+        results.append({'micro_batch': micro, 'remat': remat, 'attention': attention,
+                        'error': f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'})
+      print(row(results[-1]), flush=True)
+      jax.clear_caches()
+  ok = sorted((r for r in results if 'error' not in r), key=lambda r: -r['tokens_per_s'])
+  print(f'\njax {jax.__version__}, {ok[0]["device"] if ok else jax.devices()[0].device_kind}, '
+        f'batch {config.train.batch_size} × seq {config.data.seq_len}, median of '
+        f'{_STEPS.value} steps')
+  print(HEADER)
+  for r in ok + [r for r in results if 'error' in r]:
+    print(row(r))
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,70 @@
+"""How long one asynchronous save stalls training, and how long a restore takes.
+
+  python scripts/benchmark_checkpoint.py --config=configs/small.py [--config.x=y] [--saves 3]
+
+Builds the preset's real train state (fresh parameters, in its shardings), then measures
+  stall:   time from calling save until training could continue (the blocking part: copying the
+           arrays off the devices), per save; the median over --saves saves;
+  write:   time until the checkpoint is complete on disk (the background part);
+  restore: time to restore the latest checkpoint into the same shardings.
+"""
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', os.path.join(ROOT, 'configs', 'small.py'),
+                                          'Preset whose state is saved.', lock_config=True)
+_SAVES = flags.DEFINE_integer('saves', 3, 'Saves to time.')
+_DIR = flags.DEFINE_string('dir', None, 'Where to write (default: a temporary directory).')
+
+
+def main(argv):
+  del argv
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax_pretrain import checkpoint as checkpoint_lib
+  from jax_pretrain import model as model_lib
+  from jax_pretrain import train
+
+  s = train.build(_CONFIG.value)
+  state = jax.block_until_ready(train.init_state(s))
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  directory = _DIR.value or tempfile.mkdtemp(prefix='ckpt_bench_')
+  checkpointer = checkpoint_lib.Checkpointer(directory, keep=2)
+  stalls, writes = [], []
+  for i in range(_SAVES.value):
+    t0 = time.perf_counter()
+    checkpointer.save(i + 1, state, {'step': i + 1}, {})
+    stalls.append(time.perf_counter() - t0)
+    checkpointer.wait()
+    writes.append(time.perf_counter() - t0)
+  t0 = time.perf_counter()
+  step, restored, _ = checkpointer.restore_latest(s.abstract_state)
+  jax.block_until_ready(restored)
+  restore_s = time.perf_counter() - t0
+  checkpointer.close()
+  if _DIR.value is None:
+    shutil.rmtree(directory)
+  n = model_lib.count_params(s.abstract_state.params)
+  print(f'jax {jax.__version__}, {s.mesh.size} × {s.mesh.devices.flat[0].device_kind}')
+  print(f'state: {n / 1e6:.0f}M params, {state_bytes / 2**30:.2f} GiB (params + Adam moments, '
+        'float32)')
+  print(f'save stall (blocking part), median of {len(stalls)}: {statistics.median(stalls):.3f} s '
+        f'(all: {", ".join(f"{x:.3f}" for x in stalls)})')
+  print(f'save complete on disk, median: {statistics.median(writes):.2f} s')
+  print(f'restore of step {step}: {restore_s:.2f} s')
+
+
+if __name__ == '__main__':
+  app.run(main)

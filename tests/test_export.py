@@ -1,0 +1,36 @@
+"""scripts/export.py writes every parameter as safetensors (fp32 exact, bf16 rounded) + config."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from safetensors.flax import load_file
+
+from configs import test as test_config
+from jax_pretrain import train
+from tests.conftest import ROOT
+
+
+def test_export_writes_all_params_in_the_requested_dtype(tmp_path):
+  c = test_config.get_config()
+  c.train.steps, c.train.warmup_steps = 2, 1
+  train.train_and_evaluate(c, str(tmp_path / 'run'), devices=jax.devices()[:1])
+  _, params, _ = train.load_trained(str(tmp_path / 'run'), devices=jax.devices()[:1])
+  flat = {'.'.join(str(k.key) for k in path): np.asarray(x)
+          for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  for dtype in ('float32', 'bfloat16'):
+    out = tmp_path / dtype
+    subprocess.run([sys.executable, f'{ROOT}/scripts/export.py', f'--workdir={tmp_path / "run"}',
+                    f'--out={out}', f'--dtype={dtype}'], check=True, env=env, capture_output=True)
+    tensors = load_file(str(out / 'model.safetensors'))
+    assert set(tensors) == set(flat)
+    for name, x in flat.items():
+      assert tensors[name].dtype == np.dtype(jax.numpy.dtype(dtype)), name
+      want = x if dtype == 'float32' else x.astype(jax.numpy.bfloat16)
+      np.testing.assert_array_equal(np.asarray(tensors[name]), want)
+    with open(out / 'config.json', encoding='utf-8') as f:
+      assert json.load(f)['model']['num_layers'] == c.model.num_layers
