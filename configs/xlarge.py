@@ -1,4 +1,4 @@
-"""xlarge: 32 layers × 1920, 15 heads of 128 (about 1.48B parameters, tied 32k embeddings).
+"""xlarge: 32 layers × 1920, 15 heads of 128 (1.479B parameters, tied 32k embeddings).
 
 About 0.5M tokens per step (256 × 2048) and 30B tokens (~20 tokens per parameter).
 """
