@@ -11,3 +11,10 @@ if ROOT not in sys.path:
 import jax  # pylint: disable=g-import-not-at-top
 
 jax.config.update('jax_num_cpu_devices', 8)
+
+
+def subprocess_env() -> dict[str, str]:
+  """Environment for a trainer run in a subprocess: CPU, one device per process, quiet."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
+  env.pop('XLA_FLAGS', None)
+  return env

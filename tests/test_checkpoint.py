@@ -16,6 +16,7 @@ from configs import test as test_config
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import train
 from tests.conftest import ROOT
+from tests.conftest import subprocess_env
 
 STEPS = 40
 
@@ -25,11 +26,6 @@ def command(workdir, *overrides):
           f'--workdir={workdir}', f'--config.train.steps={STEPS}', '--config.train.log_every=1',
           '--config.train.eval_every=1000', *overrides]
 
-
-def env():
-  e = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
-  e.pop('XLA_FLAGS', None)
-  return e
 
 
 def logged_losses(workdir) -> dict[int, float]:
@@ -46,7 +42,7 @@ def logged_losses(workdir) -> dict[int, float]:
 def run_and_signal(workdir, sig, at_step, *overrides) -> str:
   """Runs training and sends sig once the log shows at_step; returns the output."""
   proc = subprocess.Popen(command(workdir, *overrides), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT)
+                          stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=ROOT)
   out = []
   for line in proc.stdout:
     out.append(line)
@@ -59,7 +55,8 @@ def run_and_signal(workdir, sig, at_step, *overrides) -> str:
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('uninterrupted')
-  subprocess.run(command(workdir), check=True, env=env(), cwd=ROOT, capture_output=True)
+  subprocess.run(command(workdir), check=True, env=subprocess_env(), cwd=ROOT,
+                 capture_output=True)
   losses = logged_losses(workdir)
   assert sorted(losses) == list(range(1, STEPS + 1))
   return losses
@@ -71,7 +68,8 @@ def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_exact(tmp_path, unint
   assert 'received SIGTERM: saved step' in out
   stopped = max(logged_losses(tmp_path))
   assert stopped < STEPS, 'the signal came too late to test anything'
-  resumed = subprocess.run(command(tmp_path), env=env(), cwd=ROOT, capture_output=True, text=True)
+  resumed = subprocess.run(command(tmp_path), env=subprocess_env(), cwd=ROOT, capture_output=True,
+                           text=True)
   assert resumed.returncode == 0, resumed.stdout + resumed.stderr
   assert f'resuming from step {stopped}' in resumed.stdout
   assert logged_losses(tmp_path) == uninterrupted  # every step, bitwise
@@ -86,8 +84,8 @@ def test_sigkill_during_async_saves_loses_only_unsaved_steps(tmp_path, uninterru
   complete.close()
   assert last is not None and last >= 10
   shutil.move(tmp_path / 'metrics.jsonl', tmp_path / 'killed.jsonl')
-  resumed = subprocess.run(command(tmp_path, '--config.checkpoint.every_steps=1'), env=env(),
-                           cwd=ROOT, capture_output=True, text=True)
+  resumed = subprocess.run(command(tmp_path, '--config.checkpoint.every_steps=1'),
+                           env=subprocess_env(), cwd=ROOT, capture_output=True, text=True)
   assert resumed.returncode == 0, resumed.stdout + resumed.stderr
   assert f'resuming from step {last}' in resumed.stdout
   after = logged_losses(tmp_path)

@@ -1,6 +1,5 @@
 """scripts/export.py writes every parameter as safetensors (fp32 exact, bf16 rounded) + config."""
 import json
-import os
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ from safetensors.flax import load_file
 from configs import test as test_config
 from jax_pretrain import train
 from tests.conftest import ROOT
+from tests.conftest import subprocess_env
 
 
 def test_export_writes_all_params_in_the_requested_dtype(tmp_path):
@@ -20,12 +20,11 @@ def test_export_writes_all_params_in_the_requested_dtype(tmp_path):
   _, params, _ = train.load_trained(str(tmp_path / 'run'), devices=jax.devices()[:1])
   flat = {'.'.join(str(k.key) for k in path): np.asarray(x)
           for path, x in jax.tree_util.tree_leaves_with_path(params)}
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
   for dtype in ('float32', 'bfloat16'):
     out = tmp_path / dtype
     subprocess.run([sys.executable, f'{ROOT}/scripts/export.py', f'--workdir={tmp_path / "run"}',
-                    f'--out={out}', f'--dtype={dtype}'], check=True, env=env, capture_output=True)
+                    f'--out={out}', f'--dtype={dtype}'], check=True, env=subprocess_env(),
+                   capture_output=True)
     tensors = load_file(str(out / 'model.safetensors'))
     assert set(tensors) == set(flat)
     for name, x in flat.items():

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 from tests.conftest import ROOT
+from tests.conftest import subprocess_env
 
 STEPS = 8
 
@@ -26,11 +27,6 @@ def command(workdir, *extra):
           '--config.train.eval_every=4', '--config.checkpoint.every_steps=4', *extra]
 
 
-def env():
-  e = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
-  e.pop('XLA_FLAGS', None)  # one CPU device per process
-  return e
-
 
 def losses(workdir, key='train/loss'):
   with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
@@ -43,7 +39,7 @@ def test_two_processes_match_one_process_and_checkpoint_restores_in_one(tmp_path
   procs = [subprocess.Popen(command(two, f'--coordinator_address=127.0.0.1:{port}',
                                     '--num_processes=2', f'--process_id={i}'),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env(), cwd=ROOT) for i in range(2)]
+                            env=subprocess_env(), cwd=ROOT) for i in range(2)]
   outputs = [p.communicate(timeout=400)[0] for p in procs]
   for p, out in zip(procs, outputs):
     assert p.returncode == 0, out
@@ -51,7 +47,7 @@ def test_two_processes_match_one_process_and_checkpoint_restores_in_one(tmp_path
   assert 'step 1/' not in outputs[1]  # only process 0 logs
 
   one = tmp_path / 'one'
-  subprocess.run(command(one), check=True, env=env(), cwd=ROOT, capture_output=True)
+  subprocess.run(command(one), check=True, env=subprocess_env(), cwd=ROOT, capture_output=True)
   two_losses, one_losses = losses(two), losses(one)
   assert sorted(two_losses) == list(range(1, STEPS + 1))
   np.testing.assert_allclose([two_losses[s] for s in sorted(two_losses)],
@@ -63,7 +59,8 @@ def test_two_processes_match_one_process_and_checkpoint_restores_in_one(tmp_path
   # as the two processes did.
   resumed = tmp_path / 'resumed'
   shutil.copytree(two / 'checkpoints' / '4', resumed / 'checkpoints' / '4')
-  out = subprocess.run(command(resumed), env=env(), cwd=ROOT, capture_output=True, text=True)
+  out = subprocess.run(command(resumed), env=subprocess_env(), cwd=ROOT, capture_output=True,
+                       text=True)
   assert out.returncode == 0, out.stdout + out.stderr
   assert 'resuming from step 4' in out.stdout
   after = losses(resumed)
