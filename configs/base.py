@@ -66,6 +66,9 @@ def get_config() -> ml_collections.ConfigDict:
   t.sample_prompt = 'The '     # prompt of the continuation printed at the end ('' disables)
   t.sample_tokens = 64         # tokens generated for that continuation
 
+  c.optim = o = ml_collections.ConfigDict()
+  o.mu_dtype = 'float32'       # AdamW first-moment dtype; 'bfloat16' halves its memory
+
   c.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = -1               # data-parallel axis size; -1: all remaining devices
   mesh.fsdp = 1                # parameter-sharded data-parallel axis size

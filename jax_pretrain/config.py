@@ -48,6 +48,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
          f'model.remat={m.remat!r}: choose one of {tuple(model_lib.REMAT_POLICIES)}.')
   for field in ('dtype', 'param_dtype'):
     _check(m[field] in _DTYPES, f'model.{field}={m[field]!r}: choose one of {_DTYPES}.')
+  _check(c.optim.mu_dtype in _DTYPES,
+         f'optim.mu_dtype={c.optim.mu_dtype!r}: choose one of {_DTYPES}.')
   for field in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'mlp_dim', 'vocab_size'):
     _check(m[field] > 0, f'model.{field} must be positive, got {m[field]}.')
   _check(m.num_heads % m.num_kv_heads == 0,

@@ -1,5 +1,6 @@
 """AdamW with linear warmup then cosine decay, clipping by global norm, and a decay mask."""
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -23,9 +24,12 @@ def weight_decay_mask(params):
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(t: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(t: ml_collections.ConfigDict,
+                   mu_dtype: str = 'float32') -> optax.GradientTransformation:
+  """t: the train config group; mu_dtype: config.optim.mu_dtype."""
   adamw = optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
-                      weight_decay=t.weight_decay, mask=weight_decay_mask)
+                      weight_decay=t.weight_decay, mask=weight_decay_mask,
+                      mu_dtype=jnp.dtype(mu_dtype))
   if t.grad_clip > 0:
     return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw)
   return adamw

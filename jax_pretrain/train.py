@@ -131,7 +131,7 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   config, run = config_lib.resolve(config, len(devices), backend=devices[0].platform)
   mesh = sharding.make_mesh(run.mesh_shape, devices)
   model = model_lib.Transformer(config_lib.model_config(config), mesh=mesh)
-  optimizer = optim.make_optimizer(config.train)
+  optimizer = optim.make_optimizer(config.train, config.optim.mu_dtype)
   schedule = optim.learning_rate_schedule(config.train)
   dummy_BxT = jnp.zeros((1, config.data.seq_len), jnp.int32)
 

@@ -66,3 +66,25 @@ def test_accumulated_micro_batches_equal_one_large_batch(accum):
   np.testing.assert_allclose(m_small['grad_norm'], m_big['grad_norm'], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(state_small.params), jax.tree.leaves(state_big.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_first_moments_halve_their_memory_and_train_like_float32():
+  def run(mu_dtype):
+    c = resolved_test_config()
+    c.optim.mu_dtype = mu_dtype
+    s = train.build(c, devices=jax.devices()[:1])
+    state, step = train.init_state(s), train.jit_train_step(s, pad_id=258)
+    tokens = jax.random.randint(jax.random.key(0), (16, 33), 0, 256)
+    losses = []
+    for _ in range(8):
+      state, m = step(state, {'tokens': tokens})
+      losses.append(float(m['loss']))
+    return s.abstract_state.opt_state[1][0], np.array(losses)
+
+  adam_bf16, losses_bf16 = run('bfloat16')
+  adam_f32, losses_f32 = run('float32')
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(adam_bf16.mu))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(adam_bf16.nu))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(adam_f32.mu))
+  assert losses_bf16[-1] < losses_bf16[0] - 0.5
+  np.testing.assert_allclose(losses_bf16, losses_f32, rtol=2e-2)
