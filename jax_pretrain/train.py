@@ -11,7 +11,6 @@ import threading
 import time
 from typing import Any
 
-from absl import logging
 import flax
 import flax.linen as nn
 import jax

@@ -1,16 +1,13 @@
 """Parallelism on 8 simulated devices: every mesh computes the same training run, parameters
 are sharded as the rules table says, and every preset compiles for an FSDP mesh."""
-import os
 
 from absl import flags
 import jax
-import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 import pytest
 
 from configs import test as test_config
-from jax_pretrain import sharding
 from jax_pretrain import train
 from tests.conftest import ROOT
 
