@@ -425,10 +425,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
   logger = StepLogger(s, writer, step)
   stop = signals.StopSignal(check_every=t.log_every)
+  data_state = data.train.get_state()  # before the prefetch thread starts moving the iterator
   prefetcher = Prefetcher(data.train, s.batch_sharding)
   config_json = json.loads(config.to_json_best_effort())
   last_saved = checkpointer.latest_step()
-  data_state = data.train.get_state()
   try:
     while step < t.steps:
       batch, data_state = next(prefetcher)
@@ -460,6 +460,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   finally:
     stop.restore()
     prefetcher.close()
+    data.train.close()  # stops grain's worker processes, if any
     checkpointer.close()
     writer.close()
 

@@ -1,4 +1,4 @@
-"""The one exception type of the input side: bad input, named by file (and line where there is one)."""
+"""The input side's one exception: bad input, named by file (and line where there is one)."""
 
 
 class DataError(ValueError):

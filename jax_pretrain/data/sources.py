@@ -117,7 +117,7 @@ def _tfds_source(name: str, split: str, data_dir: str):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow; only if used)
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
-  except Exception as e:  # pylint: disable=broad-except  (tfds raises many types; all mean the same)
+  except Exception as e:  # pylint: disable=broad-except  (tfds raises many types)
     where = data_dir or '~/tensorflow_datasets'
     raise DataError(f'tfds:{name}@{split}: cannot open it from data_dir {where} ({e}). Build it '
                     f'there with array_record files first, e.g. `tfds build {name} --data_dir '
@@ -223,7 +223,8 @@ def read(item: WorkItem) -> Iterator[Record]:
     try:
       yield 1, raw.decode('utf-8'), None
     except UnicodeDecodeError as e:  # name the line of the first bad byte
-      yield raw.count(b'\n', 0, e.start) + 1, None, f'bytes that are not UTF-8 ({raw[e.start:e.start + 4]!r})'
+      bad = raw[e.start:e.start + 4]
+      yield raw.count(b'\n', 0, e.start) + 1, None, f'bytes that are not UTF-8 ({bad!r})'
   elif item.kind == 'jsonl':
     with open(item.path, 'rb') as f:
       f.seek(item.start)
@@ -282,6 +283,7 @@ class Encoded:
   doc_lengths: np.ndarray  # int64 [num_documents], EOS included
   skipped: int             # bad records skipped (on_bad_record='skip')
   records: int             # records seen, good or bad (0: the item held nothing)
+  text_bytes: int          # UTF-8 bytes of the documents' text
 
 
 def location(item: WorkItem, n: int) -> str:
@@ -294,7 +296,7 @@ def location(item: WorkItem, n: int) -> str:
 
 def encode(item: WorkItem, tokenizer, on_bad_record: str = 'error') -> Encoded:
   """Reads and tokenizes one work item. Bad records raise DataError, or are counted ('skip')."""
-  texts, skipped, records = [], 0, 0
+  texts, skipped, records, text_bytes = [], 0, 0, 0
   for n, text, error in read(item):
     records += 1
     if error is not None:
@@ -304,6 +306,7 @@ def encode(item: WorkItem, tokenizer, on_bad_record: str = 'error') -> Encoded:
       skipped += 1
     elif text:
       texts.append(text)
+      text_bytes += len(text.encode('utf-8'))
   ids = tokenizer.encode_batch(texts)
   doc_lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
   tokens = np.empty(int(doc_lengths.sum()), np.int32)
@@ -311,23 +314,25 @@ def encode(item: WorkItem, tokenizer, on_bad_record: str = 'error') -> Encoded:
   for doc, stop, length in zip(ids, end, doc_lengths):
     tokens[stop - length:stop - 1] = doc
   tokens[end - 1] = tokenizer.eos_id
-  return Encoded(item.path, tokens, doc_lengths, skipped, records)
+  return Encoded(item.path, tokens, doc_lengths, skipped, records, text_bytes)
 
 
 class FileStats:
   """Documents, tokens and skipped records per file, summed over work items."""
 
   def __init__(self):
-    self.by_path: dict[str, list[int]] = {}  # path -> [documents, tokens, skipped, records]
+    # path -> [documents, tokens, skipped, records, text bytes]
+    self.by_path: dict[str, list[int]] = {}
 
   def add(self, e: Encoded) -> None:
-    s = self.by_path.setdefault(e.path, [0, 0, 0, 0])
-    for k, v in enumerate((len(e.doc_lengths), len(e.tokens), e.skipped, e.records)):
+    s = self.by_path.setdefault(e.path, [0, 0, 0, 0, 0])
+    for k, v in enumerate((len(e.doc_lengths), len(e.tokens), e.skipped, e.records,
+                           e.text_bytes)):
       s[k] += int(v)
 
   def check(self) -> None:
     """A file that gave no document at all is an error: never train on nothing."""
-    for path, (docs, _, skipped, records) in self.by_path.items():
+    for path, (docs, _, skipped, records, _) in self.by_path.items():
       if records == 0:
         raise DataError(f'{path}: no records (empty or only blank lines).')
       if docs == 0:
@@ -340,3 +345,17 @@ class FileStats:
   def skip_report(self) -> list[str]:
     return [f'{path}: skipped {s[2]} bad records of {s[3]}'
             for path, s in self.by_path.items() if s[2]]
+
+
+def texts(source_list: str, text_field: str = 'text', tfds_data_dir: str = '',
+          on_bad_record: str = 'error') -> Iterator[str]:
+  """Every document's text of a source list, in order (one process; for training a tokenizer)."""
+  for spec in parse(source_list, '--input'):
+    if spec.kind not in ('embedded', 'tfds', 'files'):
+      raise DataError(f'{spec.text}: not a text source.')
+    for item in plan(spec, text_field, tfds_data_dir):
+      for n, text, error in read(item):
+        if error is not None and on_bad_record != 'skip':
+          raise DataError(f'{location(item, n)}: {error}.')
+        if text:
+          yield text

@@ -106,3 +106,39 @@ def load(spec: str):
   if spec == 'byte':
     return ByteTokenizer()
   return SentencePieceTokenizer(spec)
+
+
+def train_sentencepiece(texts, output: str, vocab_size: int, model_type: str = 'bpe',
+                        max_sentences: int = 2_000_000,
+                        num_threads: int = 0) -> SentencePieceTokenizer:
+  """Trains a sentencepiece model on texts (an iterable of documents) and writes output (.model).
+
+  Text is kept as is (identity normalization, whitespace and newlines preserved), digits are
+  split, and byte fallback makes every string encodable. Ids: unk 0, BOS 1, EOS 2, pad 3.
+  Sentencepiece trains on lines: documents are split at newlines (which byte fallback encodes).
+  """
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  if model_type not in ('bpe', 'unigram'):
+    raise DataError(f'model type {model_type!r}: choose bpe or unigram.')
+  if not output.endswith('.model'):
+    raise DataError(f'{output}: the tokenizer file name must end in .model.')
+
+  def lines():
+    for text in texts:
+      yield from (line for line in text.split('\n') if line.strip())
+
+  prefix = f'{output[:-len(".model")]}.tmp-{os.getpid()}'
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines(), model_prefix=prefix, vocab_size=vocab_size,
+        model_type=model_type, byte_fallback=True, split_digits=True, character_coverage=0.9995,
+        normalization_rule_name='identity', remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, max_sentence_length=1 << 16,
+        input_sentence_size=max_sentences, shuffle_input_sentence=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=3, num_threads=num_threads or os.cpu_count() or 1,
+        minloglevel=2)
+  except RuntimeError as e:  # e.g. a vocabulary larger than the text supports
+    raise DataError(f'sentencepiece training for {output} failed: {str(e).strip()[:300]}') from None
+  os.replace(prefix + '.model', output)  # complete or absent: never half-written
+  os.replace(prefix + '.vocab', output[:-len('.model')] + '.vocab')
+  return SentencePieceTokenizer(output)
