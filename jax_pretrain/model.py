@@ -6,13 +6,19 @@ statistics and the logits returned to the loss are float32. Every parameter carr
 names (see sharding.LOGICAL_AXIS_RULES). Layers are stacked on a leading 'layers' axis and scanned,
 so compile time does not grow with depth.
 
+Decoding: called with a `KVCache` and the absolute positions of its tokens, the model writes their
+keys and values into the cache at those positions, attends over the whole cache with a causal mask
+on absolute positions, and returns (logits, updated cache). The same call prefills a prompt
+(T tokens) and decodes one token per step (T = 1); see sample.py. Training never passes a cache.
+
 Shape suffixes: B batch, T length, D d_model, N query heads, K kv heads, H head_dim, F mlp_dim,
-V vocab, L layers.
+V vocab, L layers, S cache length.
 """
 import dataclasses
 import math
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -67,17 +73,35 @@ def _param(module: nn.Module, name: str, shape, axes, std: float):
                       module.config.param_dtype)
 
 
-def rope_tables(positions_T: jax.Array, head_dim: int, theta: float):
-  """cos and sin of the rotary angles, float32 [T, H/2]."""
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of every layer at positions [0, S) of each row, for decoding.
+
+  Stacked on a leading layers axis like the scanned params, so it passes through nn.scan as xs.
+  Slots past a row's current position hold stale values; the causal mask never reads them.
+  """
+  k_LxBxSxKxH: jax.Array
+  v_LxBxSxKxH: jax.Array
+
+  @classmethod
+  def zeros(cls, c: 'ModelConfig', batch: int, max_len: int) -> 'KVCache':
+    shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
+    return cls(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float):
+  """cos and sin of the rotary angles, float32 [..., H/2] for positions [...] ([T] or [B, T])."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles_TxH2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
-  return jnp.cos(angles_TxH2), jnp.sin(angles_TxH2)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -> jax.Array:
-  """Rotates pairs (i, i + H/2), the Hugging Face Llama convention, in float32."""
+  """Rotates pairs (i, i + H/2), the Hugging Face Llama convention, in float32.
+
+  The tables are [T, H/2] (same positions for every row) or [B, T, H/2] (decoding)."""
   x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
-  cos, sin = cos_TxH2[None, :, None, :], sin_TxH2[None, :, None, :]
+  cos, sin = cos_TxH2[..., None, :], sin_TxH2[..., None, :]  # broadcast over heads
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxTxNxH.dtype)
 
@@ -98,7 +122,8 @@ class Attention(nn.Module):
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2):
+  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, kv=None, positions_BxT=None):
+    """Returns (output, kv): kv is None in training, else this layer's updated (k, v) cache."""
     c = self.config
     D, N, K, H = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
@@ -117,10 +142,40 @@ class Attention(nn.Module):
     q_BxTxNxH = apply_rope(q_BxTxNxH, cos_TxH2, sin_TxH2)
     k_BxTxKxH = apply_rope(k_BxTxKxH, cos_TxH2, sin_TxH2)
 
-    o_BxTxNxH = attention.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
-                                           implementation=c.attention, mesh=self.mesh)
+    if kv is None:
+      o_BxTxNxH = attention.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
+                                             implementation=c.attention, mesh=self.mesh)
+    else:
+      kv = _write_cache(kv, k_BxTxKxH, v_BxTxKxH, positions_BxT)
+      o_BxTxNxH = _cached_attention(q_BxTxNxH, *kv, positions_BxT).astype(dt)
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, 'attn_out')
-    return jnp.einsum('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD.astype(dt))
+    return jnp.einsum('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD.astype(dt)), kv
+
+
+def _write_cache(kv, k_BxTxKxH, v_BxTxKxH, positions_BxT):
+  """Stores the new keys and values of row b at slots positions_BxT[b] (rows may differ)."""
+  k_BxSxKxH, v_BxSxKxH = kv
+  rows_Bx1 = jnp.arange(k_BxSxKxH.shape[0])[:, None]
+  return (k_BxSxKxH.at[rows_Bx1, positions_BxT].set(k_BxTxKxH.astype(k_BxSxKxH.dtype)),
+          v_BxSxKxH.at[rows_Bx1, positions_BxT].set(v_BxTxKxH.astype(v_BxSxKxH.dtype)))
+
+
+def _cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, positions_BxT):
+  """Attention of the new queries over the cache, float32: a query at position p sees slots <= p.
+
+  Plain einsums: decoding is one query per row, so no fused kernel is needed.
+  """
+  B, T, N, H = q_BxTxNxH.shape
+  S, K = k_BxSxKxH.shape[1], k_BxSxKxH.shape[2]
+  # Query head n uses kv head n // (N // K), as in the training path.
+  q_BxTxKxGxH = q_BxTxNxH.astype(jnp.float32).reshape(B, T, K, N // K, H)
+  scores_BxKxGxTxS = jnp.einsum('btkgh,bskh->bkgts', q_BxTxKxGxH,
+                                k_BxSxKxH.astype(jnp.float32)) / math.sqrt(H)
+  visible_BxTxS = jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None]
+  scores_BxKxGxTxS = jnp.where(visible_BxTxS[:, None, None], scores_BxKxGxTxS, -jnp.inf)
+  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
+  o_BxTxKxGxH = jnp.einsum('bkgts,bskh->btkgh', probs_BxKxGxTxS, v_BxSxKxH.astype(jnp.float32))
+  return o_BxTxKxGxH.reshape(B, T, N, H)
 
 
 class Mlp(nn.Module):
@@ -145,32 +200,45 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block. Returns (x, None) so that nn.scan can stack it."""
+  """Pre-norm residual block. Returns (x, kv) so that nn.scan can stack it: kv is None in
+  training, else this layer's updated (k, v) cache (the scan's per-layer output)."""
   config: ModelConfig
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2):
+  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, kv=None, positions_BxT=None):
     x_BxTxD = sharding.constrain(x_BxTxD, ('batch', 'length', 'act_embed'), self.mesh)
-    h = Attention(self.config, self.mesh, name='attn')(
-        RMSNorm(self.config, name='attn_norm')(x_BxTxD), cos_TxH2, sin_TxH2)
+    h, kv = Attention(self.config, self.mesh, name='attn')(
+        RMSNorm(self.config, name='attn_norm')(x_BxTxD), cos_TxH2, sin_TxH2, kv, positions_BxT)
     x_BxTxD = x_BxTxD + h
     h = Mlp(self.config, self.mesh, name='mlp')(RMSNorm(self.config, name='mlp_norm')(x_BxTxD))
-    return x_BxTxD + h, None
+    return x_BxTxD + h, kv
 
 
 class Transformer(nn.Module):
-  """tokens [B, T] int32 -> logits [B, T, V] float32."""
+  """tokens [B, T] int32 -> logits [B, T, V] float32.
+
+  With cache (a KVCache) and positions_BxT (each token's absolute position, int32 [B, T]):
+  -> (logits, updated cache); see the module docstring.
+  """
   config: ModelConfig
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+  def __call__(self, tokens_BxT: jax.Array, cache: KVCache | None = None,
+               positions_BxT: jax.Array | None = None):
     c = self.config
     embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                            c.init_std)
     x_BxTxD = jnp.take(embedding_VxD.astype(c.dtype), tokens_BxT, axis=0)
-    cos_TxH2, sin_TxH2 = rope_tables(jnp.arange(tokens_BxT.shape[1]), c.head_dim, c.rope_theta)
+    if cache is None:
+      cos_TxH2, sin_TxH2 = rope_tables(jnp.arange(tokens_BxT.shape[1]), c.head_dim, c.rope_theta)
+      kv_args, kv_axes = (), ()
+    else:  # per-row positions: tables [B, T, H/2]
+      cos_TxH2, sin_TxH2 = rope_tables(positions_BxT, c.head_dim, c.rope_theta)
+      # The cache is scanned over layers (in as xs, out as ys); the positions are shared.
+      kv_args = ((cache.k_LxBxSxKxH, cache.v_LxBxSxKxH), positions_BxT)
+      kv_axes = (0, nn.broadcast)
 
     block = Block
     if c.remat != 'none':
@@ -178,12 +246,17 @@ class Transformer(nn.Module):
       block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], prevent_cse=not c.scan_layers)
     if c.scan_layers:
       stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers,
+                      in_axes=(nn.broadcast, nn.broadcast) + kv_axes, length=c.num_layers,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
-      x_BxTxD, _ = stack(c, self.mesh, name='layers')(x_BxTxD, cos_TxH2, sin_TxH2)
+      x_BxTxD, kv = stack(c, self.mesh, name='layers')(x_BxTxD, cos_TxH2, sin_TxH2, *kv_args)
     else:
+      kvs = []
       for i in range(c.num_layers):
-        x_BxTxD, _ = block(c, self.mesh, name=f'layers_{i}')(x_BxTxD, cos_TxH2, sin_TxH2)
+        layer_kv_args = jax.tree.map(lambda a: a[i], kv_args[:1]) + kv_args[1:]
+        x_BxTxD, kv_i = block(c, self.mesh, name=f'layers_{i}')(
+            x_BxTxD, cos_TxH2, sin_TxH2, *layer_kv_args)
+        kvs.append(kv_i)
+      kv = jax.tree.map(lambda *xs: jnp.stack(xs), *kvs)  # None in training
 
     x_BxTxD = RMSNorm(c, name='final_norm')(x_BxTxD)
     if c.tie_embeddings:
@@ -192,7 +265,10 @@ class Transformer(nn.Module):
       w_DxV = _param(self, 'lm_head', (c.d_model, c.vocab_size), ('embed', 'vocab'), c.init_std)
     logits_BxTxV = jnp.einsum('btd,dv->btv', x_BxTxD, w_DxV.astype(c.dtype),
                               preferred_element_type=jnp.float32)
-    return sharding.constrain(logits_BxTxV, ('batch', 'length', 'act_vocab'), self.mesh)
+    logits_BxTxV = sharding.constrain(logits_BxTxV, ('batch', 'length', 'act_vocab'), self.mesh)
+    if cache is None:
+      return logits_BxTxV
+    return logits_BxTxV, KVCache(*kv)
 
 
 def count_params(params) -> int:

@@ -1,0 +1,184 @@
+"""Loss, perplexity and bits per byte of a trained model, per source of a mixture.
+
+  python -m jax_pretrain.evaluate --workdir=runs/x [--data=SOURCES] [--max_tokens=1000000]
+
+--data takes a source list in data.train's syntax ('a.jsonl:0.7,tfds:name@validation,embedded',
+prepared directories (their --split, default val), token files; docs/data.md). Without it, the
+run's own held-out data: data.val, or the last data.val_ratio of each data.train source, as in
+training (what data.build holds out).
+
+Each source is read in order as windows of seq_len + 1 tokens starting every seq_len tokens, so
+each token of its first max_tokens is a target exactly once (the last window padded with pad_id,
+which the loss ignores). EOS targets count, as in training.
+
+Bits per byte = total NLL in nats / ln 2 / UTF-8 bytes of the evaluated text, so models with
+different tokenizers compare. The bytes are those of the detokenized targets, decoded one document
+(EOS-delimited) at a time: the text the targets stand for, since decode(encode(document)) is the
+document for the byte tokenizer and for sentencepiece models with byte fallback. Sources without
+text (token files with no tokenizer, synthetic tokens) have no bits per byte.
+"""
+import dataclasses
+import json
+import math
+import time
+
+import jax
+import numpy as np
+
+from jax_pretrain import sample as sample_lib
+from jax_pretrain import train
+from jax_pretrain.data import pipeline
+from jax_pretrain.data import sources as sources_lib
+from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.data import tokens as tokens_lib
+
+
+@dataclasses.dataclass
+class Result:
+  source: str
+  weight: float
+  tokens: int = 0  # targets evaluated (pad excluded)
+  nll: float = 0.0  # summed over them, in nats
+  bytes: int | None = None  # UTF-8 bytes of their text; None: no text
+
+  @property
+  def loss(self) -> float:
+    return self.nll / max(self.tokens, 1)
+
+  @property
+  def perplexity(self) -> float:
+    return math.exp(min(self.loss, 50.0))
+
+  @property
+  def bits_per_byte(self) -> float | None:
+    return self.nll / math.log(2) / self.bytes if self.bytes else None
+
+  def as_dict(self) -> dict:
+    return dict(dataclasses.asdict(self), loss=self.loss, perplexity=self.perplexity,
+                bits_per_byte=self.bits_per_byte)
+
+
+def text_bytes(tokenizer, ids: np.ndarray) -> int | None:
+  """UTF-8 bytes of the text that ids stand for, decoded a document at a time (see the module
+  docstring); None for a tokenizer without text."""
+  if isinstance(tokenizer, tokenizer_lib.IdTokenizer):
+    return None
+  total, start = 0, 0
+  for end in [*np.flatnonzero(ids == tokenizer.eos_id).tolist(), len(ids)]:
+    if end > start:
+      total += len(tokenizer.decode(ids[start:end]).encode('utf-8'))
+    start = end + 1
+  return total
+
+
+def _components(config, tokenizer, data: str, split: str):
+  """(name, weight, TokenStream or None for synthetic) of each source to evaluate."""
+  from jax_pretrain import data as data_lib  # pylint: disable=g-import-not-at-top
+  resolver = data_lib._Resolver(tokenizer, config.data)  # pylint: disable=protected-access
+  if data:
+    return [c for spec in sources_lib.parse(data, '--data')
+            for c in resolver.components(spec, split)]
+  d = config.data
+  if d.val:
+    return [c for spec in sources_lib.parse(d.val, 'data.val')
+            for c in resolver.components(spec, 'val')]
+  held_out = []  # the part of data.train that data.build holds out for eval
+  for spec in sources_lib.parse(d.train, 'data.train'):
+    if spec.kind == 'prepared' and data_lib.read_meta(spec.target).get('val'):
+      held_out.extend(resolver.components(spec, 'val'))
+      continue
+    for c in resolver.components(spec, 'train'):
+      if c.tokens is not None:
+        c.tokens = tokens_lib.carve(c.tokens, tokenizer.eos_id, d.val_ratio)[1]
+      held_out.append(c)
+  return held_out
+
+
+def evaluate(workdir: str, data: str = '', *, step: int | None = None, max_tokens: int = 1_000_000,
+             batch_size: int = 0, split: str = 'val', devices=None) -> list[Result]:
+  """One Result per source, then (for several) their total. max_tokens: per source, 0 for all;
+  batch_size 0: the run's train.eval_batch_size."""
+  config, params, s = train.load_trained(workdir, step, devices)
+  tokenizer = sample_lib.load_tokenizer(config)
+  T = config.data.seq_len
+  B = batch_size or config.train.eval_batch_size
+  if B % s.mesh.size:
+    raise ValueError(f'batch_size {B} is not a multiple of the {s.mesh.size} devices.')
+  pad_id = tokenizer.pad_id
+  eval_step = train.jit_eval_step(s, pad_id)
+  results = []
+  for c in _components(config, tokenizer, data, split):
+    if c.tokens is None:
+      n = max(1, -(-max_tokens // T)) if max_tokens else 64
+      windows = pipeline.SyntheticWindows(tokenizer.vocab_size, pad_id, T, pipeline.EVAL_SEED, n)
+    else:
+      windows = pipeline.Windows(c.tokens, T, pad_id=pad_id)
+    n_windows = len(windows) if not max_tokens else min(len(windows), -(-max_tokens // T))
+    result = Result(c.name, c.weight)
+    for start in range(0, n_windows, B):
+      tokens_BxT1 = np.full((B, T + 1), pad_id, np.int32)
+      for r, i in enumerate(range(start, min(start + B, n_windows))):
+        tokens_BxT1[r] = windows[i]
+      batch = {'tokens': jax.make_array_from_process_local_data(s.batch_sharding, tokens_BxT1)}
+      nll, count = jax.device_get(eval_step(params, batch))
+      result.nll += float(nll)
+      result.tokens += int(count)
+    if c.tokens is not None and n_windows:  # the targets of windows [0, n): tokens [1, n·T + 1)
+      targets = c.tokens.read(1, min(len(c.tokens), n_windows * T + 1))
+      result.bytes = text_bytes(tokenizer, targets)
+    results.append(result)
+  if len(results) > 1:
+    known = [r.bytes for r in results]
+    results.append(Result('all', sum(r.weight for r in results), sum(r.tokens for r in results),
+                          sum(r.nll for r in results),
+                          None if None in known else sum(known)))
+  return results
+
+
+def format_table(results: list[Result]) -> str:
+  width = max(len('source'), *(len(r.source) for r in results))
+  lines = [f'{"source":<{width}}  {"weight":>6}  {"tokens":>11}  {"bytes":>11}  {"loss":>7}  '
+           f'{"ppl":>8}  {"bits/byte":>9}']
+  for r in results:
+    b = '-' if r.bytes is None else f'{r.bytes:,}'
+    bpb = '-' if r.bits_per_byte is None else f'{r.bits_per_byte:.4f}'
+    lines.append(f'{r.source:<{width}}  {r.weight:>6.3g}  {r.tokens:>11,}  {b:>11}  '
+                 f'{r.loss:>7.4f}  {r.perplexity:>8.3f}  {bpb:>9}')
+  return '\n'.join(lines)
+
+
+def define_flags():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_string('workdir', None, 'Workdir of a training run (or of scripts/import_hf.py).',
+                      required=True)
+  flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
+  flags.DEFINE_string('data', '', "Sources, in data.train's syntax; '' : the run's held-out data.")
+  flags.DEFINE_string('split', 'val', 'Split of prepared-data directories in --data.')
+  flags.DEFINE_integer('max_tokens', 1_000_000, 'Tokens evaluated per source at most; 0: all.')
+  flags.DEFINE_integer('batch_size', 0, "Sequences per batch; 0: the run's eval_batch_size.")
+  flags.DEFINE_string('json', '', 'Also write the results to this JSON file.')
+
+
+def main(argv):
+  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
+  f = flags.FLAGS
+  t0 = time.perf_counter()
+  results = evaluate(f.workdir, f.data, step=f.step, max_tokens=f.max_tokens,
+                     batch_size=f.batch_size, split=f.split)
+  print(format_table(results))
+  limit = (f'; the first {f.max_tokens:,} tokens of each source, in whole windows'
+           if f.max_tokens else '')
+  print(f'({time.perf_counter() - t0:.1f}s{limit})')
+  if f.json:
+    with open(f.json, 'w', encoding='utf-8') as out:
+      json.dump([r.as_dict() for r in results], out, indent=2)
+
+
+if __name__ == '__main__':
+  from absl import app  # pylint: disable=g-import-not-at-top
+  define_flags()
+  app.run(main)

@@ -1,0 +1,123 @@
+"""KV-cache decoding: cached logits equal the full forward pass, greedy decoding equals re-running
+the full forward pass each step, per-row prompt lengths, EOS, top-k / top-p."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax.linen import meta
+import numpy as np
+import pytest
+
+from configs import test as test_config
+from jax_pretrain import config as config_lib
+from jax_pretrain import model as model_lib
+from jax_pretrain import sample
+from jax_pretrain.data.tokenizer import ByteTokenizer
+
+
+def model_and_params(**overrides):
+  config, _ = config_lib.resolve(test_config.get_config(), num_devices=1, backend='cpu')
+  # A larger init gives peaked next-token distributions: greedy choices are not near-ties.
+  cfg = dataclasses.replace(config_lib.model_config(config), init_std=0.2, **overrides)
+  model = model_lib.Transformer(cfg)
+  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params']
+  return cfg, model, meta.unbox(params)
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize('scan_layers', [True, False])
+def test_cached_logits_equal_full_forward_with_per_row_prompt_lengths(scan_layers):
+  cfg, model, params = model_and_params(scan_layers=scan_layers, tie_embeddings=False)
+  B, T, S = 2, 12, 16
+  tokens_BxT = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
+  full_BxTxV = model.apply({'params': params}, tokens_BxT)
+
+  lengths = np.array([5, 3])  # row 1's prompt is right-padded with junk (tokens 3 and 4)
+  cache = model_lib.KVCache.zeros(cfg, B, S)
+  positions = jnp.broadcast_to(jnp.arange(5), (B, 5))
+  apply = jax.jit(model.apply)
+  prefill_BxPxV, cache = apply({'params': params}, tokens_BxT[:, :5], cache, positions)
+  for b in range(B):
+    assert rel_err(prefill_BxPxV[b, :lengths[b]], full_BxTxV[b, :lengths[b]]) < 1e-5
+  for i in range(T - 5):  # one token per step, each row at its own position
+    pos_B = lengths + i
+    token_Bx1 = tokens_BxT[jnp.arange(B), pos_B][:, None]
+    logits_Bx1xV, cache = apply({'params': params}, token_Bx1, cache, pos_B[:, None])
+    assert rel_err(logits_Bx1xV[:, 0], full_BxTxV[jnp.arange(B), pos_B]) < 1e-5
+
+
+def full_forward_greedy(forward, prompt, max_new_tokens, eos_id):
+  """The reference: re-run the whole sequence through the model for every new token."""
+  tokens = np.zeros((1, 20), np.int32)  # one shape for all prompts: one compile
+  tokens[0, :len(prompt)] = prompt
+  new = []
+  for t in range(len(prompt), len(prompt) + max_new_tokens):
+    nxt = int(np.argmax(forward(tokens)[0, t - 1]))
+    if nxt == eos_id:
+      break
+    tokens[0, t] = nxt
+    new.append(nxt)
+  return new
+
+
+def test_greedy_cached_decode_equals_full_forward_each_step():
+  cfg, model, params = model_and_params()
+  forward = jax.jit(lambda t: model.apply({'params': params}, t))
+  prompts = [[72, 101, 108, 108, 111, 32, 119], [1, 2, 3], [300]]
+  eos_id, pad_id, n = cfg.vocab_size - 2, cfg.vocab_size - 1, 12
+  cached = sample.generate(cfg, params, prompts, n, eos_id=eos_id, pad_id=pad_id,
+                           sampling=sample.Sampling(temperature=0.0))
+  for prompt, got in zip(prompts, cached):
+    assert got == full_forward_greedy(forward, prompt, n, eos_id)
+    assert len(got) == n
+  assert len({tuple(g) for g in cached}) == 3  # the rows are not all the same
+
+  # Stopping at EOS: make row 0's fourth token the EOS; the other rows go on unchanged.
+  eos_id = cached[0][3]
+  stopped = sample.generate(cfg, params, prompts, n, eos_id=eos_id, pad_id=pad_id,
+                            sampling=sample.Sampling(temperature=0.0))
+  assert stopped[0] == cached[0][:3]
+  for prompt, got in zip(prompts, stopped):
+    assert got == full_forward_greedy(forward, prompt, n, eos_id)
+
+
+def test_top_k_top_p_and_temperature():
+  logits_BxV = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4096))
+  keys = jax.random.key(0)
+
+  def counts(**kw):
+    s = sample.Sampling(**{'temperature': 1.0, **kw})
+    return np.bincount(np.asarray(sample.sample_logits(logits_BxV, keys, s)), minlength=4)
+
+  greedy = sample.sample_logits(logits_BxV, keys, sample.Sampling(temperature=0.0))
+  assert (np.asarray(greedy) == 0).all()
+  assert counts(top_k=1)[1:].sum() == 0
+  c = counts(top_k=2)
+  assert c[2:].sum() == 0 and 0.55 < c[0] / c[:2].sum() < 0.70  # 0.5 / 0.8 = 0.625
+  assert counts(top_p=0.7)[2:].sum() == 0  # 0.5 + 0.3 reaches 0.7
+  assert counts(top_p=0.85)[3] == 0 and counts(top_p=0.85)[2] > 0
+  assert counts(top_p=0.1)[1:].sum() == 0  # always at least the most likely token
+  c = counts()
+  assert abs(c[3] / c.sum() - 0.05) < 0.015
+  cold = counts(temperature=0.25)  # sharper: p ∝ p^4
+  assert cold[0] / cold.sum() > 0.8
+
+
+def test_sampling_never_picks_ids_outside_the_tokenizer_and_is_seeded():
+  cfg, _, params = model_and_params()
+  tok = ByteTokenizer()  # 259 ids; the model has 384
+
+  def run(seed):
+    return sample.generate(cfg, params, [sample.encode_prompt(tok, 'The ')] * 4, 20,
+                           eos_id=tok.eos_id, pad_id=tok.pad_id, vocab_size=tok.vocab_size,
+                           sampling=sample.Sampling(temperature=2.0), seed=seed)
+
+  ids = run(3)
+  assert all(0 <= t < tok.vocab_size and t != tok.pad_id for row in ids for t in row)
+  assert len({tuple(row) for row in ids}) > 1  # rows draw different samples
+  assert run(3) == ids and run(4) != ids
+  assert sample.encode_prompt(tok, '').tolist() == [tok.eos_id]
