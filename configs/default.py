@@ -5,20 +5,20 @@ from configs import base
 
 def get_config():
   c = base.get_config()
-  c.model.num_layers, c.model.d_model, c.model.mlp_dim = 4, 256, 768
+  c.model.num_layers, c.model.d_model, c.model.mlp_dim = 4, 192, 512
   c.model.num_heads = c.model.num_kv_heads = 4
   c.model.vocab_size = 384  # byte tokenizer: 256 bytes + BOS/EOS/PAD, padded to a multiple of 128
   c.model.dtype = 'float32'  # the CPU has no fast bf16 matmuls
   c.model.remat = 'none'
   c.data.seq_len = 128
   c.train.batch_size = 32
-  c.train.steps = 250
+  c.train.steps = 300
   c.train.warmup_steps = 25
   c.train.learning_rate = 2e-3
   c.train.min_learning_rate = 1e-4
   c.train.weight_decay = 0.1
   c.train.log_every = 25
-  c.train.eval_every = 125
+  c.train.eval_every = 150
   c.train.eval_steps = 10
   c.train.sample_prompt = 'The for statement '
   c.train.sample_tokens = 160

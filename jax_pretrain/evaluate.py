@@ -25,12 +25,11 @@ import time
 import jax
 import numpy as np
 
+from jax_pretrain import data as data_lib
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import train
 from jax_pretrain.data import pipeline
-from jax_pretrain.data import sources as sources_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
-from jax_pretrain.data import tokens as tokens_lib
 
 
 @dataclasses.dataclass
@@ -71,29 +70,6 @@ def text_bytes(tokenizer, ids: np.ndarray) -> int | None:
   return total
 
 
-def _components(config, tokenizer, data: str, split: str):
-  """(name, weight, TokenStream or None for synthetic) of each source to evaluate."""
-  from jax_pretrain import data as data_lib  # pylint: disable=g-import-not-at-top
-  resolver = data_lib._Resolver(tokenizer, config.data)  # pylint: disable=protected-access
-  if data:
-    return [c for spec in sources_lib.parse(data, '--data')
-            for c in resolver.components(spec, split)]
-  d = config.data
-  if d.val:
-    return [c for spec in sources_lib.parse(d.val, 'data.val')
-            for c in resolver.components(spec, 'val')]
-  held_out = []  # the part of data.train that data.build holds out for eval
-  for spec in sources_lib.parse(d.train, 'data.train'):
-    if spec.kind == 'prepared' and data_lib.read_meta(spec.target).get('val'):
-      held_out.extend(resolver.components(spec, 'val'))
-      continue
-    for c in resolver.components(spec, 'train'):
-      if c.tokens is not None:
-        c.tokens = tokens_lib.carve(c.tokens, tokenizer.eos_id, d.val_ratio)[1]
-      held_out.append(c)
-  return held_out
-
-
 def evaluate(workdir: str, data: str = '', *, step: int | None = None, max_tokens: int = 1_000_000,
              batch_size: int = 0, split: str = 'val', devices=None) -> list[Result]:
   """One Result per source, then (for several) their total. max_tokens: per source, 0 for all;
@@ -107,7 +83,7 @@ def evaluate(workdir: str, data: str = '', *, step: int | None = None, max_token
   pad_id = tokenizer.pad_id
   eval_step = train.jit_eval_step(s, pad_id)
   results = []
-  for c in _components(config, tokenizer, data, split):
+  for c in data_lib.split_components(config.data, tokenizer, data, split)[1]:
     if c.tokens is None:
       n = max(1, -(-max_tokens // T)) if max_tokens else 64
       windows = pipeline.SyntheticWindows(tokenizer.vocab_size, pad_id, T, pipeline.EVAL_SEED, n)

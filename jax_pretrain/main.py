@@ -8,6 +8,7 @@ import os
 import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow (under clu) is noisy at start-up
+os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # (TF computes nothing here; silences its banner)
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags

@@ -62,6 +62,7 @@ class _LogWriter:
 
 def _tensorboard_writer(workdir: str):
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's start-up banner, not ours
+  os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
   try:
     from clu import metric_writers  # pylint: disable=g-import-not-at-top  (imports TensorFlow)
   except ImportError as e:

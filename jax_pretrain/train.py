@@ -162,12 +162,19 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a run saved in its workdir."""
+  """The resolved config a run saved in its workdir, over today's defaults (configs/base.py), so
+  that runs saved before a field existed still load."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path):
     raise FileNotFoundError(f'{path} not found: is {workdir!r} the workdir of a training run?')
+  from configs import base  # pylint: disable=g-import-not-at-top
+  config = base.get_config()
   with open(path, encoding='utf-8') as f:
-    return ml_collections.ConfigDict(json.load(f))
+    saved = json.load(f)
+  for group, fields in saved.items():
+    if group in config and isinstance(fields, dict):
+      config[group].update(fields)
+  return config
 
 
 def load_trained(workdir: str, step: int | None = None, devices=None):

@@ -3,6 +3,7 @@ import os
 import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # (TF computes nothing here; silences its banner)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -15,6 +16,6 @@ jax.config.update('jax_num_cpu_devices', 8)
 
 def subprocess_env() -> dict[str, str]:
   """Environment for a trainer run in a subprocess: CPU, one device per process, quiet."""
-  env = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2', TF_ENABLE_ONEDNN_OPTS='0')
   env.pop('XLA_FLAGS', None)
   return env

@@ -169,25 +169,19 @@ def _check_windows(component: Component, windows, seq_len: int) -> None:
                     f'seq_len + 1 = {seq_len + 1} tokens. Add data or lower data.seq_len.')
 
 
-def build(config: ml_collections.ConfigDict, process_index: int = 0,
-          process_count: int = 1) -> Data:
-  from jax_pretrain.data import pipeline  # pylint: disable=g-import-not-at-top
-  # (grain, and the jax it imports, load here: prepare's worker processes start without them)
-  d, t = config.data, config.train
-  if d.on_bad_record not in ('error', 'skip'):
-    raise DataError(f"data.on_bad_record={d.on_bad_record!r}: choose 'error' or 'skip'.")
-  train_specs = sources.parse(d.train, 'data.train')
-  val_specs = sources.parse(d.val, 'data.val') if d.val else []
-  tokenizer = resolve_tokenizer(d.tokenizer, train_specs + val_specs, config.model.vocab_size)
-  if config.model.vocab_size < tokenizer.vocab_size:
-    raise ValueError(f'model.vocab_size={config.model.vocab_size} is smaller than the '
-                     f"tokenizer's vocabulary ({tokenizer.vocab_size}).")
-  resolver = _Resolver(tokenizer, d)
-  eval_batch_size = t.eval_batch_size or t.batch_size  # 0 (unresolved config): batch_size
-  eval_budget = t.eval_steps * eval_batch_size
+def split_components(d: ml_collections.ConfigDict, tokenizer,
+                     data: str = '', split: str = 'val') -> tuple[list[Component], list[Component]]:
+  """(train, eval) components of the config's data group d; the eval streams are never in train.
 
-  train, val = [], []  # Components; val streams are held out: never in train
-  for spec in train_specs:
+  Eval is data.val when given, else the split prepare_data.py made, else the last val_ratio of
+  each training source. `data` (e.g. evaluate's --data) replaces both with its own split.
+  """
+  resolver = _Resolver(tokenizer, d)
+  if data:
+    return [], [c for spec in sources.parse(data, '--data') for c in resolver.components(spec, split)]
+  val_specs = sources.parse(d.val, 'data.val') if d.val else []
+  train, val = [], []
+  for spec in sources.parse(d.train, 'data.train'):
     components = resolver.components(spec, 'train')
     train.extend(components)
     if val_specs:
@@ -203,6 +197,25 @@ def build(config: ml_collections.ConfigDict, process_index: int = 0,
         val.append(Component(c.name, c.weight, held_out))
   for spec in val_specs:
     val.extend(resolver.components(spec, 'val'))
+  return train, val
+
+
+def build(config: ml_collections.ConfigDict, process_index: int = 0,
+          process_count: int = 1) -> Data:
+  from jax_pretrain.data import pipeline  # pylint: disable=g-import-not-at-top
+  # (grain, and the jax it imports, load here: prepare's worker processes start without them)
+  d, t = config.data, config.train
+  if d.on_bad_record not in ('error', 'skip'):
+    raise DataError(f"data.on_bad_record={d.on_bad_record!r}: choose 'error' or 'skip'.")
+  train_specs = sources.parse(d.train, 'data.train')
+  val_specs = sources.parse(d.val, 'data.val') if d.val else []
+  tokenizer = resolve_tokenizer(d.tokenizer, train_specs + val_specs, config.model.vocab_size)
+  if config.model.vocab_size < tokenizer.vocab_size:
+    raise ValueError(f'model.vocab_size={config.model.vocab_size} is smaller than the '
+                     f"tokenizer's vocabulary ({tokenizer.vocab_size}).")
+  eval_batch_size = t.eval_batch_size or t.batch_size  # 0 (unresolved config): batch_size
+  eval_budget = t.eval_steps * eval_batch_size
+  train, val = split_components(d, tokenizer)
 
   train_sources = []
   for k, c in enumerate(train):
