@@ -6,4 +6,5 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/setup.sh" requirements-dev.txt
 cd "$root"
 export JAX_PLATFORMS=cpu
-exec "$root/.venv/bin/python" -m pytest -q "$@" tests
+# Two workers: the CI machine has 2 cores, and much of the time is single-threaded compiling.
+exec "$root/.venv/bin/python" -m pytest -q -n "${TEST_WORKERS:-2}" "$@" tests

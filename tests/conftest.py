@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices (meshes are tested without GPUs), quiet TensorFlow."""
 import os
 import sys
+import tempfile
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # (TF computes nothing here; silences its banner)
@@ -8,6 +9,13 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)  # `configs` is a top-level package of the checkout
+
+# The suite compiles the same small train steps many times (in-process and in subprocesses):
+# a persistent compilation cache shared by all of them saves most of that time.
+CACHE_DIR = os.path.join(tempfile.gettempdir(), 'jax_pretrain_test_compile_cache')
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', CACHE_DIR)
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
 import jax  # pylint: disable=g-import-not-at-top
 
