@@ -12,13 +12,13 @@ def get_config():
   c.model.remat = 'none'
   c.data.seq_len = 128
   c.train.batch_size = 32
-  c.train.steps = 300
-  c.train.warmup_steps = 25
+  c.train.steps = 200
+  c.train.warmup_steps = 20
   c.train.learning_rate = 2e-3
   c.train.min_learning_rate = 1e-4
   c.train.weight_decay = 0.1
   c.train.log_every = 25
-  c.train.eval_every = 150
+  c.train.eval_every = 100
   c.train.eval_steps = 10
   c.train.sample_prompt = 'The for statement '
   c.train.sample_tokens = 160
