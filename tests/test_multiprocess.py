@@ -3,6 +3,7 @@ batch, and their checkpoint restores in a one-process run."""
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -67,3 +68,27 @@ def test_two_processes_match_one_process_and_checkpoint_restores_in_one(tmp_path
   assert sorted(after) == [5, 6, 7, 8]
   np.testing.assert_allclose([after[s] for s in range(5, 9)],
                              [two_losses[s] for s in range(5, 9)], rtol=1e-5)
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+  """A preemption notice reaching only one host: both stop after the same step and save together
+  (a disagreement would leave one process waiting forever in the collective save)."""
+  port = free_port()
+  args = ['--config.train.steps=400', '--config.checkpoint.every_steps=0',
+          f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2']
+  procs = [subprocess.Popen(command(tmp_path, *args, f'--process_id={i}'), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=ROOT)
+           for i in range(2)]
+  out0 = []
+  for line in procs[0].stdout:
+    out0.append(line)
+    if line.startswith('step 6/'):
+      procs[1].send_signal(signal.SIGTERM)  # only the second process is told
+  out1 = procs[1].communicate(timeout=300)[0]
+  procs[0].wait(timeout=300)
+  assert procs[0].returncode == 0 and procs[1].returncode == 0, ''.join(out0) + out1
+  stopped = [line for line in out0 if line.startswith('received a stop signal on another process')]
+  assert stopped, ''.join(out0)
+  step = int(stopped[0].split('saved step ')[1].split(' ')[0])
+  assert 6 <= step < 400
+  assert sorted(int(p) for p in os.listdir(tmp_path / 'checkpoints') if p.isdigit()) == [step]
