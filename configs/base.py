@@ -29,7 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.data = d = ml_collections.ConfigDict()
   d.seq_len = 2048             # tokens per training sequence
-  d.train = 'embedded'         # 'SOURCE[#field][:weight],...' (docs/data.md); embedded: Python docs
+  d.train = ''                 # required: 'SOURCE[#field][:weight],...' (docs/data.md)
   d.val = ''                   # eval sources; '' carves val_ratio from the training data
   d.val_ratio = 0.05           # share of the training data held out for eval when val is ''
   d.tokenizer = ''             # '': from the data (else bytes); 'byte'; or a sentencepiece .model
@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 10             # steps between logged scalars
   t.eval_every = 500           # steps between evals (and at the end)
   t.eval_steps = 20            # eval batches per eval
-  t.eval_batch_size = 0        # 0: same as batch_size
+  t.eval_batch_size = 0        # 0: micro_batch_size × data-parallel devices (one pass, no OOM)
   t.peak_flops = 0.0           # device peak dense bf16 FLOP/s for MFU; 0: look up by device kind
   t.on_nonfinite = 'halt'      # non-finite loss or grad norm: 'halt' (stop, checkpoints intact) | 'skip'
   t.max_consecutive_skips = 10  # with 'skip': halt after this many non-finite steps in a row

@@ -10,6 +10,7 @@ def get_config():
   c.model.vocab_size = 384  # byte tokenizer: 256 bytes + BOS/EOS/PAD, padded to a multiple of 128
   c.model.dtype = 'float32'  # the CPU has no fast bf16 matmuls
   c.model.remat = 'none'
+  c.data.train = 'embedded'  # the Python reference manual, shipped with Python
   c.data.seq_len = 128
   c.train.batch_size = 32
   c.train.steps = 200

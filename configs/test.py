@@ -9,6 +9,7 @@ def get_config():
   c.model.vocab_size = 384
   c.model.dtype = 'float32'
   c.model.remat = 'none'
+  c.data.train = 'embedded'  # the Python reference manual, shipped with Python
   c.data.seq_len = 32
   c.train.batch_size = 16
   c.train.steps = 20

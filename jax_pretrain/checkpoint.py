@@ -11,6 +11,7 @@ import os
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
@@ -105,11 +106,21 @@ class Checkpointer:
       except CheckpointError:
         raise
       except Exception as e:  # pylint: disable=broad-except  (truncated or missing files)
-        logging.warning('checkpoint %s/%d is damaged (%s: %s); trying the previous one.',
-                        self.directory, step, type(e).__name__, e)
+        self._set_aside(step, e)
         continue
       return step, restored['state'], dict(restored['data'])
     return None
+
+  def _set_aside(self, step: int, error: Exception) -> None:
+    """Renames a damaged step to STEP.damaged (kept for inspection), so that the resumed run can
+    save that step again."""
+    damaged = os.path.join(self.directory, f'{step}.damaged')
+    logging.warning('checkpoint %s/%d is damaged (%s: %s); moved to %s, trying the previous one.',
+                    self.directory, step, type(error).__name__, error, damaged)
+    if jax.process_index() == 0:
+      os.rename(os.path.join(self.directory, str(step)), damaged)
+    multihost_utils.sync_global_devices(f'checkpoint set aside {step}')
+    self._manager.reload()
 
   def restore_params(self, abstract_params, step: int | None = None):
     """Only the params of a checkpoint (e.g. another run's, to continue pretraining from)."""

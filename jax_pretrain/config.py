@@ -24,7 +24,6 @@ class ConfigError(ValueError):
 class RunShape:
   """Values derived from the resolved config that are not config fields themselves."""
   mesh_shape: tuple[int, int, int]
-  data_parallel: int  # devices that see different sequences: data × fsdp
   grad_accum_steps: int  # micro-batches per optimizer step
   tokens_per_step: int
 
@@ -72,6 +71,10 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
          f'mesh.tensor={tp} must divide model.num_heads={m.num_heads} and '
          f'model.num_kv_heads={m.num_kv_heads}.')
   _check(m.mlp_dim % tp == 0, f'mesh.tensor={tp} must divide model.mlp_dim={m.mlp_dim}.')
+  _check(m.vocab_size % tp == 0,
+         f'mesh.tensor={tp} must divide model.vocab_size={m.vocab_size} (pad the vocabulary up).')
+  _check(m.d_model % c.mesh.fsdp == 0,
+         f'mesh.fsdp={c.mesh.fsdp} must divide model.d_model={m.d_model}.')
 
   # Batch and accumulation.
   dp = c.mesh.data * c.mesh.fsdp
@@ -91,7 +94,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
          f'Use a batch_size that is a multiple of {per_pass}, or change micro_batch_size.')
   accum = t.batch_size // per_pass
   if t.eval_batch_size == 0:
-    t.eval_batch_size = t.batch_size
+    t.eval_batch_size = per_pass  # eval runs without accumulation: one micro-batch per device
   _check(t.eval_batch_size % dp == 0,
          f'train.eval_batch_size={t.eval_batch_size} must be a multiple of the {dp} '
          'data-parallel devices.')
@@ -121,7 +124,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
     _check(t[field] > 0, f'train.{field} must be positive, got {t[field]}.')
 
   c.lock()
-  return c, RunShape(mesh_shape=mesh_shape, data_parallel=dp, grad_accum_steps=accum,
+  return c, RunShape(mesh_shape=mesh_shape, grad_accum_steps=accum,
                      tokens_per_step=tokens_per_step)
 
 

@@ -50,9 +50,6 @@ class _LogWriter:
   def write_scalars(self, step, scalars):
     pass  # the console line and metrics.jsonl already carry every scalar
 
-  def write_hparams(self, hparams):
-    pass
-
   def flush(self):
     pass
 
@@ -90,10 +87,6 @@ class MetricWriter:
     self._tb.write_scalars(step, scalars)
     self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
     self._jsonl.flush()
-
-  def write_hparams(self, hparams: dict) -> None:
-    if self._enabled:
-      self._tb.write_hparams(hparams)
 
   def close(self) -> None:
     if self._enabled:

@@ -86,7 +86,3 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | Non
     return x
   return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes))
 
-
-def data_parallel_size(mesh: Mesh) -> int:
-  """Devices that each see a different part of the batch."""
-  return mesh.shape['data'] * mesh.shape['fsdp']

@@ -14,6 +14,7 @@ from typing import Any
 import flax
 import flax.linen as nn
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -132,7 +133,9 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   model = model_lib.Transformer(config_lib.model_config(config), mesh=mesh)
   optimizer = optim.make_optimizer(config.train, config.optim.mu_dtype)
   schedule = optim.learning_rate_schedule(config.train)
-  dummy_BxT = jnp.zeros((1, config.data.seq_len), jnp.int32)
+  # Init traces the model once (the forward pass is dead code XLA drops); the batch must split
+  # over the data-parallel devices, since fused attention runs under shard_map.
+  dummy_BxT = jnp.zeros((run.mesh_shape[0] * run.mesh_shape[1], config.data.seq_len), jnp.int32)
 
   def new_state(params):
     zero = jnp.zeros((), jnp.int32)
@@ -185,6 +188,7 @@ def load_trained(workdir: str, step: int | None = None, devices=None):
   """
   config = load_config(workdir)
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  config.train.micro_batch_size = config.train.eval_batch_size = 0  # re-derived for these devices
   devices = jax.devices() if devices is None else devices
   if devices[0].platform != 'gpu':
     config.model.attention = 'xla'
@@ -354,13 +358,18 @@ class StepLogger:
     self.latest.update({k: v for k, v in scalars.items() if v is not None})
 
 
-def _check_finite(m: dict | None, t: ml_collections.ConfigDict, last_checkpoint: int | None):
-  """Halts per train.on_nonfinite; the bad updates were never applied, so the state is good."""
+def _check_finite(m: dict | None, t: ml_collections.ConfigDict, last_checkpoint: int | None,
+                  count_at_start: int):
+  """Halts per train.on_nonfinite; the bad updates were never applied, so the state is good.
+
+  consecutive_nonfinite is read at logged steps (and before every eval and save), so with 'skip' a
+  streak is caught when it is still running at one of those steps.
+  """
   if m is None:
     return
   kept = (f'The last checkpoint (step {last_checkpoint}) is intact.' if last_checkpoint is not None
           else 'No checkpoint was written yet.')
-  if t.on_nonfinite == 'halt' and m['nonfinite_count'] > 0:
+  if t.on_nonfinite == 'halt' and m['nonfinite_count'] > count_at_start:
     raise NonFiniteError(
         f'non-finite loss or gradient norm by step {m["step"]} (loss {m["loss"]}, grad_norm '
         f'{m["grad_norm"]}); the bad update was not applied. {kept} Lower the learning rate, '
@@ -420,7 +429,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
                                              async_save=ck.async_save)
   state = _initial_state(s, checkpointer, data, is_main)
-  step = int(jax.device_get(state.step))
+  step, skips_at_start = (int(x) for x in jax.device_get((state.step, state.nonfinite_count)))
 
   t0 = time.perf_counter()
   train_step = jit_train_step(s, pad_id).lower(
@@ -441,7 +450,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       batch, data_state = next(prefetcher)
       state, metrics = train_step(state, batch)
       step += 1
-      _check_finite(logger.flush(), t, last_saved)  # step - 1's metrics, read while this one runs
+      # Step - 1's metrics, read while this step runs.
+      _check_finite(logger.flush(), t, last_saved, skips_at_start)
       if step % t.log_every == 0 or step == t.steps:
         logger.record(step, metrics)
       eval_due = step % t.eval_every == 0 or step == t.steps
@@ -450,7 +460,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       stopping = stop.requested(step)
       if eval_due or save_due or stopping:
         # Never evaluate or save a state before checking the steps that led to it.
-        _check_finite(logger.flush(), t, last_saved)
+        logger.record(step, metrics)
+        _check_finite(logger.flush(), t, last_saved, skips_at_start)
         eval_metrics = run_eval(eval_step, state.params, data, s, logger, step) if eval_due else {}
         if save_due or (stopping and last_saved != step):
           checkpointer.save(step, state, data_state, config_json,
@@ -463,7 +474,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           print(f'received {stop.name}: saved step {step} to {checkpointer.directory}; run the '
                 'same command to resume.', flush=True)
         return logger.latest
-    _check_finite(logger.flush(), t, last_saved)
+    _check_finite(logger.flush(), t, last_saved, skips_at_start)
   finally:
     stop.restore()
     prefetcher.close()
@@ -471,8 +482,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     checkpointer.close()
     writer.close()
 
-  if is_main and t.sample_prompt and t.sample_tokens > 0:
-    text = sample_lib.generate_text(config_lib.model_config(config), state.params, data.tokenizer,
-                                    t.sample_prompt, t.sample_tokens, seed=t.seed)
-    print(f'sample: {t.sample_prompt!r} -> {text!r}', flush=True)
+  if t.sample_prompt and t.sample_tokens > 0:
+    params = state.params
+    if jax.process_count() > 1:  # a collective: every process takes part, process 0 samples
+      params = multihost_utils.process_allgather(params, tiled=True)
+    if is_main:
+      text = sample_lib.generate_text(config_lib.model_config(config), params, data.tokenizer,
+                                      t.sample_prompt, t.sample_tokens, seed=t.seed)
+      print(f'sample: {t.sample_prompt!r} -> {text!r}', flush=True)
   return logger.latest

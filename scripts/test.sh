@@ -7,4 +7,5 @@ bash "$root/scripts/setup.sh" requirements-dev.txt
 cd "$root"
 export JAX_PLATFORMS=cpu
 # Two workers: the CI machine has 2 cores, and much of the time is single-threaded compiling.
-exec "$root/.venv/bin/python" -m pytest -q -n "${TEST_WORKERS:-2}" "$@" tests
+# A per-test limit: a deadlocked subprocess fails its test instead of hanging CI.
+exec "$root/.venv/bin/python" -m pytest -q -n "${TEST_WORKERS:-2}" --timeout=600 "$@" tests

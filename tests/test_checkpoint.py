@@ -119,6 +119,10 @@ def test_damaged_and_partial_checkpoints_are_skipped(tmp_path, caplog):
   checkpointer.close()
   assert step == 5 and int(state.step) == 5 and data_state
   assert 'checkpoint' in caplog.text and 'damaged' in caplog.text
+  assert os.path.isdir(ckpt / '10.damaged')  # kept for inspection, out of the way
+  # The resumed run trains through step 10 again and saves it.
+  train.train_and_evaluate(small_config(), str(tmp_path), devices=jax.devices()[:1])
+  assert sorted(int(p) for p in os.listdir(ckpt) if p.isdigit()) == [5, 10]
 
 
 def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):

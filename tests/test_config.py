@@ -49,6 +49,13 @@ def test_every_preset_resolves(preset):
   assert run.tokens_per_step == resolved.train.batch_size * resolved.data.seq_len
 
 
+def test_eval_batch_defaults_to_one_pass_without_accumulation():
+  c = parse(f'--config={ROOT}/configs/test.py', '--config.train.batch_size=64',
+            '--config.train.micro_batch_size=2')
+  r, run = config_lib.resolve(c, num_devices=8, backend='cpu')
+  assert run.grad_accum_steps == 4 and r.train.eval_batch_size == 16  # 2 per device × 8
+
+
 def test_tokens_derive_steps_and_both_are_kept():
   c = parse(f'--config={ROOT}/configs/test.py', '--config.train.steps=0',
             '--config.train.total_tokens=10000', '--config.train.warmup_steps=0',
@@ -68,6 +75,10 @@ def test_tokens_derive_steps_and_both_are_kept():
     (('--config.mesh.data=1', '--config.mesh.tensor=8'), 8,
      r'mesh.tensor=8 must divide model.num_heads=4'),
     (('--config.model.num_kv_heads=3',), 1, r'num_kv_heads=3 must divide model.num_heads=4'),
+    (('--config.mesh.data=4', '--config.mesh.tensor=2', '--config.model.vocab_size=385'), 8,
+     r'mesh.tensor=2 must divide model.vocab_size=385'),
+    (('--config.mesh.data=1', '--config.mesh.fsdp=8', '--config.model.d_model=68',
+      '--config.model.head_dim=16'), 8, r'mesh.fsdp=8 must divide model.d_model=68'),
     (('--config.model.attention=flash',), 1, r"attention='flash'"),
     (('--config.model.remat=some',), 1, r"remat='some'"),
     (('--config.train.warmup_steps=50',), 1, r'warmup_steps=50 must be smaller than train.steps=20'),

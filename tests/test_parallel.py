@@ -19,16 +19,18 @@ MESHES = {  # (data, fsdp, tensor)
 }
 
 
-def mesh_config(mesh, steps=5):
+def mesh_config(mesh, steps=5, attention='xla'):
   c = test_config.get_config()
+  c.model.attention = attention
   c.model.num_heads = c.model.num_kv_heads = 8  # so that tensor=8 divides the heads
   c.train.steps = steps
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
   return c
 
 
-def run_steps(mesh, batches):
-  s = train.build(mesh_config(mesh), devices=jax.devices()[:int(np.prod(mesh))])
+def run_steps(mesh, batches, attention='xla'):
+  s = train.build(mesh_config(mesh, attention=attention),
+                  devices=jax.devices()[:int(np.prod(mesh))])
   state = train.init_state(s)
   step = train.jit_train_step(s, pad_id=258)
   losses = []
@@ -59,6 +61,12 @@ def test_losses_agree_with_one_device(name, batches, single_device):
   assert losses[-1] < losses[0]  # it trains
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(single_device[1].params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_pallas_attention_under_shard_map_agrees_on_a_mesh(batches, single_device):
+  with jax.default_matmul_precision('float32'):
+    losses, _ = run_steps((2, 2, 2), batches[:2], attention='pallas')
+  np.testing.assert_allclose(losses, single_device[0][:2], rtol=1e-5)
 
 
 def test_parameter_shardings_follow_the_rules_table():

@@ -207,6 +207,10 @@ def build(config: ml_collections.ConfigDict, process_index: int = 0,
   d, t = config.data, config.train
   if d.on_bad_record not in ('error', 'skip'):
     raise DataError(f"data.on_bad_record={d.on_bad_record!r}: choose 'error' or 'skip'.")
+  if not d.train:
+    raise DataError("data.train is empty: name the training data, e.g. --config.data.train="
+                    "data/mix1 (a directory written by scripts/prepare_data.py), 'data/*.jsonl', or "
+                    "'embedded' (the Python manual that ships with Python); see docs/data.md.")
   train_specs = sources.parse(d.train, 'data.train')
   val_specs = sources.parse(d.val, 'data.val') if d.val else []
   tokenizer = resolve_tokenizer(d.tokenizer, train_specs + val_specs, config.model.vocab_size)

@@ -8,12 +8,6 @@ def embedded_documents() -> list[str]:
   return [topics.topics[k] for k in sorted(topics.topics)]
 
 
-def split_tokens(tokens: np.ndarray, val_ratio: float) -> tuple[np.ndarray, np.ndarray]:
-  """The last val_ratio of the stream is held out for eval: fixed, whatever the run's seed."""
-  n_val = int(len(tokens) * val_ratio)
-  return tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
-
-
 def concatenate(docs: list[str], tokenizer) -> np.ndarray:
   """Documents joined into one stream, each followed by EOS."""
   parts = []
