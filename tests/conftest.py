@@ -1,5 +1,6 @@
 """Test set-up: 8 simulated CPU devices (meshes are tested without GPUs), quiet TensorFlow."""
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -27,3 +28,11 @@ def subprocess_env() -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2', TF_ENABLE_ONEDNN_OPTS='0')
   env.pop('XLA_FLAGS', None)
   return env
+
+
+def run_cli(*args) -> str:
+  """Runs `python ARGS` from the repository root in a subprocess; returns its stdout."""
+  out = subprocess.run([sys.executable, *args], cwd=ROOT, env=subprocess_env(),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout

@@ -3,8 +3,6 @@ per byte from the detokenized text; the sample and evaluate command lines on a t
 import json
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -15,6 +13,7 @@ from jax_pretrain import evaluate
 from jax_pretrain import train
 from jax_pretrain.data import corpus
 from jax_pretrain.data import tokenizer as tokenizer_lib
+from tests.conftest import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUNS = {}
@@ -35,15 +34,6 @@ def _train_once(tmp_path_factory) -> tuple[str, dict]:
 @pytest.fixture(scope='session')
 def trained_run(tmp_path_factory):
   return _train_once(tmp_path_factory)
-
-
-def run_cli(*args) -> str:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
-  env.pop('XLA_FLAGS', None)
-  out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
-  return out.stdout
 
 
 def test_held_out_loss_equals_training_eval_and_mixture_rows(trained_run):

@@ -4,8 +4,6 @@ gives our ids (skipped without them: see docs/use.md to run it)."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ from jax_pretrain import hf
 from jax_pretrain import model as model_lib
 from jax_pretrain.data import corpus
 from jax_pretrain.data import tokenizer as tokenizer_lib
+from tests.conftest import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,15 +71,6 @@ def test_model_fields_refuses_what_our_model_cannot_compute():
                  {'rope_scaling': {'rope_type': 'llama3', 'factor': 8.0}, 'rope_parameters': None}):
     with pytest.raises(ValueError):
       hf.model_fields({**base, **change})
-
-
-def run_cli(*args) -> str:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
-  env.pop('XLA_FLAGS', None)
-  out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
-  return out.stdout
 
 
 def test_command_lines_import_then_export_give_back_the_same_files(tmp_path):
