@@ -110,6 +110,23 @@ def _compiler_params(cfg: _Config, head_dim: int, tile_elems: int,
 # ----------------------------------------------------------------------------
 # Forward.
 
+def _loop_over_k_blocks(body, carry, i, block_q: int, block_k: int,
+                        num_k_blocks: int, causal: bool):
+  """Runs body(j, carry, masked=...) over the kv blocks that q block i sees.
+
+  Causal: kv blocks [0, n_full) lie entirely before this q block's first row
+  (no mask), blocks [n_full, hi) cross the diagonal (masked), and blocks >= hi
+  are skipped.
+  """
+  if not causal:
+    return lax.fori_loop(0, num_k_blocks, functools.partial(body, masked=False),
+                         carry)
+  n_full = jnp.minimum(lax.div(i * block_q, block_k), num_k_blocks)
+  hi = jnp.minimum(_cdiv((i + 1) * block_q, block_k), num_k_blocks)
+  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(n_full, hi, functools.partial(body, masked=True), carry)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config,
                 num_q_blocks: int, num_k_blocks: int):
   # q_ref/o_ref: [Q, H] (this program's q tile of one head);
@@ -145,18 +162,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config,
   carry = (jnp.zeros((block_q, head_dim), jnp.float32),
            jnp.full((block_q,), _MASK_VALUE, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  if cfg.causal:
-    # kv blocks [0, n_full) lie entirely before this q block's first row: no
-    # mask. Blocks [n_full, hi) cross the diagonal. Blocks >= hi are skipped.
-    n_full = jnp.minimum(lax.div(i * block_q, block_k), num_k_blocks)
-    hi = jnp.minimum(_cdiv((i + 1) * block_q, block_k), num_k_blocks)
-    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False),
-                          carry)
-    carry = lax.fori_loop(n_full, hi, functools.partial(body, masked=True),
-                          carry)
-  else:
-    carry = lax.fori_loop(0, num_k_blocks,
-                          functools.partial(body, masked=False), carry)
+  carry = _loop_over_k_blocks(body, carry, i, block_q, block_k, num_k_blocks,
+                              cfg.causal)
   acc_QxH, m_Q, l_Q = carry
   # Every row sees key 0 (top-left causal alignment), so l > 0.
   o_ref[...] = (acc_QxH * (1.0 / l_Q)[:, None]).astype(o_ref.dtype)
@@ -233,16 +240,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
     return dq_QxH + _dot_nn(ds_QxK.astype(k_KxH.dtype), k_KxH)
 
   dq_QxH = jnp.zeros(q_QxH.shape, jnp.float32)
-  if cfg.causal:
-    n_full = jnp.minimum(lax.div(i * block_q, block_k), num_k_blocks)
-    hi = jnp.minimum(_cdiv((i + 1) * block_q, block_k), num_k_blocks)
-    dq_QxH = lax.fori_loop(0, n_full, functools.partial(body, masked=False),
-                           dq_QxH)
-    dq_QxH = lax.fori_loop(n_full, hi, functools.partial(body, masked=True),
-                           dq_QxH)
-  else:
-    dq_QxH = lax.fori_loop(0, num_k_blocks,
-                           functools.partial(body, masked=False), dq_QxH)
+  dq_QxH = _loop_over_k_blocks(body, dq_QxH, i, block_q, block_k,
+                               num_k_blocks, cfg.causal)
   # The softmax scale is applied once here instead of on every tile.
   dq_ref[...] = (dq_QxH * cfg.scale).astype(dq_ref.dtype)
 
