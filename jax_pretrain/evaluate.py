@@ -136,11 +136,9 @@ def define_flags():
 
 
 def main(argv):
-  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
+  from jax_pretrain import cli  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  cli.start(argv)
   f = flags.FLAGS
   t0 = time.perf_counter()
   results = evaluate(f.workdir, f.data, step=f.step, max_tokens=f.max_tokens,

@@ -15,6 +15,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from jax_pretrain import cli
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # so that config files can `from configs import base`
   sys.path.insert(0, _ROOT)
@@ -53,10 +55,7 @@ def initialize_distributed() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  cli.start(argv)
   initialize_distributed()
   # pylint: disable=g-import-not-at-top  (after flags parse and distributed init)
   from jax_pretrain import checkpoint

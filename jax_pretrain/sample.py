@@ -174,13 +174,11 @@ def define_flags():
 
 
 def main(argv):
-  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import cli  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
   from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
   from jax_pretrain import train  # pylint: disable=g-import-not-at-top
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
+  cli.start(argv)
   f = flags.FLAGS
   config, params, _ = train.load_trained(f.workdir, f.step, devices=jax.devices()[:1])
   tokenizer = load_tokenizer(config)

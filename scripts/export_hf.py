@@ -15,7 +15,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
-from absl import logging
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Workdir of a training run.', required=True)
 _OUT = flags.DEFINE_string('out', None, 'Output directory (created).', required=True)
@@ -23,10 +22,8 @@ _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)
+  from jax_pretrain import cli  # pylint: disable=g-import-not-at-top
+  cli.start(argv)
   import jax  # pylint: disable=g-import-not-at-top
   from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
   from jax_pretrain import hf  # pylint: disable=g-import-not-at-top

@@ -25,7 +25,6 @@ sys.path.insert(0, _ROOT)
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 _HF = flags.DEFINE_string('hf', None, 'Local Hugging Face model directory.', required=True)
@@ -52,10 +51,8 @@ def get_config():
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)
+  from jax_pretrain import cli  # pylint: disable=g-import-not-at-top
+  cli.start(argv)
   import jax  # pylint: disable=g-import-not-at-top
   from jax_pretrain import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
   from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
