@@ -16,8 +16,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jax_pretrain.errors import UserError
 
-class CheckpointError(RuntimeError):
+
+DIRECTORY = 'checkpoints'  # under the workdir
+
+
+class CheckpointError(UserError):
   """A checkpoint that cannot be used or written; the message says which and why."""
 
 
@@ -49,7 +54,7 @@ class Checkpointer:
 
   def __init__(self, workdir: str, *, keep: int = 2, keep_best: int = 0, async_save: bool = True,
                read_only: bool = False):
-    self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    self.directory = os.path.join(os.path.abspath(workdir), DIRECTORY)
     keep_policies = [policies.LatestN(n=max(keep, 1))]
     if keep_best > 0:
       keep_policies.append(policies.BestN(get_metric_fn=lambda m: m['eval/loss'], reverse=True,

@@ -1,22 +1,149 @@
-"""Resolving and validating the config, once, at start-up and before anything compiles.
+"""The config: every default (one line of comment each), and its resolution and validation.
 
-`resolve` fills in every value that a user may leave to be derived (0 or -1 in configs/base.py),
-checks that the whole config is consistent, and returns a locked copy. Errors name the field and
-the numbers that disagree. Everything else reads the resolved config and never re-derives.
+`defaults()` is the one place defaults live; presets (configs/*.py) start from it and override what
+differs. `resolve` fills in every value a user may leave to be derived (0 or -1 below), checks the
+whole config group by group, and returns a locked copy; errors name the field and the numbers that
+disagree. Everything downstream reads the resolved config and never re-derives.
 """
 import dataclasses
+import importlib.util
+import json
 import math
+import os
 
 import ml_collections
 
+from jax_pretrain import cli
 from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
+from jax_pretrain.errors import UserError
 from jax_pretrain.kernels import attention
 
-_DTYPES = ('float32', 'bfloat16', 'float16')
+def defaults() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  c.model = m = ml_collections.ConfigDict()
+  m.num_layers = 12            # transformer blocks
+  m.d_model = 512              # residual stream width
+  m.num_heads = 8              # query heads
+  m.num_kv_heads = 8           # key/value heads (grouped-query attention); divides num_heads
+  m.head_dim = 0               # 0: d_model // num_heads
+  m.mlp_dim = 1408             # SwiGLU hidden width (about 8/3 d_model, a multiple of 128)
+  m.vocab_size = 32768         # embedding rows; >= the tokenizer's vocabulary
+  m.tie_embeddings = True      # share the input embedding with the output projection
+  m.rope_theta = 10000.0       # rotary embedding base
+  m.norm_eps = 1e-5            # RMSNorm epsilon
+  m.init_std = 0.02            # normal init std (output projections scaled by 1/sqrt(2*layers))
+  m.attention = 'xla'          # 'xla' | 'cudnn' | 'pallas'
+  m.remat = 'full'             # 'none' | 'full' | 'dots' | 'dots_no_batch' | 'minimal'
+  m.scan_layers = True         # scan over stacked layers (compile time independent of depth)
+  m.dtype = 'bfloat16'         # compute dtype; params and optimizer state stay float32
+  m.param_dtype = 'float32'    # master parameter dtype
+
+  c.data = d = ml_collections.ConfigDict()
+  d.seq_len = 2048             # tokens per training sequence
+  d.train = ''                 # required: 'SOURCE[#field][:weight],...' (docs/data.md)
+  d.val = ''                   # eval sources; '' carves val_ratio from the training data
+  d.val_ratio = 0.05           # share of the training data held out for eval when val is ''
+  d.tokenizer = ''             # '': from the data (else bytes); 'byte'; or a sentencepiece .model
+  d.text_field = 'text'        # JSONL key, Parquet column or TFDS feature that holds the text
+  d.tfds_data_dir = ''         # TFDS data_dir for tfds:NAME sources ('' : ~/tensorflow_datasets)
+  d.on_bad_record = 'error'    # bad raw-text lines: 'error' | 'skip' (counted, reported per file)
+  d.num_workers = 0            # grain worker processes for batches (0: threads in this process)
+  d.read_threads = 2           # threads assembling batches in each process
+  d.prefetch = 4               # batches buffered ahead of the trainer
+
+  c.train = t = ml_collections.ConfigDict()
+  t.steps = 0                  # optimizer steps; 0: derive from total_tokens
+  t.total_tokens = 0           # run length in tokens (alternative to steps)
+  t.batch_size = 64            # global batch, in sequences
+  t.micro_batch_size = 0       # sequences per data-parallel device per forward/backward;
+                               # 0: batch_size / data-parallel devices (no accumulation)
+  t.seed = 0                   # parameter init and data order
+  t.log_every = 10             # steps between logged scalars
+  t.eval_every = 500           # steps between evals (and at the end)
+  t.eval_steps = 20            # eval batches per eval
+  t.eval_batch_size = 0        # 0: micro_batch_size × data-parallel devices (one pass, no OOM)
+  t.peak_flops = 0.0           # device peak dense bf16 FLOP/s for MFU; 0: look up by device kind
+  t.on_nonfinite = 'halt'      # non-finite loss or grad norm: 'halt' (stop, checkpoints intact) | 'skip'
+  t.max_consecutive_skips = 10  # with 'skip': halt after this many non-finite steps in a row
+  t.sample_prompt = 'The '     # prompt of the continuation printed at the end ('' disables)
+  t.sample_tokens = 64         # tokens generated for that continuation
+
+  c.optim = o = ml_collections.ConfigDict()
+  o.learning_rate = 3e-4       # peak learning rate
+  o.min_learning_rate = 3e-5   # end of the cosine decay
+  o.warmup_steps = 0           # linear warmup; 0: derive from warmup_tokens
+  o.warmup_tokens = 0          # warmup in tokens (alternative to warmup_steps)
+  o.b1 = 0.9                   # AdamW beta1
+  o.b2 = 0.95                  # AdamW beta2
+  o.eps = 1e-8                 # AdamW epsilon
+  o.weight_decay = 0.1         # decoupled weight decay (not applied to norms or other 1-D params)
+  o.grad_clip = 1.0            # clip by global norm; 0 disables
+  o.mu_dtype = 'float32'       # AdamW first-moment dtype; 'bfloat16' halves its memory
+
+  c.mesh = mesh = ml_collections.ConfigDict()
+  mesh.data = -1               # data-parallel axis size; -1: all remaining devices
+  mesh.fsdp = 1                # parameter-sharded data-parallel axis size
+  mesh.tensor = 1              # tensor-parallel axis size (heads, MLP, vocab)
+
+  c.checkpoint = ck = ml_collections.ConfigDict()
+  ck.every_steps = 1000        # steps between (asynchronous) saves; 0: only the final save
+  ck.keep = 2                  # keep the latest this many checkpoints
+  ck.keep_best = 3             # and also the best this many by eval loss (0: none)
+  ck.async_save = True         # write in the background while training continues
+  ck.save_final = True         # save the state at the end of training
+  ck.restore_from = ''         # another run's workdir: start from its params (fresh optimizer, data)
+  return c
 
 
-class ConfigError(ValueError):
+# Fields that moved between groups: configs and config.json files written before still load.
+_MOVED = {('train', name): ('optim', name) for name in (
+    'learning_rate', 'min_learning_rate', 'warmup_steps', 'warmup_tokens', 'b1', 'b2', 'eps',
+    'weight_decay', 'grad_clip')}
+
+
+def from_dict(saved: dict, strict: bool = False) -> ml_collections.ConfigDict:
+  """A config from a (possibly older) dict, over today's defaults: fields it lacks keep their
+  defaults and moved fields go to their new group. Unknown fields are dropped (a config.json of
+  another version), or with strict=True refused, naming the field (a typo in a config file)."""
+  c = defaults()
+  for group, fields in saved.items():
+    for name, value in (fields.items() if isinstance(fields, dict) else [(None, fields)]):
+      new_group, new_name = _MOVED.get((group, name), (group, name))
+      if new_group in c and new_name in c[new_group]:
+        c[new_group][new_name] = value
+      elif strict:
+        raise ConfigError(f'{group}.{name}: no such config field (all fields, with their '
+                          'defaults, are in jax_pretrain/config.py).')
+  return c
+
+
+def load_file(path: str) -> ml_collections.ConfigDict:
+  """get_config() of a config file (a preset, or a run's config.py), as --config loads it."""
+  if not os.path.isfile(path):
+    raise ConfigError(f'{path}: no such config file (presets are in {cli.PRESETS_DIR}).')
+  spec = importlib.util.spec_from_file_location('_jax_pretrain_config_file', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def preset(name: str) -> ml_collections.ConfigDict:
+  """configs/NAME.py's config, e.g. preset('test')."""
+  return load_file(os.path.join(cli.PRESETS_DIR, f'{name}.py'))
+
+
+def as_dict(config: ml_collections.ConfigDict) -> dict:
+  """Plain JSON types (dtypes and other objects as strings), as config.json holds them."""
+  return json.loads(config.to_json_best_effort())
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+  return json.dumps(as_dict(config), indent=2, sort_keys=True) + '\n'
+
+
+class ConfigError(UserError):
   """A config value that cannot work; the message names the field."""
 
 
@@ -28,27 +155,44 @@ class RunShape:
   tokens_per_step: int
 
 
+_DTYPES = ('float32', 'bfloat16', 'float16')
+
+
 def _check(ok: bool, message: str) -> None:
   if not ok:
     raise ConfigError(message)
 
 
-def resolve(config: ml_collections.ConfigDict, num_devices: int,
-            backend: str | None = None) -> tuple[ml_collections.ConfigDict, RunShape]:
-  """Returns (resolved locked copy of config, RunShape); raises ConfigError on any inconsistency."""
-  c = ml_collections.ConfigDict(config.to_dict())  # a copy; the caller's config is untouched
-  m, d, t = c.model, c.data, c.train
+def _choice(group: ml_collections.ConfigDict, where: str, field: str, choices) -> None:
+  _check(group[field] in choices, f'{where}.{field}={group[field]!r}: choose one of '
+         f'{tuple(choices)}.')
 
-  # Model.
-  _check(m.attention in attention.IMPLEMENTATIONS,
-         f'model.attention={m.attention!r}: choose one of {attention.IMPLEMENTATIONS}.')
-  attention.check_available(m.attention, backend)
-  _check(m.remat in model_lib.REMAT_POLICIES,
-         f'model.remat={m.remat!r}: choose one of {tuple(model_lib.REMAT_POLICIES)}.')
+
+def resolve(config: ml_collections.ConfigDict, num_devices: int, backend: str | None = None,
+            tokenizer_vocab_size: int = 0) -> tuple[ml_collections.ConfigDict, RunShape]:
+  """Returns (resolved locked copy of config, RunShape); raises ConfigError on any inconsistency.
+
+  tokenizer_vocab_size: the tokenizer's ids, which the embedding must hold (0: not checked).
+  """
+  c = from_dict(config.to_dict(), strict=True)  # a copy in today's layout; the caller's is untouched
+  _resolve_model(c.model, backend, tokenizer_vocab_size)
+  mesh_shape = _resolve_mesh(c, num_devices)
+  accum, tokens_per_step = _resolve_batch(c)
+  _resolve_schedule(c.train, c.optim, tokens_per_step)
+  _resolve_rest(c)
+  c.lock()
+  return c, RunShape(mesh_shape=mesh_shape, grad_accum_steps=accum,
+                     tokens_per_step=tokens_per_step)
+
+
+def _resolve_model(m: ml_collections.ConfigDict, backend: str | None,
+                   tokenizer_vocab_size: int) -> None:
+  _choice(m, 'model', 'attention', attention.IMPLEMENTATIONS)
+  reason = attention.unavailable_reason(m.attention, backend)
+  _check(reason is None, reason)
+  _choice(m, 'model', 'remat', model_lib.REMAT_POLICIES)
   for field in ('dtype', 'param_dtype'):
-    _check(m[field] in _DTYPES, f'model.{field}={m[field]!r}: choose one of {_DTYPES}.')
-  _check(c.optim.mu_dtype in _DTYPES,
-         f'optim.mu_dtype={c.optim.mu_dtype!r}: choose one of {_DTYPES}.')
+    _choice(m, 'model', field, _DTYPES)
   for field in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'mlp_dim', 'vocab_size'):
     _check(m[field] > 0, f'model.{field} must be positive, got {m[field]}.')
   _check(m.num_heads % m.num_kv_heads == 0,
@@ -59,8 +203,14 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
            'set model.head_dim explicitly.')
     m.head_dim = m.d_model // m.num_heads
   _check(m.head_dim % 2 == 0, f'model.head_dim={m.head_dim} must be even (rotary embeddings).')
+  _check(m.vocab_size >= tokenizer_vocab_size,
+         f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary "
+         f'({tokenizer_vocab_size}); set model.vocab_size to at least that (a multiple of '
+         '128 is fastest).')
 
-  # Mesh.
+
+def _resolve_mesh(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
+  m = c.model
   try:
     mesh_shape = sharding.resolve_mesh_shape(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, num_devices)
   except ValueError as e:
@@ -75,10 +225,14 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
          f'mesh.tensor={tp} must divide model.vocab_size={m.vocab_size} (pad the vocabulary up).')
   _check(m.d_model % c.mesh.fsdp == 0,
          f'mesh.fsdp={c.mesh.fsdp} must divide model.d_model={m.d_model}.')
+  return mesh_shape
 
-  # Batch and accumulation.
+
+def _resolve_batch(c: ml_collections.ConfigDict) -> tuple[int, int]:
+  """Derives micro_batch_size and eval_batch_size; returns (accumulation steps, tokens per step)."""
+  t = c.train
   dp = c.mesh.data * c.mesh.fsdp
-  _check(d.seq_len > 0, f'data.seq_len must be positive, got {d.seq_len}.')
+  _check(c.data.seq_len > 0, f'data.seq_len must be positive, got {c.data.seq_len}.')
   _check(t.batch_size > 0 and t.micro_batch_size >= 0,
          f'train.batch_size={t.batch_size} must be positive and train.micro_batch_size='
          f'{t.micro_batch_size} non-negative.')
@@ -92,42 +246,46 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
          f'train.batch_size={t.batch_size} is not a multiple of train.micro_batch_size='
          f'{t.micro_batch_size} × {dp} data-parallel devices (mesh data×fsdp) = {per_pass}. '
          f'Use a batch_size that is a multiple of {per_pass}, or change micro_batch_size.')
-  accum = t.batch_size // per_pass
   if t.eval_batch_size == 0:
     t.eval_batch_size = per_pass  # eval runs without accumulation: one micro-batch per device
   _check(t.eval_batch_size % dp == 0,
          f'train.eval_batch_size={t.eval_batch_size} must be a multiple of the {dp} '
          'data-parallel devices.')
-  tokens_per_step = t.batch_size * d.seq_len
+  return t.batch_size // per_pass, t.batch_size * c.data.seq_len
 
-  # Run length: steps win when given; otherwise derived from tokens (rounded up).
+
+def _resolve_schedule(t: ml_collections.ConfigDict, o: ml_collections.ConfigDict,
+                      tokens_per_step: int) -> None:
+  """Run length and warmup: steps win when given; otherwise derived from tokens (rounded up)."""
   if t.steps > 0:
     t.total_tokens = t.steps * tokens_per_step
   else:
     _check(t.total_tokens > 0, 'set train.steps or train.total_tokens (both are 0).')
     t.steps = math.ceil(t.total_tokens / tokens_per_step)
     t.total_tokens = t.steps * tokens_per_step
-  if t.warmup_steps > 0:
-    t.warmup_tokens = t.warmup_steps * tokens_per_step
+  if o.warmup_steps > 0:
+    o.warmup_tokens = o.warmup_steps * tokens_per_step
   else:
-    t.warmup_steps = math.ceil(t.warmup_tokens / tokens_per_step)
-    t.warmup_tokens = t.warmup_steps * tokens_per_step
-  _check(t.warmup_steps < t.steps,
-         f'train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}.')
-  _check(0 <= t.min_learning_rate <= t.learning_rate,
-         f'train.min_learning_rate={t.min_learning_rate} must lie in [0, train.learning_rate='
-         f'{t.learning_rate}].')
-  _check(t.on_nonfinite in ('halt', 'skip'),
-         f"train.on_nonfinite={t.on_nonfinite!r}: choose 'halt' or 'skip'.")
-  _check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
+    o.warmup_steps = math.ceil(o.warmup_tokens / tokens_per_step)
+    o.warmup_tokens = o.warmup_steps * tokens_per_step
+  _check(o.warmup_steps < t.steps,
+         f'optim.warmup_steps={o.warmup_steps} must be smaller than train.steps={t.steps}.')
+  _check(o.learning_rate > 0, f'optim.learning_rate={o.learning_rate} must be positive.')
+  _check(0 <= o.min_learning_rate <= o.learning_rate,
+         f'optim.min_learning_rate={o.min_learning_rate} must lie in [0, optim.learning_rate='
+         f'{o.learning_rate}].')
+  _check(o.grad_clip >= 0, f'optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).')
+  _choice(o, 'optim', 'mu_dtype', _DTYPES)
+
+
+def _resolve_rest(c: ml_collections.ConfigDict) -> None:
+  t = c.train
+  _choice(t, 'train', 'on_nonfinite', ('halt', 'skip'))
   for field in ('log_every', 'eval_every'):
     _check(t[field] > 0, f'train.{field} must be positive, got {t[field]}.')
-
-  c.lock()
-  return c, RunShape(mesh_shape=mesh_shape, grad_accum_steps=accum,
-                     tokens_per_step=tokens_per_step)
+  _check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
+  _choice(c.data, 'data', 'on_bad_record', ('error', 'skip'))
 
 
 def model_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:
   return model_lib.ModelConfig.from_config(config.model)
-

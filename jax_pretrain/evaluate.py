@@ -22,14 +22,19 @@ import json
 import math
 import time
 
-import jax
+from absl import flags
 import numpy as np
 
+from jax_pretrain import cli
 from jax_pretrain import data as data_lib
-from jax_pretrain import sample as sample_lib
-from jax_pretrain import train
+from jax_pretrain import metrics as metrics_lib
+from jax_pretrain import state as state_lib
+from jax_pretrain import workdir as workdir_lib
+from jax_pretrain.data import loader
 from jax_pretrain.data import pipeline
+from jax_pretrain.data import sources as sources_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.errors import UserError
 
 
 @dataclasses.dataclass
@@ -46,7 +51,7 @@ class Result:
 
   @property
   def perplexity(self) -> float:
-    return math.exp(min(self.loss, 50.0))
+    return metrics_lib.perplexity(self.loss)
 
   @property
   def bits_per_byte(self) -> float | None:
@@ -70,35 +75,43 @@ def text_bytes(tokenizer, ids: np.ndarray) -> int | None:
   return total
 
 
+def _batches(windows, n_windows: int, batch_size: int, pad_id: int):
+  """Windows [0, n_windows) in order, batch_size rows a batch, the last filled up with pad_id."""
+  for start in range(0, n_windows, batch_size):
+    tokens_BxT1 = np.full((batch_size, windows.seq_len + 1), pad_id, np.int32)
+    for r, i in enumerate(range(start, min(start + batch_size, n_windows))):
+      tokens_BxT1[r] = windows[i]
+    yield {'tokens': tokens_BxT1}
+
+
 def evaluate(workdir: str, data: str = '', *, step: int | None = None, max_tokens: int = 1_000_000,
              batch_size: int = 0, split: str = 'val', devices=None) -> list[Result]:
   """One Result per source, then (for several) their total. max_tokens: per source, 0 for all;
   batch_size 0: the run's train.eval_batch_size."""
-  config, params, s = train.load_trained(workdir, step, devices)
-  tokenizer = sample_lib.load_tokenizer(config)
+  run = workdir_lib.load(workdir, step, devices)
+  config, tokenizer, s = run.config, run.tokenizer, run.setup
   T = config.data.seq_len
   B = batch_size or config.train.eval_batch_size
   if B % s.mesh.size:
-    raise ValueError(f'batch_size {B} is not a multiple of the {s.mesh.size} devices.')
+    raise UserError(f'--batch_size={B} is not a multiple of the {s.mesh.size} devices.')
   pad_id = tokenizer.pad_id
-  eval_step = train.jit_eval_step(s, pad_id)
+  eval_step = state_lib.jit_eval_step(s, pad_id)
+  if data:
+    components = data_lib.eval_components(sources_lib.parse(data, '--data'), tokenizer,
+                                          sources_lib.ReadOptions.from_config(config.data), split)
+  else:
+    components = loader.split_components(data_lib.open_sources(config), config.data.val_ratio)[1]
   results = []
-  for c in data_lib.split_components(config.data, tokenizer, data, split)[1]:
+  for c in components:
     if c.tokens is None:
       n = max(1, -(-max_tokens // T)) if max_tokens else 64
       windows = pipeline.SyntheticWindows(tokenizer.vocab_size, pad_id, T, pipeline.EVAL_SEED, n)
     else:
       windows = pipeline.Windows(c.tokens, T, pad_id=pad_id)
     n_windows = len(windows) if not max_tokens else min(len(windows), -(-max_tokens // T))
-    result = Result(c.name, c.weight)
-    for start in range(0, n_windows, B):
-      tokens_BxT1 = np.full((B, T + 1), pad_id, np.int32)
-      for r, i in enumerate(range(start, min(start + B, n_windows))):
-        tokens_BxT1[r] = windows[i]
-      batch = {'tokens': jax.make_array_from_process_local_data(s.batch_sharding, tokens_BxT1)}
-      nll, count = jax.device_get(eval_step(params, batch))
-      result.nll += float(nll)
-      result.tokens += int(count)
+    nll, count = state_lib.summed_loss(eval_step, run.params,
+                                       _batches(windows, n_windows, B, pad_id), s.batch_sharding)
+    result = Result(c.name, c.weight, int(count), nll)
     if c.tokens is not None and n_windows:  # the targets of windows [0, n): tokens [1, n·T + 1)
       targets = c.tokens.read(1, min(len(c.tokens), n_windows * T + 1))
       result.bytes = text_bytes(tokenizer, targets)
@@ -123,22 +136,7 @@ def format_table(results: list[Result]) -> str:
   return '\n'.join(lines)
 
 
-def define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_string('workdir', None, 'Workdir of a training run (or of scripts/import_hf.py).',
-                      required=True)
-  flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
-  flags.DEFINE_string('data', '', "Sources, in data.train's syntax; '' : the run's held-out data.")
-  flags.DEFINE_string('split', 'val', 'Split of prepared-data directories in --data.')
-  flags.DEFINE_integer('max_tokens', 1_000_000, 'Tokens evaluated per source at most; 0: all.')
-  flags.DEFINE_integer('batch_size', 0, "Sequences per batch; 0: the run's eval_batch_size.")
-  flags.DEFINE_string('json', '', 'Also write the results to this JSON file.')
-
-
-def main(argv):
-  from jax_pretrain import cli  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  cli.start(argv)
+def main():
   f = flags.FLAGS
   t0 = time.perf_counter()
   results = evaluate(f.workdir, f.data, step=f.step, max_tokens=f.max_tokens,
@@ -153,6 +151,10 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  from absl import app  # pylint: disable=g-import-not-at-top
-  define_flags()
-  app.run(main)
+  cli.define_run_flags()
+  flags.DEFINE_string('data', '', "Sources, in data.train's syntax; '' : the run's held-out data.")
+  flags.DEFINE_string('split', 'val', 'Split of prepared-data directories in --data.')
+  flags.DEFINE_integer('max_tokens', 1_000_000, 'Tokens evaluated per source at most; 0: all.')
+  flags.DEFINE_integer('batch_size', 0, "Sequences per batch; 0: the run's eval_batch_size.")
+  flags.DEFINE_string('json', '', 'Also write the results to this JSON file.')
+  cli.run(main)

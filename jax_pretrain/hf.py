@@ -8,7 +8,8 @@ output axes and transposing. RoPE needs no permutation: model.apply_rope rotates
 same order as ours. RMSNorm, SwiGLU (down(silu(gate(x)) · up(x))), no biases and the 1/sqrt(H)
 attention scale are the same equations. A tied model has no lm_head.weight (transformers ties it).
 
-Used by scripts/export_hf.py and scripts/import_hf.py. Needs safetensors; transformers only to write
+`export(workdir, out_dir)` and `import_run(hf_dir, workdir, config)` are what scripts/export_hf.py
+and scripts/import_hf.py run. Needs safetensors; transformers only to write
 the tokenizer files (skipped, with a note, when it is not installed); never torch.
 """
 import dataclasses
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_pretrain import model as model_lib
+from jax_pretrain.data import tokenizer as tokenizer_lib
 
 # (HF name, our path under the layer (or root), number of leading input axes; 0: copied as is)
 _LAYER = [
@@ -243,13 +245,12 @@ def save_tokenizer(out_dir: str, tokenizer) -> list[str]:
   except ImportError:
     return ['transformers is not installed: exported the model without a tokenizer. '
             '`pip install transformers` and export again for the tokenizer files.']
-  kind = type(tokenizer).__name__
-  if kind == 'ByteTokenizer':
-    hf_tok = _byte_tokenizer(transformers, tokenizer)
-  elif kind == 'SentencePieceTokenizer':
-    hf_tok = _sentencepiece_tokenizer(transformers, tokenizer, out_dir)
-  else:
-    return [f'the run has no text tokenizer ({kind}): exported the model without one.']
+  convert = {tokenizer_lib.ByteTokenizer: _byte_tokenizer,
+             tokenizer_lib.SentencePieceTokenizer: _sentencepiece_tokenizer}.get(type(tokenizer))
+  if convert is None:
+    return [f'the run has no text tokenizer ({type(tokenizer).__name__}): exported the model '
+            'without one.']
+  hf_tok = convert(transformers, tokenizer, out_dir)
   hf_tok.save_pretrained(out_dir)
   probe = ' Two  spaces,\ttabs\nand ünïcödé 日本 🙂 3.14159 '
   if hf_tok(probe)['input_ids'] != [int(i) for i in tokenizer.encode(probe)]:
@@ -296,7 +297,8 @@ def _sentencepiece_tokenizer(transformers, tokenizer, out_dir: str):
   return hf_tok
 
 
-def _byte_tokenizer(transformers, tokenizer):
+def _byte_tokenizer(transformers, tokenizer, out_dir: str):
+  del out_dir  # nothing to copy
   """Our UTF-8 byte tokenizer as a fast tokenizer: ids 0..255 are bytes, then <s>, </s>, <pad>."""
   import tokenizers  # pylint: disable=g-import-not-at-top
   byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -322,3 +324,53 @@ def _bytes_to_unicode() -> dict[int, str]:
       cs.append(256 + n)
       n += 1
   return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+# Runs
+
+def export(workdir: str, out_dir: str, step: int | None = None) -> list[str]:
+  """A run's checkpoint as a LlamaForCausalLM directory; returns notes for the user."""
+  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  run = workdir_lib.load(workdir, step, devices=jax.devices()[:1])
+  return save(out_dir, jax.device_get(run.params), config_lib.model_config(run.config),
+              max_position_embeddings=run.config.data.seq_len, tokenizer=run.tokenizer)
+
+
+def import_run(hf_dir: str, workdir: str, config):
+  """A new run in workdir, at step 0, from a local Llama checkpoint; `config` gives everything but
+  the model (which comes from the checkpoint) and is written as the run's config, with
+  checkpoint.restore_from=workdir so that training from it starts from these params."""
+  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  hf_config, tensors = load(hf_dir)
+  config.model.update(model_fields(hf_config))
+  sp_model = os.path.join(hf_dir, 'tokenizer.model')
+  if config.data.tokenizer:
+    tokenizer = tokenizer_lib.load(config.data.tokenizer)
+  elif os.path.isfile(sp_model):
+    tokenizer = tokenizer_lib.load(sp_model)
+  else:
+    tokenizer = tokenizer_lib.ByteTokenizer()
+  # The run's tokenizer is kept in the workdir (workdir.save_tokenizer); training from it reads it.
+  config.data.tokenizer = os.path.join(os.path.abspath(workdir), workdir_lib.TOKENIZER_DIR)
+  config.checkpoint.restore_from = os.path.abspath(workdir)
+  params = from_hf(tensors, config_lib.model_config(config))
+  if tokenizer.vocab_size > config.model.vocab_size:
+    # A pad id that the sentencepiece model lacks is appended after its pieces: give the embedding
+    # room for it (zero rows: pad is only ever an ignored target; sampling never picks it).
+    params = grow_vocab(params, -(-tokenizer.vocab_size // 128) * 128)
+    config.model.vocab_size = params['embedding'].shape[0]
+  return workdir_lib.create(workdir, config, params, tokenizer)
+
+
+def grow_vocab(params, vocab_size: int):
+  """The embedding (and untied lm_head) padded with zero rows up to vocab_size."""
+  def grow(x, axis):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, vocab_size - x.shape[axis])
+    return np.pad(x, pad)
+  params = dict(params, embedding=grow(params['embedding'], 0))
+  if 'lm_head' in params:
+    params['lm_head'] = grow(params['lm_head'], 1)
+  return params

@@ -5,24 +5,15 @@ Several processes (hosts): jax.distributed is initialized from SLURM or Open MPI
 present, or from --coordinator_address/--num_processes/--process_id.
 """
 import os
-import sys
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow (under clu) is noisy at start-up
-os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # (TF computes nothing here; silences its banner)
-
-from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
 from jax_pretrain import cli
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # so that config files can `from configs import base`
-  sys.path.insert(0, _ROOT)
-
 _CONFIG = config_flags.DEFINE_config_file(
-    'config', os.path.join(_ROOT, 'configs', 'default.py'),
+    'config', os.path.join(cli.PRESETS_DIR, 'default.py'),
     'Config file (configs/*.py); fields are overridden with --config.group.field=value.',
     lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
@@ -54,19 +45,11 @@ def initialize_distributed() -> None:
                   jax.process_count(), jax.local_device_count())
 
 
-def main(argv):
-  cli.start(argv)
+def main():
   initialize_distributed()
-  # pylint: disable=g-import-not-at-top  (after flags parse and distributed init)
-  from jax_pretrain import checkpoint
-  from jax_pretrain import config as config_lib
-  from jax_pretrain import train
-  try:
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (config_lib.ConfigError, checkpoint.CheckpointError, train.NonFiniteError) as e:
-    print(f'error: {e}', file=sys.stderr, flush=True)
-    sys.exit(1)
+  from jax_pretrain import train  # pylint: disable=g-import-not-at-top  (after distributed init)
+  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -5,6 +5,7 @@ Only process 0 writes. clu's TensorBoard writer imports TensorFlow; where Tensor
 metrics.jsonl is always written: one JSON object per logged step, with the same scalar names.
 """
 import json
+import math
 import os
 
 from absl import logging
@@ -92,3 +93,8 @@ class MetricWriter:
     if self._enabled:
       self._tb.close()
       self._jsonl.close()
+
+
+def perplexity(loss: float) -> float:
+  """exp(loss), capped (exp(50)) so that a diverged loss logs a number, not inf."""
+  return math.exp(min(float(loss), 50.0))

@@ -1,18 +1,21 @@
-"""AdamW with linear warmup then cosine decay, clipping by global norm, and a decay mask."""
+"""AdamW with linear warmup then cosine decay, clipping by global norm, and a decay mask.
+
+Everything is read from the (resolved) config.optim group; the run's length is train.steps.
+"""
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 
 
-def learning_rate_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
+def learning_rate_schedule(o: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
   """0 -> learning_rate linearly over warmup_steps, then cosine down to min_learning_rate at steps.
 
   optax's decay_steps counts the warmup too, so it is the whole run.
   """
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
-      decay_steps=t.steps, end_value=t.min_learning_rate)
+      init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps,
+      decay_steps=steps, end_value=o.min_learning_rate)
 
 
 def weight_decay_mask(params):
@@ -24,12 +27,11 @@ def weight_decay_mask(params):
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(t: ml_collections.ConfigDict,
-                   mu_dtype: str = 'float32') -> optax.GradientTransformation:
-  """t: the train config group; mu_dtype: config.optim.mu_dtype."""
-  adamw = optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
-                      weight_decay=t.weight_decay, mask=weight_decay_mask,
-                      mu_dtype=jnp.dtype(mu_dtype))
-  if t.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw)
+def make_optimizer(o: ml_collections.ConfigDict, steps: int) -> optax.GradientTransformation:
+  """o: the optim config group; steps: the run's optimizer steps (the schedule's length)."""
+  adamw = optax.adamw(learning_rate_schedule(o, steps), b1=o.b1, b2=o.b2, eps=o.eps,
+                      weight_decay=o.weight_decay, mask=weight_decay_mask,
+                      mu_dtype=jnp.dtype(o.mu_dtype))
+  if o.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw)
   return adamw

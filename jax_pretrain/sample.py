@@ -20,11 +20,15 @@ has stopped or after max_new_tokens.
 import dataclasses
 import functools
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_pretrain import cli
+from jax_pretrain import config as config_lib
 from jax_pretrain import model as model_lib
+from jax_pretrain import workdir as workdir_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,45 +149,11 @@ def generate_text(model_config: model_lib.ModelConfig, params, tokenizer, prompt
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)[0]
 
 
-def load_tokenizer(config):
-  """The tokenizer of a run, from its (resolved) config: what data.build would use, without
-  reading the training data."""
-  from jax_pretrain import data as data_lib  # pylint: disable=g-import-not-at-top
-  d = config.data
-  specs = data_lib.sources.parse(d.train, 'data.train')
-  if d.val:
-    specs += data_lib.sources.parse(d.val, 'data.val')
-  return data_lib.resolve_tokenizer(d.tokenizer, specs, config.model.vocab_size)
-
-
-def define_flags():
-  """The command line's flags; defined only when run as a program (train.py imports this module)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_string('workdir', None, 'Workdir of a training run (or of scripts/import_hf.py).',
-                      required=True)
-  flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
-  flags.DEFINE_multi_string('prompt', [], 'Prompt; repeat the flag for a batch of prompts (none: '
-                            'one empty prompt, i.e. the start of a document).')
-  flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generate at most per prompt.')
-  flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 is greedy decoding.')
-  flags.DEFINE_integer('top_k', 50, 'Sample among the k most likely tokens; 0 disables.')
-  flags.DEFINE_float('top_p', 0.95, 'Nucleus sampling: the smallest set of tokens with this '
-                     'probability; 1.0 disables.')
-  flags.DEFINE_integer('seed', 0, 'Random seed of the sampling.')
-  flags.DEFINE_bool('echo', True, 'Print each prompt before its continuation.')
-
-
-def main(argv):
-  from jax_pretrain import cli  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jax_pretrain import train  # pylint: disable=g-import-not-at-top
-  cli.start(argv)
+def main():
   f = flags.FLAGS
-  config, params, _ = train.load_trained(f.workdir, f.step, devices=jax.devices()[:1])
-  tokenizer = load_tokenizer(config)
+  run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   prompts = f.prompt or ['']
-  texts = generate_texts(config_lib.model_config(config), params, tokenizer, prompts,
+  texts = generate_texts(config_lib.model_config(run.config), run.params, run.tokenizer, prompts,
                          f.max_new_tokens, temperature=f.temperature, top_k=f.top_k,
                          top_p=f.top_p, seed=f.seed)
   for k, (prompt, text) in enumerate(zip(prompts, texts)):
@@ -193,6 +163,15 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  from absl import app  # pylint: disable=g-import-not-at-top
-  define_flags()
-  app.run(main)
+  # Flags only when run as a program: train.py imports this module for its end-of-run sample.
+  cli.define_run_flags()
+  flags.DEFINE_multi_string('prompt', [], 'Prompt; repeat the flag for a batch of prompts (none: '
+                            'one empty prompt, i.e. the start of a document).')
+  flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generate at most per prompt.')
+  flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 is greedy decoding.')
+  flags.DEFINE_integer('top_k', 50, 'Sample among the k most likely tokens; 0 disables.')
+  flags.DEFINE_float('top_p', 0.95, 'Nucleus sampling: the smallest set of tokens with this '
+                     'probability; 1.0 disables.')
+  flags.DEFINE_integer('seed', 0, 'Random seed of the sampling.')
+  flags.DEFINE_bool('echo', True, 'Print each prompt before its continuation.')
+  cli.run(main)

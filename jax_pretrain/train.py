@@ -1,229 +1,34 @@
-"""The training loop: state created in its shardings, one jitted train step, eval, logging.
+"""The training loop: prefetched batches -> the jitted step -> logs, evals, checkpoints.
 
-Flow: resolve config -> mesh -> model/optimizer -> abstract state (eval_shape) -> shardings ->
-jit(init, out_shardings) -> AOT-compile the step -> loop { prefetched batch -> step -> log N-1 }.
+Flow: data.open_sources -> state.build (config, mesh, model, optimizer, shardings) -> restore or
+init the state -> AOT-compile the step -> loop { prefetched batch -> step -> log step N-1 -> eval,
+save, stop signals } -> final sample.
 """
-import dataclasses
-import json
 import os
 import queue
 import threading
 import time
-from typing import Any
 
-import flax
-import flax.linen as nn
 import jax
 from jax.experimental import multihost_utils
-import jax.numpy as jnp
 import ml_collections
-import numpy as np
-import optax
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import data as data_lib
 from jax_pretrain import metrics as metrics_lib
 from jax_pretrain import model as model_lib
-from jax_pretrain import optim
 from jax_pretrain import sample as sample_lib
-from jax_pretrain import sharding
 from jax_pretrain import signals
+from jax_pretrain import state as state_lib
+from jax_pretrain import workdir as workdir_lib
+from jax_pretrain.errors import UserError
+from jax_pretrain.state import Setup
+from jax_pretrain.state import TrainState
 
 
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array
-  params: Any
-  opt_state: Any
-  nonfinite_count: jax.Array  # steps whose update was dropped for a non-finite loss or grad norm
-  consecutive_nonfinite: jax.Array  # of those, how many in a row up to now
-
-
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError):
   """Training produced a non-finite loss or gradient norm and the config says to halt."""
-
-
-def make_loss_fn(model: nn.Module, pad_id: int):
-  """(params, tokens [B, T+1]) -> (sum of next-token NLL over non-pad targets, their count).
-
-  Sums, not means, so that micro-batches and data-parallel shards combine exactly.
-  """
-  def loss_fn(params, tokens_BxT1):
-    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-    logits_BxTxV = model.apply({'params': params}, inputs_BxT).astype(jnp.float32)
-    logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
-    weights_BxT = (targets_BxT != pad_id).astype(jnp.float32)
-    return jnp.sum((logz_BxT - target_logit_BxT) * weights_BxT), jnp.sum(weights_BxT)
-  return loss_fn
-
-
-def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id: int,
-                    mesh=None):
-  """A pure (state, batch) -> (state, metrics) function; jit it once."""
-  loss_and_grad = jax.value_and_grad(make_loss_fn(model, pad_id), has_aux=True)
-
-  def train_step(state: TrainState, batch):
-    tokens_BxT1 = batch['tokens']
-    if grad_accum_steps == 1:
-      (loss_sum, weight), grads = loss_and_grad(state.params, tokens_BxT1)
-    else:
-      # Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps its own rows (no transfer).
-      B, T1 = tokens_BxT1.shape
-      micro_AxMxT1 = tokens_BxT1.reshape(B // grad_accum_steps, grad_accum_steps, T1)
-      micro_AxMxT1 = sharding.constrain(micro_AxMxT1.swapaxes(0, 1), (None, 'batch', None), mesh)
-
-      def accumulate(carry, tokens_MxT1):
-        (loss_i, weight_i), grads_i = loss_and_grad(state.params, tokens_MxT1)
-        loss_sum, weight, grads = carry
-        return (loss_sum + loss_i, weight + weight_i, jax.tree.map(jnp.add, grads, grads_i)), None
-
-      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-               jax.tree.map(jnp.zeros_like, state.params))
-      (loss_sum, weight, grads), _ = jax.lax.scan(accumulate, zeros, micro_AxMxT1)
-
-    weight = jnp.maximum(weight, 1.0)
-    grads = jax.tree.map(lambda g: g / weight, grads)
-    loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    # A non-finite loss or gradient drops the whole update: params and moments stay as they were.
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params, opt_state = jax.lax.cond(finite, lambda: (params, opt_state),
-                                     lambda: (state.params, state.opt_state))
-    new_state = state.replace(
-        step=state.step + 1, params=params, opt_state=opt_state,
-        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
-        consecutive_nonfinite=jnp.where(finite, 0, state.consecutive_nonfinite + 1))
-    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
-               'nonfinite_count': new_state.nonfinite_count,
-               'consecutive_nonfinite': new_state.consecutive_nonfinite}
-    return new_state, metrics
-
-  return train_step
-
-
-def make_eval_step(model, pad_id: int):
-  loss_fn = make_loss_fn(model, pad_id)
-  return lambda params, batch: loss_fn(params, batch['tokens'])
-
-
-@dataclasses.dataclass
-class Setup:
-  """Everything built from the config before the first step."""
-  config: ml_collections.ConfigDict
-  run: config_lib.RunShape
-  mesh: Any
-  model: model_lib.Transformer
-  optimizer: optax.GradientTransformation
-  schedule: optax.Schedule
-  state_shardings: TrainState
-  batch_sharding: Any
-  abstract_state: TrainState
-  init_fn: Any  # rng -> TrainState with fresh params
-  new_state_fn: Any  # params -> TrainState at step 0 with a fresh optimizer
-
-
-def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
-  """Resolves the config, builds mesh, model and optimizer, and the abstract sharded state."""
-  devices = jax.devices() if devices is None else devices
-  config, run = config_lib.resolve(config, len(devices), backend=devices[0].platform)
-  mesh = sharding.make_mesh(run.mesh_shape, devices)
-  model = model_lib.Transformer(config_lib.model_config(config), mesh=mesh)
-  optimizer = optim.make_optimizer(config.train, config.optim.mu_dtype)
-  schedule = optim.learning_rate_schedule(config.train)
-  # Init traces the model once (the forward pass is dead code XLA drops); the batch must split
-  # over the data-parallel devices, since fused attention runs under shard_map.
-  dummy_BxT = jnp.zeros((run.mesh_shape[0] * run.mesh_shape[1], config.data.seq_len), jnp.int32)
-
-  def new_state(params):
-    zero = jnp.zeros((), jnp.int32)
-    return TrainState(step=zero, params=params, opt_state=optimizer.init(params),
-                      nonfinite_count=zero, consecutive_nonfinite=zero)
-
-  def init_fn(rng):
-    return new_state(nn.meta.unbox(model.init(rng, dummy_BxT)['params']))
-
-  rng = jax.random.key(config.train.seed)
-  boxed = jax.eval_shape(lambda r: model.init(r, dummy_BxT)['params'], rng)
-  logical_specs = nn.get_partition_spec(boxed)
-  param_shardings = jax.tree.map(lambda spec: sharding.named_sharding(mesh, tuple(spec)),
-                                 logical_specs, is_leaf=lambda x: isinstance(x, jax.P))
-  abstract = jax.eval_shape(init_fn, rng)
-  replicated = sharding.replicated(mesh)
-  opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state,
-                                        param_shardings,
-                                        transform_non_params=lambda _: replicated)
-  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                               nonfinite_count=replicated, consecutive_nonfinite=replicated)
-  return Setup(config=config, run=run, mesh=mesh, model=model, optimizer=optimizer,
-               schedule=schedule, state_shardings=state_shardings,
-               batch_sharding=sharding.named_sharding(mesh, ('batch', None)),
-               abstract_state=checkpoint_lib.abstract_with_shardings(abstract, state_shardings),
-               init_fn=init_fn, new_state_fn=new_state)
-
-
-def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a run saved in its workdir, over today's defaults (configs/base.py), so
-  that runs saved before a field existed still load."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
-    raise FileNotFoundError(f'{path} not found: is {workdir!r} the workdir of a training run?')
-  from configs import base  # pylint: disable=g-import-not-at-top
-  config = base.get_config()
-  with open(path, encoding='utf-8') as f:
-    saved = json.load(f)
-  for group, fields in saved.items():
-    if group in config and isinstance(fields, dict):
-      config[group].update(fields)
-  return config
-
-
-def load_trained(workdir: str, step: int | None = None, devices=None):
-  """(config, params, setup) of a run's latest (or given) checkpoint, on this machine's devices.
-
-  The mesh is rebuilt for the devices at hand (data-parallel over all of them), and the attention
-  falls back to 'xla' where the run used a GPU-only kernel and this machine has no GPU.
-  """
-  config = load_config(workdir)
-  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
-  config.train.micro_batch_size = config.train.eval_batch_size = 0  # re-derived for these devices
-  devices = jax.devices() if devices is None else devices
-  if devices[0].platform != 'gpu':
-    config.model.attention = 'xla'
-  s = build(config, devices)
-  checkpointer = checkpoint_lib.Checkpointer(workdir, read_only=True)
-  try:
-    _, params = checkpointer.restore_params(s.abstract_state.params, step)
-  finally:
-    checkpointer.close()
-  return s.config, params, s
-
-
-def init_state(s: Setup) -> TrainState:
-  """Creates the state directly in its shardings: no host ever holds the full model."""
-  init = jax.jit(s.init_fn, out_shardings=s.state_shardings)
-  return init(jax.random.key(s.config.train.seed))
-
-
-def jit_train_step(s: Setup, pad_id: int):
-  step = make_train_step(s.model, s.optimizer, s.schedule,
-                         grad_accum_steps=s.run.grad_accum_steps, pad_id=pad_id, mesh=s.mesh)
-  return jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding),
-                 out_shardings=(s.state_shardings, sharding.replicated(s.mesh)),
-                 donate_argnums=(0,))
-
-
-def jit_eval_step(s: Setup, pad_id: int):
-  return jax.jit(make_eval_step(s.model, pad_id),
-                 in_shardings=(s.state_shardings.params, s.batch_sharding),
-                 out_shardings=sharding.replicated(s.mesh))
-
-
-def abstract_batch(s: Setup, batch_size: int):
-  return {'tokens': jax.ShapeDtypeStruct((batch_size, s.config.data.seq_len + 1), jnp.int32,
-                                         sharding=s.batch_sharding)}
 
 
 class Prefetcher:
@@ -266,17 +71,6 @@ class Prefetcher:
         self._thread.join(timeout=0.1)
 
 
-def evaluate(eval_step, params, batches, batch_sharding) -> float:
-  """Mean next-token loss over the eval set; one host sync at the end."""
-  loss_sum, weight = jnp.zeros(()), jnp.zeros(())
-  for batch in batches:
-    device_batch = jax.make_array_from_process_local_data(batch_sharding, batch['tokens'])
-    l, w = eval_step(params, {'tokens': device_batch})
-    loss_sum, weight = loss_sum + l, weight + w
-  loss_sum, weight = jax.device_get((loss_sum, weight))
-  return float(loss_sum / max(weight, 1.0))
-
-
 def _format_eta(seconds: float) -> str:
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
@@ -290,7 +84,7 @@ def describe(s: Setup, num_params: int) -> str:
       f'({m.num_kv_heads} kv) × {m.head_dim}, mlp {m.mlp_dim}, vocab {m.vocab_size}',
       f'tokens per step   {run.tokens_per_step:,} ({c.train.batch_size} × {c.data.seq_len})',
       f'steps             {c.train.steps:,} ({c.train.total_tokens:,} tokens), warmup '
-      f'{c.train.warmup_steps:,} ({c.train.warmup_tokens:,} tokens)',
+      f'{c.optim.warmup_steps:,} ({c.optim.warmup_tokens:,} tokens)',
       f'grad accumulation {run.grad_accum_steps} micro-batches of {c.train.micro_batch_size} '
       f'per device',
       f'mesh              data={run.mesh_shape[0]} fsdp={run.mesh_shape[1]} '
@@ -337,7 +131,7 @@ class StepLogger:
     self._last_time, self._last_step = now, step
     tokens_per_sec = self._tokens_per_step / step_time
     mfu = metrics_lib.mfu(self._flops_per_token, tokens_per_sec, self._num_devices, self._peak)
-    scalars = {'train/loss': m['loss'], 'train/ppl': float(np.exp(min(m['loss'], 50.0))),
+    scalars = {'train/loss': m['loss'], 'train/ppl': metrics_lib.perplexity(m['loss']),
                'train/lr': m['lr'], 'train/grad_norm': m['grad_norm'],
                'train/tokens': step * self._tokens_per_step,
                'train/nonfinite_skips': m['nonfinite_count'],
@@ -399,13 +193,14 @@ def _initial_state(s: Setup, checkpointer, data, is_main: bool) -> TrainState:
     if is_main:
       print(f'starting from the params of {other.directory} step {step} (fresh optimizer and '
             'data order)', flush=True)
-    return jax.jit(s.new_state_fn, out_shardings=s.state_shardings)(params)
-  return init_state(s)
+    return state_lib.state_from_params(s, params)
+  return state_lib.init_state(s)
 
 
 def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -> dict:
-  loss = evaluate(eval_step, params, data.eval_batches(), s.batch_sharding)
-  scalars = {'eval/loss': loss, 'eval/ppl': float(np.exp(min(loss, 50.0)))}
+  nll, count = state_lib.summed_loss(eval_step, params, data.eval_batches(), s.batch_sharding)
+  loss = nll / max(count, 1.0)
+  scalars = {'eval/loss': loss, 'eval/ppl': metrics_lib.perplexity(loss)}
   logger.write(step, scalars)
   if jax.process_index() == 0:
     print(f'eval at step {step} | loss {loss:.4f} | ppl {scalars["eval/ppl"]:.2f}', flush=True)
@@ -415,15 +210,16 @@ def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        devices=None) -> dict[str, float]:
   """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics."""
-  s = build(config, devices)
+  sources = data_lib.open_sources(config)
+  s = state_lib.build(config, devices, sources.tokenizer.vocab_size)
   config, t, ck = s.config, s.config.train, s.config.checkpoint
   is_main = jax.process_index() == 0
-  data = data_lib.build(config, jax.process_index(), jax.process_count())
+  data = data_lib.build(config, sources, jax.process_index(), jax.process_count())
   pad_id = data.tokenizer.pad_id
   if is_main:
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True) + '\n')
+    workdir_lib.write_config(workdir, config)
+    workdir_lib.save_tokenizer(workdir, data.tokenizer)
     print(describe(s, model_lib.count_params(s.abstract_state.params)), flush=True)
 
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
@@ -432,9 +228,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   step, skips_at_start = (int(x) for x in jax.device_get((state.step, state.nonfinite_count)))
 
   t0 = time.perf_counter()
-  train_step = jit_train_step(s, pad_id).lower(
-      s.abstract_state, abstract_batch(s, t.batch_size)).compile()
-  eval_step = jit_eval_step(s, pad_id)
+  train_step = state_lib.jit_train_step(s, pad_id).lower(
+      s.abstract_state, state_lib.abstract_batch(s, t.batch_size)).compile()
+  eval_step = state_lib.jit_eval_step(s, pad_id)
   if is_main:
     print(f'compiled train step in {time.perf_counter() - t0:.1f}s', flush=True)
 
@@ -443,7 +239,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   stop = signals.StopSignal(check_every=t.log_every)
   data_state = data.train.get_state()  # before the prefetch thread starts moving the iterator
   prefetcher = Prefetcher(data.train, s.batch_sharding)
-  config_json = json.loads(config.to_json_best_effort())
+  config_json = config_lib.as_dict(config)
   last_saved = checkpointer.latest_step()
   try:
     while step < t.steps:

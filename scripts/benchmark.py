@@ -10,18 +10,15 @@ best first; a setting that fails (out of memory, unsupported) is listed with its
 import itertools
 import os
 import statistics
-import sys
 import time
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file('config', os.path.join(ROOT, 'configs', 'xlarge.py'),
+from jax_pretrain import cli
+
+_CONFIG = config_flags.DEFINE_config_file('config', os.path.join(cli.PRESETS_DIR, 'xlarge.py'),
                                           'Config file to benchmark.', lock_config=True)
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps (after warm-up).')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps after compiling.')
@@ -38,14 +35,14 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   from jax_pretrain import config as config_lib
   from jax_pretrain import metrics as metrics_lib
   from jax_pretrain import model as model_lib
-  from jax_pretrain import train
+  from jax_pretrain import state as state_lib
 
-  s = train.build(config)
+  s = state_lib.build(config)
   c = s.config
-  state = train.init_state(s)
+  state = state_lib.init_state(s)
   t0 = time.perf_counter()
-  step = train.jit_train_step(s, pad_id=-1).lower(
-      s.abstract_state, train.abstract_batch(s, c.train.batch_size)).compile()
+  step = state_lib.jit_train_step(s, pad_id=-1).lower(
+      s.abstract_state, state_lib.abstract_batch(s, c.train.batch_size)).compile()
   compile_s = time.perf_counter() - t0
   make_batch = jax.jit(
       lambda key: {'tokens': jax.random.randint(key, (c.train.batch_size, c.data.seq_len + 1), 0,
@@ -85,8 +82,7 @@ HEADER = (f'{"micro":>5} {"remat":>14} {"attn":>7} {"step_s":>8} {"tokens/s":>12
           f'{"peak_GiB":>8} {"compile_s":>9}')
 
 
-def main(argv):
-  del argv
+def main():
   import jax  # pylint: disable=g-import-not-at-top
   config = _CONFIG.value
   if not _SWEEP.value:
@@ -114,4 +110,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -12,14 +12,10 @@ CPU smoke test (Pallas runs in interpret mode, cuDNN reports its error):
           --head_dim 64 --iters 2
 """
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # pylint: disable=g-import-not-at-top
+import jax
 import jax.numpy as jnp
 
 from jax_pretrain.kernels.flash_attention import flash_attention

@@ -11,34 +11,30 @@ Builds the preset's real train state (fresh parameters, in its shardings), then 
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file('config', os.path.join(ROOT, 'configs', 'small.py'),
+from jax_pretrain import cli
+
+_CONFIG = config_flags.DEFINE_config_file('config', os.path.join(cli.PRESETS_DIR, 'small.py'),
                                           'Preset whose state is saved.', lock_config=True)
 _SAVES = flags.DEFINE_integer('saves', 3, 'Saves to time.')
 _DIR = flags.DEFINE_string('dir', None, 'Where to write (default: a temporary directory).')
 
 
-def main(argv):
-  del argv
+def main():
   # pylint: disable=g-import-not-at-top
   import jax
   from jax_pretrain import checkpoint as checkpoint_lib
   from jax_pretrain import model as model_lib
-  from jax_pretrain import train
+  from jax_pretrain import state as state_lib
 
-  s = train.build(_CONFIG.value)
-  state = jax.block_until_ready(train.init_state(s))
+  s = state_lib.build(_CONFIG.value)
+  state = jax.block_until_ready(state_lib.init_state(s))
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   directory = _DIR.value or tempfile.mkdtemp(prefix='ckpt_bench_')
   checkpointer = checkpoint_lib.Checkpointer(directory, keep=2)
@@ -67,4 +63,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -13,18 +13,15 @@ import argparse
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-import numpy as np  # pylint: disable=wrong-import-position
-
-from configs import base  # pylint: disable=wrong-import-position
-from jax_pretrain import data as data_lib  # pylint: disable=wrong-import-position
-from jax_pretrain.data import prepare  # pylint: disable=wrong-import-position
-from jax_pretrain.data import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
+from jax_pretrain import config as config_lib
+from jax_pretrain import data as data_lib
+from jax_pretrain.data import prepare
+from jax_pretrain.data import tokenizer as tokenizer_lib
 
 
 def write_mixture(directory: str, num_tokens: int, vocab_size: int) -> str:
@@ -43,14 +40,18 @@ def write_mixture(directory: str, num_tokens: int, vocab_size: int) -> str:
 
 
 def benchmark_pipeline(a, source_list: str) -> float:
-  c = base.get_config()
+  c = config_lib.defaults()
   c.data.train, c.data.seq_len = source_list, a.seq_len
   c.data.num_workers, c.data.read_threads = a.num_workers, a.read_threads
   c.data.prefetch = a.prefetch
   c.train.batch_size, c.train.eval_batch_size, c.train.eval_steps = a.batch_size, a.batch_size, 1
+  c.train.steps = a.warmup + a.steps
   c.model.vocab_size = a.vocab_size + 1  # room for an appended pad id
   t0 = time.perf_counter()
-  data = data_lib.build(c)
+  sources = data_lib.open_sources(c)
+  c, _ = config_lib.resolve(c, num_devices=1, backend='cpu',
+                            tokenizer_vocab_size=sources.tokenizer.vocab_size)
+  data = data_lib.build(c, sources)
   print(f'built the pipeline in {time.perf_counter() - t0:.2f} s ({source_list[:80]})')
   it = data.train
   for _ in range(a.warmup):

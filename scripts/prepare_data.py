@@ -9,16 +9,12 @@ Prints documents, tokens and skipped records per source, and the throughput. Re-
 unchanged input does nothing; the output appears only once complete.
 """
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jax_pretrain.data import prepare  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jax_pretrain.data.errors import DataError  # pylint: disable=wrong-import-position
+from jax_pretrain import cli
+from jax_pretrain.data import prepare
 
 
-def main() -> int:
+def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument('--train', required=True, help="source list 'SOURCE[#field][:weight],...'")
   p.add_argument('--val', default='', help='eval source list (or use --val-ratio)')
@@ -31,16 +27,12 @@ def main() -> int:
   p.add_argument('--tfds-data-dir', default='')
   p.add_argument('--workers', type=int, default=0, help='tokenizing processes (0: one per core)')
   a = p.parse_args()
-  try:
+  with cli.user_errors():
     prepare.prepare(a.train, a.output_dir, tokenizer=a.tokenizer, val=a.val,
                     val_ratio=a.val_ratio, text_field=a.text_field,
                     on_bad_record=a.on_bad_record, tfds_data_dir=a.tfds_data_dir,
                     workers=a.workers)
-  except DataError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 1
-  return 0
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  main()

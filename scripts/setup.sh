@@ -29,11 +29,18 @@ if [[ ! -x $venv/bin/python ]]; then
   "$venv/bin/python" -m pip install -q --upgrade pip
 fi
 
-# Reinstall only when a requirements file changed since the last install.
+# Reinstall only when a requirements file or pyproject.toml changed since the last install. The
+# package itself is installed in editable mode: `import jax_pretrain` works from any directory.
 stamp=$venv/.requirements.$(basename "$req").sha
-want=$(cd "$root" && cat requirements*.txt | sha256sum | cut -d' ' -f1)
+want=$(cd "$root" && cat requirements*.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   echo "setup: installing $req into $venv"
   (cd "$root" && "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$req")
+  # (setuptools warns about editable installs at length; shown only if the install fails)
+  if ! out=$(cd "$root" && "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+      --no-deps -e . 2>&1); then
+    echo "$out" >&2
+    exit 1
+  fi
   echo "$want" > "$stamp"
 fi

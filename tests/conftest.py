@@ -8,8 +8,6 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # (TF computes nothing here; silences its banner)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)  # `configs` is a top-level package of the checkout
 
 # The suite compiles the same small train steps many times (in-process and in subprocesses):
 # a persistent compilation cache shared by all of them saves most of that time.
@@ -36,3 +34,13 @@ def run_cli(*args) -> str:
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout
+
+
+def build_data(config, process_index: int = 0, process_count: int = 1):
+  """data.build as the trainer calls it: sources opened once, the config resolved (one device)."""
+  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import data as data_lib  # pylint: disable=g-import-not-at-top
+  sources = data_lib.open_sources(config)
+  resolved, _ = config_lib.resolve(config, num_devices=1, backend='cpu',
+                                   tokenizer_vocab_size=sources.tokenizer.vocab_size)
+  return data_lib.build(resolved, sources, process_index, process_count)

@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import test as test_config
 from jax_pretrain import checkpoint as checkpoint_lib
+from jax_pretrain import config as config_lib
+from jax_pretrain import state as state_lib
 from jax_pretrain import train
+from jax_pretrain import workdir as workdir_lib
 from tests.conftest import ROOT
 from tests.conftest import subprocess_env
 
@@ -94,7 +96,7 @@ def test_sigkill_during_async_saves_loses_only_unsaved_steps(tmp_path, uninterru
 
 
 def small_config(steps=10, **checkpoint):
-  c = test_config.get_config()
+  c = config_lib.preset('test')
   c.train.steps = steps
   c.train.eval_every = 5
   c.checkpoint.every_steps = 5
@@ -113,7 +115,7 @@ def test_damaged_and_partial_checkpoints_are_skipped(tmp_path, caplog):
       if not f.startswith('_'):
         os.remove(os.path.join(root, f))
   (ckpt / '15.orbax-checkpoint-tmp-1234').mkdir()
-  s = train.build(small_config(), devices=jax.devices()[:1])
+  s = state_lib.build(small_config(), devices=jax.devices()[:1])
   checkpointer = checkpoint_lib.Checkpointer(tmp_path)
   step, state, data_state = checkpointer.restore_latest(s.abstract_state)
   checkpointer.close()
@@ -146,9 +148,9 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, save_mesh, restore_mesh
   c, devices = setup(save_mesh)
   train.train_and_evaluate(c, str(tmp_path), devices=devices)
   saved = checkpoint_lib.Checkpointer(tmp_path)
-  s = train.build(*setup(save_mesh))
+  s = state_lib.build(*setup(save_mesh))
   _, state_a, _ = saved.restore_latest(s.abstract_state)
-  s_b = train.build(*setup(restore_mesh))
+  s_b = state_lib.build(*setup(restore_mesh))
   _, state_b, _ = saved.restore_latest(s_b.abstract_state)
   saved.close()
   for a, b, sharding in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b),
@@ -169,10 +171,10 @@ def test_keeps_the_latest_and_the_best_by_eval_loss(tmp_path):
 
 def test_restore_from_starts_a_new_run_from_another_runs_params(tmp_path):
   train.train_and_evaluate(small_config(steps=5), str(tmp_path / 'a'), devices=jax.devices()[:1])
-  _, params_a, _ = train.load_trained(str(tmp_path / 'a'), devices=jax.devices()[:1])
+  params_a = workdir_lib.load(str(tmp_path / 'a'), devices=jax.devices()[:1]).params
   c = small_config(steps=5, restore_from=str(tmp_path / 'a'))
-  c.train.grad_clip = 0.0  # another optimizer structure: only the params carry over
-  s = train.build(c, devices=jax.devices()[:1])
+  c.optim.grad_clip = 0.0  # another optimizer structure: only the params carry over
+  s = state_lib.build(c, devices=jax.devices()[:1])
   empty = checkpoint_lib.Checkpointer(tmp_path / 'b')
   state = train._initial_state(s, empty, data=None, is_main=False)  # pylint: disable=protected-access
   empty.close()
@@ -183,14 +185,14 @@ def test_restore_from_starts_a_new_run_from_another_runs_params(tmp_path):
 
 
 def test_nonfinite_step_drops_the_update_and_counts_it():
-  s = train.build(small_config(), devices=jax.devices()[:1])
-  state = train.init_state(s)
+  s = state_lib.build(small_config(), devices=jax.devices()[:1])
+  state = state_lib.init_state(s)
   poisoned = state.params['layers']['mlp']['w_up'].at[0, 0, 0].set(jnp.nan)
   params = dict(state.params, layers=dict(state.params['layers'],
                                           mlp=dict(state.params['layers']['mlp'], w_up=poisoned)))
   state = state.replace(params=params)
   before = jax.tree.map(np.asarray, (state.params, state.opt_state))
-  step = train.jit_train_step(s, pad_id=258)
+  step = state_lib.jit_train_step(s, pad_id=258)
   tokens = jax.random.randint(jax.random.key(0), (16, 33), 0, 256)
   state, metrics = step(state, {'tokens': tokens})
   assert not np.isfinite(float(metrics['loss']))
@@ -203,8 +205,8 @@ def test_nonfinite_step_drops_the_update_and_counts_it():
                                            ('skip', 'non-finite steps in a row')])
 def test_nonfinite_run_halts_with_a_clear_message(tmp_path, mode, message):
   c = small_config(steps=20)
-  c.train.learning_rate = c.train.min_learning_rate = 1e30  # blows the params up at once
-  c.train.warmup_steps = 1
+  c.optim.learning_rate = c.optim.min_learning_rate = 1e30  # blows the params up at once
+  c.optim.warmup_steps = 1
   c.train.on_nonfinite = mode
   c.train.max_consecutive_skips = 3
   c.train.log_every = 1

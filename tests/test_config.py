@@ -22,8 +22,8 @@ def parse(*args):
 
 def test_overrides_apply():
   c = parse(f'--config={ROOT}/configs/test.py', '--config.train.steps=7',
-            '--config.model.attention=xla', '--config.train.learning_rate=0.01')
-  assert c.train.steps == 7 and c.model.attention == 'xla' and c.train.learning_rate == 0.01
+            '--config.model.attention=xla', '--config.optim.learning_rate=0.01')
+  assert c.train.steps == 7 and c.model.attention == 'xla' and c.optim.learning_rate == 0.01
 
 
 def test_default_config_is_the_embedded_default():
@@ -58,12 +58,12 @@ def test_eval_batch_defaults_to_one_pass_without_accumulation():
 
 def test_tokens_derive_steps_and_both_are_kept():
   c = parse(f'--config={ROOT}/configs/test.py', '--config.train.steps=0',
-            '--config.train.total_tokens=10000', '--config.train.warmup_steps=0',
-            '--config.train.warmup_tokens=1000')
+            '--config.train.total_tokens=10000', '--config.optim.warmup_steps=0',
+            '--config.optim.warmup_tokens=1000')
   r, run = config_lib.resolve(c, num_devices=1, backend='cpu')
   assert run.tokens_per_step == 16 * 32
   assert r.train.steps == 20 and r.train.total_tokens == 20 * 512  # rounded up to whole steps
-  assert r.train.warmup_steps == 2 and r.train.warmup_tokens == 1024
+  assert r.optim.warmup_steps == 2 and r.optim.warmup_tokens == 1024
 
 
 @pytest.mark.parametrize('overrides, devices, message', [
@@ -81,7 +81,7 @@ def test_tokens_derive_steps_and_both_are_kept():
       '--config.model.head_dim=16'), 8, r'mesh.fsdp=8 must divide model.d_model=68'),
     (('--config.model.attention=flash',), 1, r"attention='flash'"),
     (('--config.model.remat=some',), 1, r"remat='some'"),
-    (('--config.train.warmup_steps=50',), 1, r'warmup_steps=50 must be smaller than train.steps=20'),
+    (('--config.optim.warmup_steps=50',), 1, r'warmup_steps=50 must be smaller than train.steps=20'),
 ])
 def test_inconsistent_values_fail_with_the_numbers(overrides, devices, message):
   c = parse(f'--config={ROOT}/configs/test.py', *overrides)
@@ -91,5 +91,5 @@ def test_inconsistent_values_fail_with_the_numbers(overrides, devices, message):
 
 def test_cudnn_on_cpu_is_an_error_not_a_fallback():
   c = parse(f'--config={ROOT}/configs/test.py', '--config.model.attention=cudnn')
-  with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU"):
+  with pytest.raises(config_lib.ConfigError, match="'cudnn' needs an NVIDIA GPU"):
     config_lib.resolve(c, num_devices=1, backend='cpu')

@@ -7,17 +7,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from configs import test as test_config
+from jax_pretrain import config as config_lib
 from jax_pretrain import data as data_lib
 from jax_pretrain.data import prepare
 from jax_pretrain.data import sources
 from jax_pretrain.data.errors import DataError
+from tests.conftest import build_data
 
 GOOD = [json.dumps({'text': f'line {i} of a good document'}) + '\n' for i in range(40)]
 
 
 def make_config(train, **data):
-  c = test_config.get_config()
+  c = config_lib.preset('test')
   c.data.train = train
   for k, v in data.items():
     c.data[k] = v
@@ -32,7 +33,7 @@ def write(path, content):
 
 def build_error(train, **data) -> str:
   with pytest.raises(DataError) as e:
-    data_lib.build(make_config(train, **data))
+    build_data(make_config(train, **data))
   return str(e.value)
 
 
@@ -74,7 +75,7 @@ def test_parquet_without_the_column(tmp_path):
   pq.write_table(pa.table({'body': ['some text ' * 10]}), tmp_path / 'a.parquet')
   message = build_error(f'{tmp_path}/a.parquet')
   assert f'{tmp_path}/a.parquet: no column "text" (columns: body)' in message
-  data_lib.build(make_config(f'{tmp_path}/a.parquet#body', val_ratio=0.0,
+  build_data(make_config(f'{tmp_path}/a.parquet#body', val_ratio=0.0,
                              val=f'{tmp_path}/a.parquet#body'))  # the column can be named
 
 
@@ -127,7 +128,7 @@ def test_skip_counts_bad_records_per_file(tmp_path, caplog):
   a = write(tmp_path / 'a.jsonl', ''.join(GOOD[:20] + bad[:2]))
   b = write(tmp_path / 'b.jsonl', ''.join(GOOD[20:] + bad[:1]))
   with caplog.at_level(logging.WARNING):
-    data = data_lib.build(make_config(f'{tmp_path}/*.jsonl', on_bad_record='skip'))
+    data = build_data(make_config(f'{tmp_path}/*.jsonl', on_bad_record='skip'))
   assert next(data.train)['tokens'].shape == (16, 33)
   assert f'{a}: skipped 2 bad records of 22' in caplog.text
   assert f'{b}: skipped 1 bad records of 21' in caplog.text
@@ -148,7 +149,8 @@ def test_skip_still_refuses_a_file_with_no_good_record(tmp_path):
 def test_too_little_data_and_bad_settings(tmp_path):
   path = write(tmp_path / 'a.jsonl', json.dumps({'text': 'tiny'}) + '\n')
   assert 'make no window of seq_len + 1 = 33 tokens' in build_error(path, val_ratio=0.0, val=path)
-  assert "data.on_bad_record='maybe'" in build_error('embedded', on_bad_record='maybe')
+  with pytest.raises(config_lib.ConfigError, match="data.on_bad_record='maybe'"):
+    build_data(make_config('embedded', on_bad_record='maybe'))
   assert 'has weight -1.0' in build_error('embedded:-1')
   assert 'no eval data' in build_error('embedded', val_ratio=0.0)
   assert f'{tmp_path}: is a directory without meta.json' in build_error(f'{tmp_path}')
@@ -157,8 +159,9 @@ def test_too_little_data_and_bad_settings(tmp_path):
 def test_source_list_parsing():
   specs = sources.parse('data/a/*.jsonl:0.45, tfds:usmle_qa@test#question:0.1,embedded,'
                         'tfds:mnist:3.0.1')
-  assert [(s.kind, s.target, s.weight) for s in specs] == [
-      ('files', 'data/a/*.jsonl', 0.45), ('tfds', 'usmle_qa', 0.1), ('embedded', '', 1.0),
-      ('tfds', 'mnist:3.0.1', 1.0)]
+  assert [type(s) for s in specs] == [sources.Files, sources.Tfds, sources.Embedded, sources.Tfds]
+  assert [s.weight for s in specs] == [0.45, 0.1, 1.0, 1.0]
+  assert (specs[0].pattern, specs[1].dataset, specs[3].dataset) == (
+      'data/a/*.jsonl', 'usmle_qa', 'mnist:3.0.1')
   assert (specs[1].split, specs[1].field) == ('test', 'question')
   assert specs[3].split == 'train'

@@ -8,16 +8,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from configs import test as test_config
+from jax_pretrain import config as config_lib
 from jax_pretrain import data as data_lib
 from jax_pretrain.data import corpus
 from jax_pretrain.data import prepare
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.data.errors import DataError
+from tests.conftest import build_data
 
 
 def make_config(train, vocab_size=384, **data):
-  c = test_config.get_config()
+  c = config_lib.preset('test')
   c.data.train = train
   c.model.vocab_size = vocab_size
   for k, v in data.items():
@@ -123,15 +124,15 @@ def test_training_from_prepared_data_with_val_sources_and_a_sentencepiece_tokeni
   meta, _ = run_prepare(train, out, tokenizer=sp_model.path,
                         val=f'{tmp_path}/val.parquet#content')
   assert meta['val'][0]['documents'] == len(docs) - 60
-  data = data_lib.build(make_config(out, 1024))
+  data = build_data(make_config(out, 1024))
   assert isinstance(data.tokenizer, tokenizer_lib.SentencePieceTokenizer)
   assert data.tokenizer.identity == sp_model.identity
   assert next(data.train)['tokens'].max() < 1000
   assert len(list(data.eval_batches())) == 4
-  with pytest.raises(ValueError, match=r'model.vocab_size=384 .*\(1000\)'):
-    data_lib.build(make_config(out, 384))
+  with pytest.raises(config_lib.ConfigError, match=r'model.vocab_size=384 .*\(1000\)'):
+    build_data(make_config(out, 384))
   with pytest.raises(DataError, match='was tokenized with sentencepiece'):
-    data_lib.build(make_config(out, 1024, tokenizer='byte'))
+    build_data(make_config(out, 1024, tokenizer='byte'))
 
 
 def test_prepared_directory_without_val_is_carved_at_train_time(tmp_path):
@@ -139,7 +140,7 @@ def test_prepared_directory_without_val_is_carved_at_train_time(tmp_path):
   out = str(tmp_path / 'p')
   meta, _ = run_prepare(src, out)
   assert meta['val'] == []
-  data = data_lib.build(make_config(out, val_ratio=0.1))
+  data = build_data(make_config(out, val_ratio=0.1))
   assert len(list(data.eval_batches())) == 4
 
 

@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from configs import test as test_config
+from jax_pretrain import config as config_lib
 from jax_pretrain import data as data_lib
 from jax_pretrain.data import prepare
 from jax_pretrain.data.errors import DataError
+from tests.conftest import build_data
 
 tfds = pytest.importorskip('tensorflow_datasets')
 
@@ -42,7 +43,7 @@ def data_dir(tmp_path_factory):
 
 
 def make_config(train, data_dir, **data):
-  c = test_config.get_config()
+  c = config_lib.preset('test')
   c.data.train, c.data.tfds_data_dir = train, data_dir
   for k, v in data.items():
     c.data[k] = v
@@ -50,7 +51,7 @@ def make_config(train, data_dir, **data):
 
 
 def test_tfds_source_trains_and_evaluates(data_dir):
-  data = data_lib.build(make_config(f'tfds:{NAME}:0.5,embedded:0.5', data_dir,
+  data = build_data(make_config(f'tfds:{NAME}:0.5,embedded:0.5', data_dir,
                                     val=f'tfds:{NAME}@test'))
   tokens = next(data.train)['tokens']
   assert tokens.shape == (16, 33)
@@ -62,16 +63,16 @@ def test_tfds_source_trains_and_evaluates(data_dir):
 
 def test_tfds_feature_and_dataset_errors(data_dir):
   with pytest.raises(DataError, match=f'tfds:{NAME}@train: no feature "body"'):
-    data_lib.build(make_config(f'tfds:{NAME}#body', data_dir))
+    build_data(make_config(f'tfds:{NAME}#body', data_dir))
   with pytest.raises(DataError, match='tfds:no_such_dataset_xyz@train: cannot open it'):
-    data_lib.build(make_config('tfds:no_such_dataset_xyz', data_dir))
+    build_data(make_config('tfds:no_such_dataset_xyz', data_dir))
 
 
 def test_prepare_a_tfds_source(tmp_path, data_dir):
   meta = prepare.prepare(f'tfds:{NAME}', str(tmp_path / 'out'), val=f'tfds:{NAME}@test#title',
                          tfds_data_dir=data_dir, workers=1, log=lambda _: None)
   assert meta['train'][0]['documents'] == 30 and meta['val'][0]['documents'] == 10
-  data = data_lib.build(make_config(str(tmp_path / 'out'), ''))
+  data = build_data(make_config(str(tmp_path / 'out'), ''))
   assert next(data.train)['tokens'].shape == (16, 33)
   rows = np.concatenate([b['tokens'] for b in data.eval_batches()])
   assert 'title' in data.tokenizer.decode(rows[0])

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import test as test_config
+from jax_pretrain import config as config_lib
 from jax_pretrain import evaluate
 from jax_pretrain import train
 from jax_pretrain.data import corpus
@@ -24,8 +24,8 @@ def _train_once(tmp_path_factory) -> tuple[str, dict]:
   of 16 windows), shared by every test of the session that asks for it."""
   if 'run' not in _RUNS:
     workdir = str(tmp_path_factory.mktemp('run'))
-    c = test_config.get_config()
-    c.train.steps, c.train.warmup_steps, c.train.eval_every, c.train.eval_steps = 30, 3, 30, 24
+    c = config_lib.preset('test')
+    c.train.steps, c.optim.warmup_steps, c.train.eval_every, c.train.eval_steps = 30, 3, 30, 24
     final = train.train_and_evaluate(c, workdir, devices=jax.devices()[:1])
     _RUNS['run'] = workdir, final
   return _RUNS['run']

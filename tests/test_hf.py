@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from configs import test as test_config
 from jax_pretrain import config as config_lib
 from jax_pretrain import hf
 from jax_pretrain import model as model_lib
@@ -24,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def preset_config(**overrides) -> model_lib.ModelConfig:
-  config, _ = config_lib.resolve(test_config.get_config(), num_devices=1, backend='cpu')
+  config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
   return dataclasses.replace(config_lib.model_config(config), **overrides)
 
 

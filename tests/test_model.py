@@ -6,13 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import test as test_config
 from jax_pretrain import config as config_lib
 from jax_pretrain import model as model_lib
 
 
 def small_config(**overrides) -> model_lib.ModelConfig:
-  config, _ = config_lib.resolve(test_config.get_config(), num_devices=1, backend='cpu')
+  config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
   return dataclasses.replace(config_lib.model_config(config), **overrides)
 
 

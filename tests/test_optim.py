@@ -4,22 +4,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import test as test_config
+from jax_pretrain import config as config_lib
 from jax_pretrain import optim
-from jax_pretrain import train
+from jax_pretrain import state as state_lib
 
 
-def resolved_test_config(**train_overrides):
-  c = test_config.get_config()
-  for k, v in train_overrides.items():
-    c.train[k] = v
+def resolved_test_config(**overrides):
+  """The test preset with train.* or optim.* fields overridden (each goes to its group)."""
+  c = config_lib.preset('test')
+  for k, v in overrides.items():
+    (c.optim if k in c.optim else c.train)[k] = v
   return c
 
 
 def test_schedule_warmup_middle_and_end():
   c = resolved_test_config(steps=1000, warmup_steps=100, learning_rate=1e-3,
-                           min_learning_rate=1e-4).train
-  lr = optim.learning_rate_schedule(c)
+                           min_learning_rate=1e-4)
+  lr = optim.learning_rate_schedule(c.optim, c.train.steps)
   assert float(lr(0)) == 0.0
   np.testing.assert_allclose(float(lr(50)), 0.5e-3, rtol=1e-6)  # linear warmup
   np.testing.assert_allclose(float(lr(100)), 1e-3, rtol=1e-6)  # end of warmup: the peak
@@ -39,8 +40,8 @@ def test_weight_decay_mask_skips_norm_scales():
 
 def test_weight_decay_applies_only_where_masked():
   c = resolved_test_config(learning_rate=0.1, min_learning_rate=0.1, warmup_steps=0, steps=10,
-                           weight_decay=0.5, grad_clip=0.0).train
-  tx = optim.make_optimizer(c)
+                           weight_decay=0.5, grad_clip=0.0)
+  tx = optim.make_optimizer(c.optim, c.train.steps)
   params = {'w': jnp.ones((2, 2)), 'norm': {'scale': jnp.ones((2,))}}
   zero_grads = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zero_grads, tx.init(params), params)
@@ -51,17 +52,18 @@ def test_weight_decay_applies_only_where_masked():
 @pytest.mark.parametrize('accum', [2, 4])
 def test_accumulated_micro_batches_equal_one_large_batch(accum):
   batch_size = 16
-  big = train.build(resolved_test_config(batch_size=batch_size), devices=jax.devices()[:1])
-  small = train.build(resolved_test_config(batch_size=batch_size,
-                                           micro_batch_size=batch_size // accum),
-                      devices=jax.devices()[:1])
+  big = state_lib.build(resolved_test_config(batch_size=batch_size), devices=jax.devices()[:1])
+  small = state_lib.build(resolved_test_config(batch_size=batch_size,
+                                               micro_batch_size=batch_size // accum),
+                          devices=jax.devices()[:1])
   assert small.run.grad_accum_steps == accum and big.run.grad_accum_steps == 1
   tokens = jax.random.randint(jax.random.key(0), (batch_size, 33), 0, 259)
   tokens = tokens.at[3, 20:].set(258)  # padding counts the same in both
   batch = {'tokens': tokens}
   with jax.default_matmul_precision('float32'):
-    state_big, m_big = train.jit_train_step(big, pad_id=258)(train.init_state(big), batch)
-    state_small, m_small = train.jit_train_step(small, pad_id=258)(train.init_state(small), batch)
+    state_big, m_big = state_lib.jit_train_step(big, pad_id=258)(state_lib.init_state(big), batch)
+    state_small, m_small = state_lib.jit_train_step(small, pad_id=258)(
+        state_lib.init_state(small), batch)
   np.testing.assert_allclose(m_small['loss'], m_big['loss'], rtol=1e-6)
   np.testing.assert_allclose(m_small['grad_norm'], m_big['grad_norm'], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(state_small.params), jax.tree.leaves(state_big.params)):
@@ -72,8 +74,8 @@ def test_bfloat16_first_moments_halve_their_memory_and_train_like_float32():
   def run(mu_dtype):
     c = resolved_test_config()
     c.optim.mu_dtype = mu_dtype
-    s = train.build(c, devices=jax.devices()[:1])
-    state, step = train.init_state(s), train.jit_train_step(s, pad_id=258)
+    s = state_lib.build(c, devices=jax.devices()[:1])
+    state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
     tokens = jax.random.randint(jax.random.key(0), (16, 33), 0, 256)
     losses = []
     for _ in range(8):

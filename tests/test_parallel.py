@@ -7,8 +7,8 @@ from ml_collections import config_flags
 import numpy as np
 import pytest
 
-from configs import test as test_config
-from jax_pretrain import train
+from jax_pretrain import config as config_lib
+from jax_pretrain import state as state_lib
 from tests.conftest import ROOT
 
 MESHES = {  # (data, fsdp, tensor)
@@ -20,7 +20,7 @@ MESHES = {  # (data, fsdp, tensor)
 
 
 def mesh_config(mesh, steps=5, attention='xla'):
-  c = test_config.get_config()
+  c = config_lib.preset('test')
   c.model.attention = attention
   c.model.num_heads = c.model.num_kv_heads = 8  # so that tensor=8 divides the heads
   c.train.steps = steps
@@ -29,10 +29,10 @@ def mesh_config(mesh, steps=5, attention='xla'):
 
 
 def run_steps(mesh, batches, attention='xla'):
-  s = train.build(mesh_config(mesh, attention=attention),
-                  devices=jax.devices()[:int(np.prod(mesh))])
-  state = train.init_state(s)
-  step = train.jit_train_step(s, pad_id=258)
+  s = state_lib.build(mesh_config(mesh, attention=attention),
+                      devices=jax.devices()[:int(np.prod(mesh))])
+  state = state_lib.init_state(s)
+  step = state_lib.jit_train_step(s, pad_id=258)
   losses = []
   for tokens in batches:
     batch = {'tokens': jax.device_put(tokens, s.batch_sharding)}
@@ -70,7 +70,7 @@ def test_pallas_attention_under_shard_map_agrees_on_a_mesh(batches, single_devic
 
 
 def test_parameter_shardings_follow_the_rules_table():
-  s = train.build(mesh_config((2, 2, 2)), devices=jax.devices())
+  s = state_lib.build(mesh_config((2, 2, 2)), devices=jax.devices())
   p = s.state_shardings.params
   assert p['embedding'].spec == jax.P('tensor', 'fsdp')  # ('vocab', 'embed')
   assert p['layers']['attn']['wq'].spec == jax.P(None, 'fsdp', 'tensor', None)
@@ -84,8 +84,8 @@ def test_parameter_shardings_follow_the_rules_table():
 
 
 def test_fsdp8_holds_an_eighth_of_params_and_optimizer_state_per_device():
-  s = train.build(mesh_config((1, 8, 1)), devices=jax.devices())
-  state = train.init_state(s)
+  s = state_lib.build(mesh_config((1, 8, 1)), devices=jax.devices())
+  state = state_lib.init_state(s)
   # Norm scales ([layers, d_model] when scanned) are replicated: they are tiny and 1-D per layer.
   arrays = [x for path, x in jax.tree_util.tree_leaves_with_path((state.params, state.opt_state))
             if x.ndim >= 2 and getattr(path[-1], 'key', None) != 'scale']
@@ -112,9 +112,9 @@ def parse(preset, *overrides):
 def test_every_preset_compiles_for_fsdp8(preset):
   """Ahead-of-time: lower and compile the train step on abstract inputs, no parameters made."""
   c = parse(preset, '--config.mesh.data=1', '--config.mesh.fsdp=8')
-  s = train.build(c, devices=jax.devices())
-  compiled = train.jit_train_step(s, pad_id=0).lower(
-      s.abstract_state, train.abstract_batch(s, c.train.batch_size)).compile()
+  s = state_lib.build(c, devices=jax.devices())
+  compiled = state_lib.jit_train_step(s, pad_id=0).lower(
+      s.abstract_state, state_lib.abstract_batch(s, c.train.batch_size)).compile()
   assert compiled is not None
   shard = s.state_shardings.params['layers']['mlp']['w_up'].shard_shape(
       s.abstract_state.params['layers']['mlp']['w_up'].shape)

@@ -8,7 +8,6 @@ from flax.linen import meta
 import numpy as np
 import pytest
 
-from configs import test as test_config
 from jax_pretrain import config as config_lib
 from jax_pretrain import model as model_lib
 from jax_pretrain import sample
@@ -16,7 +15,7 @@ from jax_pretrain.data.tokenizer import ByteTokenizer
 
 
 def model_and_params(**overrides):
-  config, _ = config_lib.resolve(test_config.get_config(), num_devices=1, backend='cpu')
+  config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
   # A larger init gives peaked next-token distributions: greedy choices are not near-ties.
   cfg = dataclasses.replace(config_lib.model_config(config), init_std=0.2, **overrides)
   model = model_lib.Transformer(cfg)

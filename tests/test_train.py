@@ -5,7 +5,7 @@ import os
 import jax
 import numpy as np
 
-from configs import test as test_config
+from jax_pretrain import config as config_lib
 from jax_pretrain import train
 from jax_pretrain.data import corpus
 from jax_pretrain.data.tokenizer import ByteTokenizer
@@ -18,7 +18,7 @@ def unigram_entropy_nats(tokens: np.ndarray) -> float:
 
 
 def run(workdir, steps=150, **train_overrides):
-  c = test_config.get_config()
+  c = config_lib.preset('test')
   c.train.steps = steps
   c.train.eval_every = steps
   for k, v in train_overrides.items():

@@ -7,7 +7,7 @@
   OUTPUT/train/K-NAME.json  its sidecar; K-NAME.docs.npy its document index
   OUTPUT/val/...            the same for the eval split (--val sources, or carved by --val-ratio)
 
-Work items (sources.plan) are tokenized by a pool of processes, in order, so the output does not
+Work items (Source.plan) are tokenized by a pool of processes, in order, so the output does not
 depend on the number of workers. Everything is written into OUTPUT.tmp-PID and renamed to OUTPUT
 only when complete: an interrupted run never leaves anything that training would read.
 """
@@ -20,6 +20,7 @@ import re
 import shutil
 import time
 
+from jax_pretrain.data import formats
 from jax_pretrain.data import sources
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.data import tokens as tokens_lib
@@ -35,13 +36,13 @@ def _init_worker(tokenizer_spec: str, on_bad_record: str) -> None:
   _worker['on_bad_record'] = on_bad_record
 
 
-def _encode(item: sources.WorkItem) -> sources.Encoded:
+def _encode(item: formats.WorkItem) -> sources.Encoded:
   return sources.encode(item, _worker['tokenizer'], _worker['on_bad_record'])
 
 
-def _name(k: int, spec: sources.SourceSpec) -> str:
+def _name(k: int, source: sources.Source) -> str:
   """K-SLUG: K keeps names unique and ordered; SLUG (from the last two path parts) is for people."""
-  tail = os.path.join(*spec.text.replace('*', '').rstrip('/').split('/')[-2:])
+  tail = os.path.join(*source.text.replace('*', '').rstrip('/').split('/')[-2:])
   slug = re.sub(r'[^A-Za-z0-9._-]+', '_', tail).strip('_.')[:60]
   return f'{k}-{slug or "source"}'
 
@@ -49,21 +50,12 @@ def _name(k: int, spec: sources.SourceSpec) -> str:
 def _fingerprint(planned, tokenizer, val_ratio: float, on_bad_record: str) -> str:
   """Everything the output depends on: sources, their files (size, mtime), tokenizer, options."""
   inputs = [FORMAT, tokenizer.identity, val_ratio, on_bad_record]
-  for split, spec, items in planned:
+  for split, source, items in planned:
     files = sorted({i.path for i in items})
     stamps = [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns)
               if os.path.isfile(p) else (p, len(items)) for p in files]
-    inputs.append([split, spec.text, spec.weight, items[0].field, stamps])
+    inputs.append([split, source.text, source.weight, items[0].field, stamps])
   return hashlib.sha256(json.dumps(inputs).encode()).hexdigest()
-
-
-def _tokenizer_record(tokenizer, directory: str) -> dict:
-  record = dict(tokenizer=tokenizer.identity, vocab_size=tokenizer.vocab_size,
-                bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-  if isinstance(tokenizer, tokenizer_lib.SentencePieceTokenizer):
-    shutil.copyfile(tokenizer.path, os.path.join(directory, 'tokenizer.model'))
-    record['tokenizer_file'] = 'tokenizer.model'
-  return record
 
 
 def prepare(train: str, output_dir: str, tokenizer: str = 'byte', val: str = '',
@@ -82,13 +74,14 @@ def prepare(train: str, output_dir: str, tokenizer: str = 'byte', val: str = '',
   if os.path.exists(output_dir) and not os.path.isfile(os.path.join(output_dir, 'meta.json')):
     raise DataError(f'{output_dir}: exists and is not prepared data; refusing to replace it.')
   tok = tokenizer_lib.load(tokenizer)
-  planned = []  # (split, spec, work items)
+  options = sources.ReadOptions(text_field, tfds_data_dir, on_bad_record)
+  planned = []  # (split, source, work items)
   for split, specs in (('train', train), ('val', val)):
-    for spec in sources.parse(specs, f'--{split}') if specs else []:
-      if spec.kind not in ('embedded', 'tfds', 'files'):
-        raise DataError(f'{spec.text}: {spec.kind} sources need no preparation; give them to '
-                        'training directly.')
-      planned.append((split, spec, sources.plan(spec, text_field, tfds_data_dir)))
+    for source in sources.parse(specs, f'--{split}') if specs else []:
+      if not source.is_text:
+        raise DataError(f'{source.text}: holds no text to tokenize (token ids or synthetic) and '
+                        'needs no preparation; give it to training directly.')
+      planned.append((split, source, source.plan(options)))
 
   fingerprint = _fingerprint(planned, tok, val_ratio, on_bad_record)
   meta_path = os.path.join(output_dir, 'meta.json')
@@ -113,16 +106,16 @@ def prepare(train: str, output_dir: str, tokenizer: str = 'byte', val: str = '',
     _init_worker(tok.path, on_bad_record)
   try:
     t0 = time.perf_counter()
-    meta = dict(format=FORMAT, fingerprint=fingerprint, tokenizer=_tokenizer_record(tok, tmp),
+    meta = dict(format=FORMAT, fingerprint=fingerprint, tokenizer=tokenizer_lib.save(tok, tmp),
                 val_ratio=val_ratio, train=[], val=[])
-    record = dict(meta['tokenizer'], tokenizer_file='../tokenizer.model')
-    if 'tokenizer_file' not in meta['tokenizer']:
-      del record['tokenizer_file']
+    record = dict(meta['tokenizer'])  # each token file's sidecar: its file is one level up
+    if 'tokenizer_file' in record:
+      record['tokenizer_file'] = '../' + record['tokenizer_file']
     dtype = tokens_lib.token_dtype(tok.vocab_size)
     log(f'{"source":<48} {"documents":>12} {"tokens":>14} {"skipped":>8} {"MB text":>9}')
     text_bytes = 0
-    for k, (split, spec, items) in enumerate(planned):
-      name = _name(k, spec)
+    for k, (split, source, items) in enumerate(planned):
+      name = _name(k, source)
       writer = tokens_lib.Writer(os.path.join(tmp, split, name), dtype)
       stats = sources.FileStats()
       results = pool.imap(_encode, items) if pool else map(_encode, items)
@@ -130,16 +123,15 @@ def prepare(train: str, output_dir: str, tokenizer: str = 'byte', val: str = '',
         writer.append(encoded.tokens, encoded.doc_lengths)
         stats.add(encoded)
       stats.check()
-      info = writer.close(dict(record, source=spec.text))
-      docs, num_tokens, skipped = stats.total()
-      source_bytes = sum(s[4] for s in stats.by_path.values())
-      text_bytes += source_bytes
-      entry = dict(name=name, source=spec.text, weight=spec.weight, documents=docs,
-                   tokens=num_tokens, skipped=skipped, text_bytes=source_bytes,
+      info = writer.close(dict(record, source=source.text))
+      total = stats.total()
+      text_bytes += total.text_bytes
+      entry = dict(name=name, source=source.text, weight=source.weight, documents=total.documents,
+                   tokens=total.tokens, skipped=total.skipped, text_bytes=total.text_bytes,
                    files=sorted(stats.by_path))
       meta[split].append(entry)
-      log(f'{spec.text + " (" + split + ")":<48} {docs:>12,} {num_tokens:>14,} {skipped:>8,} '
-          f'{source_bytes / 1e6:>9.1f}')
+      log(f'{source.text + " (" + split + ")":<48} {total.documents:>12,} {total.tokens:>14,} '
+          f'{total.skipped:>8,} {total.text_bytes / 1e6:>9.1f}')
       for line in stats.skip_report():
         log(f'  {line}')
       if split == 'train' and val_ratio > 0:

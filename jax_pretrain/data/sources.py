@@ -1,14 +1,14 @@
-"""Where text comes from: source lists, the files they name, and reading them into token ids.
+"""Where data comes from: source lists, and the kinds of source they name.
 
 A source list is what `data.train`, `data.val` and `prepare_data.py --train/--val` take:
 comma-separated sources, each with an optional `:weight` and an optional `#field`:
 
   data/fineweb/*.jsonl:0.45,data/pdfs.parquet#content:0.2,tfds:usmle_qa@train:0.1,embedded
 
-Reading is split so that it parallelizes: `plan(spec)` cuts a source into small `WorkItem`s (cheap,
-one process: byte ranges of JSONL files, Parquet row groups, TFDS index ranges), and
-`encode(item, ...)` reads, validates and tokenizes one item (any process). Bad records raise a
-`DataError` naming the file and line, or are counted when on_bad_record='skip'.
+Each kind of source is a class registered in KINDS, tried in order: the first whose `claims(body)`
+is true parses the entry. A kind turns itself into token streams (`components`); text kinds also
+cut themselves into work items (`plan`) that `encode` reads and tokenizes in any process. A new
+kind is one class plus `@register`.
 """
 import dataclasses
 import functools
@@ -17,99 +17,139 @@ import json
 import os
 from collections.abc import Iterator
 
+from absl import logging
 import numpy as np
 
+from jax_pretrain.data import formats
+from jax_pretrain.data import tokens as tokens_lib
 from jax_pretrain.data.errors import DataError
 
-TEXT_EXTENSIONS = ('.jsonl', '.txt', '.parquet')
-TOKEN_EXTENSIONS = ('.npy', '.bin')
-_JSONL_ITEM_BYTES = 4 << 20  # work item size: small enough to spread over cores, big to amortize
 _TFDS_ITEM_RECORDS = 2048
+_ON_THE_FLY_WARNING_TOKENS = 200_000_000
 
 
 @dataclasses.dataclass(frozen=True)
-class SourceSpec:
-  """One entry of a source list."""
-  text: str          # as written, without the weight (names the source in messages)
-  kind: str          # 'embedded' | 'synthetic' | 'tfds' | 'files' | 'prepared'
-  target: str = ''   # glob or directory ('files', 'prepared'), dataset name ('tfds')
-  split: str = ''    # TFDS split
-  field: str = ''    # text field/column overriding data.text_field
-  weight: float = 1.0
-
-
-def _as_weight(text: str) -> float | None:
-  try:
-    return float(text)
-  except ValueError:
-    return None
-
-
-def parse(sources: str, what: str = 'data.train') -> list[SourceSpec]:
-  """Parses a source list (see the module docstring); `what` names the setting in errors."""
-  specs = []
-  for item in (s.strip() for s in sources.split(',')):
-    if not item:
-      continue
-    body, weight = item, 1.0
-    head, sep, tail = item.rpartition(':')
-    if sep and _as_weight(tail) is not None:
-      body, weight = head, _as_weight(tail)
-    if not weight > 0:
-      raise DataError(f'{what}: source {item!r} has weight {weight}; weights must be positive.')
-    body, _, field = body.partition('#')
-    if body in ('embedded', 'synthetic'):
-      spec = SourceSpec(body, body, weight=weight)
-    elif body.startswith('tfds:'):
-      name, _, split = body[len('tfds:'):].partition('@')
-      spec = SourceSpec(body, 'tfds', name, split or 'train', field, weight)
-    elif os.path.isfile(os.path.join(os.path.expanduser(body), 'meta.json')):
-      spec = SourceSpec(body, 'prepared', os.path.expanduser(body), weight=weight)
-    else:
-      spec = SourceSpec(body, 'files', os.path.expanduser(body), field=field, weight=weight)
-    specs.append(spec)
-  if not specs:
-    raise DataError(f'{what} is empty: give at least one source.')
-  return specs
-
-
-def expand(spec: SourceSpec) -> tuple[str, list[str]]:
-  """A 'files' source's files, sorted, and their kind: 'text' or 'tokens'."""
-  if os.path.isdir(spec.target):
-    raise DataError(f'{spec.text}: is a directory without meta.json (not prepared data); give a '
-                    f'glob such as {os.path.join(spec.text, "*.jsonl")}.')
-  paths = sorted(glob.glob(spec.target, recursive=True))
-  if not paths:
-    raise DataError(f'{spec.text}: matches no files.')
-  kinds = set()
-  for path in paths:
-    ext = os.path.splitext(path)[1].lower()
-    if ext in TEXT_EXTENSIONS:
-      kinds.add('text')
-    elif ext in TOKEN_EXTENSIONS:
-      kinds.add('tokens')
-    else:
-      raise DataError(f'{path}: unsupported file type {ext!r}; text sources are '
-                      f'{", ".join(TEXT_EXTENSIONS)}, token files {", ".join(TOKEN_EXTENSIONS)}.')
-  if len(kinds) > 1:
-    raise DataError(f'{spec.text}: mixes text files and token files; give them as two sources.')
-  return kinds.pop(), paths
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkItem:
-  """A piece of a text source that one process reads and tokenizes on its own."""
-  kind: str          # 'jsonl' | 'txt' | 'parquet' | 'tfds' | 'embedded'
-  path: str          # file path, or 'tfds:NAME@SPLIT'
-  start: int = 0     # jsonl: byte offset; parquet: row group; tfds: first record
-  stop: int = 0      # jsonl: end byte offset; tfds: end record
-  first: int = 1     # number of the first line (jsonl) or row/record (parquet, tfds), from 1
-  field: str = ''
+class ReadOptions:
+  """How text is read: config.data's text_field, tfds_data_dir and on_bad_record."""
+  text_field: str = 'text'
   tfds_data_dir: str = ''
+  on_bad_record: str = 'error'
 
-  @property
-  def text_bytes(self) -> int:
-    return self.stop - self.start if self.kind in ('jsonl', 'txt') else 0
+  @classmethod
+  def from_config(cls, d) -> 'ReadOptions':
+    return cls(d.text_field, d.tfds_data_dir, d.on_bad_record)
+
+
+@dataclasses.dataclass
+class Component:
+  """One stream of a source, resolved to tokens (None: synthetic)."""
+  name: str
+  weight: float
+  tokens: tokens_lib.TokenStream | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerRecord:
+  """A tokenizer that data declares it was made with (prepared data, token-file sidecars)."""
+  where: str       # the data that says so, for messages
+  record: dict     # tokenizer.record() fields (identity, vocab_size, special ids, file)
+  directory: str   # where the record's tokenizer file is
+
+
+class Source:
+  """One entry of a source list. Subclasses are the kinds; see the module docstring."""
+  is_text = False  # can be planned into work items and read as text
+
+  def __init__(self, text: str, weight: float = 1.0, field: str = ''):
+    self.text, self.weight, self.field = text, weight, field  # text: as written, sans weight
+
+  @staticmethod
+  def claims(body: str) -> bool:
+    raise NotImplementedError
+
+  def tokenizer_records(self) -> list[TokenizerRecord]:
+    return []
+
+  def has_split(self, split: str) -> bool:
+    """Whether the source holds its own `split` (else eval data is carved from train)."""
+    return False
+
+  def components(self, split: str, tokenizer, options: ReadOptions) -> list[Component]:
+    """The source's token streams for split ('train' or 'val')."""
+    raise NotImplementedError
+
+  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+    raise DataError(f'{self.text}: not a text source (it holds token ids already).')
+
+  def __repr__(self):
+    return f'{type(self).__name__}({self.text!r}, weight={self.weight})'
+
+
+class TextSource(Source):
+  """A source of documents' text, tokenized on the fly for training (or by prepare_data.py)."""
+  is_text = True
+
+  def components(self, split: str, tokenizer, options: ReadOptions) -> list[Component]:
+    stats, parts = FileStats(), []
+    for item in self.plan(options):
+      encoded = encode(item, tokenizer, options.on_bad_record)
+      stats.add(encoded)
+      parts.append(encoded.tokens.astype(tokens_lib.token_dtype(tokenizer.vocab_size)))
+    stats.check()
+    for line in stats.skip_report():
+      logging.warning('%s', line)
+    total = stats.total()
+    if total.tokens > _ON_THE_FLY_WARNING_TOKENS:
+      logging.warning('%s: tokenized %d tokens on the fly; prepare large data once with '
+                      'scripts/prepare_data.py instead.', self.text, total.tokens)
+    logging.info('%s: %d documents, %d tokens', self.text, total.documents, total.tokens)
+    return [Component(self.text, self.weight, tokens_lib.TokenStream([np.concatenate(parts)],
+                                                                     self.text))]
+
+
+KINDS: list[type[Source]] = []  # tried in order; Files takes whatever none of them claims
+
+
+def register(cls):
+  """Adds a kind of source (and, for a text kind that reads its own work items, its reader)."""
+  KINDS.append(cls)
+  if issubclass(cls, formats.Reader):
+    formats.register(cls)
+  return cls
+
+
+@register
+class Embedded(TextSource, formats.Reader):
+  """The Python reference manual, shipped with every Python (see corpus.py)."""
+  name = 'embedded'
+
+  @staticmethod
+  def claims(body: str) -> bool:
+    return body == 'embedded'
+
+  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+    return [formats.WorkItem(self.name, 'embedded')]
+
+  @classmethod
+  def read(cls, item: formats.WorkItem) -> Iterator[formats.Record]:
+    from jax_pretrain.data import corpus  # pylint: disable=g-import-not-at-top
+    yield from ((i + 1, doc, None) for i, doc in enumerate(corpus.embedded_documents()))
+
+  @classmethod
+  def location(cls, item: formats.WorkItem, n: int) -> str:
+    return f'{item.path}: record {n}'
+
+
+@register
+class Synthetic(Source):
+  """Random tokens (benchmarks, tests): no text, no tokenizer of its own."""
+
+  @staticmethod
+  def claims(body: str) -> bool:
+    return body == 'synthetic'
+
+  def components(self, split: str, tokenizer, options: ReadOptions) -> list[Component]:
+    return [Component('synthetic', self.weight, None)]
 
 
 @functools.lru_cache(maxsize=16)
@@ -124,155 +164,162 @@ def _tfds_source(name: str, split: str, data_dir: str):
                     f'{where} --file_format=array_record`.') from None
 
 
-def plan(spec: SourceSpec, text_field: str, tfds_data_dir: str = '') -> list[WorkItem]:
-  """Cuts a text source (embedded, tfds or text files) into work items; checks what is cheap to
-  check up front (missing or empty files, Parquet columns, TFDS features)."""
-  field = spec.field or text_field
-  if spec.kind == 'embedded':
-    return [WorkItem('embedded', 'embedded')]
-  if spec.kind == 'tfds':
-    source = _tfds_source(spec.target, spec.split, tfds_data_dir)
-    name = f'tfds:{spec.target}@{spec.split}'
+@register
+class Tfds(TextSource, formats.Reader):
+  """tfds:NAME[@SPLIT]: a TensorFlow Datasets data source (array_record files, random access)."""
+  name = 'tfds'
+
+  def __init__(self, text: str, weight: float = 1.0, field: str = ''):
+    super().__init__(text, weight, field)
+    self.dataset, _, split = text[len('tfds:'):].partition('@')
+    self.split = split or 'train'
+
+  @staticmethod
+  def claims(body: str) -> bool:
+    return body.startswith('tfds:')
+
+  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+    field = self.field or options.text_field
+    source = _tfds_source(self.dataset, self.split, options.tfds_data_dir)
+    name = f'tfds:{self.dataset}@{self.split}'
     features = getattr(source, 'dataset_info', None)
     features = list(features.features.keys()) if features is not None else None
     if features is not None and field not in features:
       raise DataError(f'{name}: no feature "{field}" (features: {", ".join(features)}).')
     if len(source) == 0:
       raise DataError(f'{name}: the split is empty.')
-    return [WorkItem('tfds', name, i, min(i + _TFDS_ITEM_RECORDS, len(source)), i + 1, field,
-                     tfds_data_dir) for i in range(0, len(source), _TFDS_ITEM_RECORDS)]
-  kind, paths = expand(spec)
-  if kind != 'text':
-    raise DataError(f'{spec.text}: token files are already tokenized; use them directly as a '
-                    'training source.')
-  items = []
-  for path in paths:
-    if os.path.getsize(path) == 0:
-      raise DataError(f'{path}: empty file.')
-    ext = os.path.splitext(path)[1].lower()
-    if ext == '.txt':
-      items.append(WorkItem('txt', path, 0, os.path.getsize(path), 1, field))
-    elif ext == '.jsonl':
-      items.extend(_plan_jsonl(path, field))
-    else:
-      items.extend(_plan_parquet(path, field))
-  return items
+    return [formats.WorkItem(self.name, name, i, min(i + _TFDS_ITEM_RECORDS, len(source)), i + 1,
+                             field, options.tfds_data_dir)
+            for i in range(0, len(source), _TFDS_ITEM_RECORDS)]
 
-
-def _plan_jsonl(path: str, field: str) -> Iterator[WorkItem]:
-  """Byte ranges of whole lines, with the number of each range's first line."""
-  with open(path, 'rb') as f:
-    start, line = 0, 1
-    while True:
-      chunk = f.read(_JSONL_ITEM_BYTES)
-      if not chunk:
-        return
-      cut = chunk.rfind(b'\n') + 1 if len(chunk) == _JSONL_ITEM_BYTES else len(chunk)
-      if cut == 0:  # one line longer than the item size: take it whole
-        rest = f.readline()
-        chunk, cut = chunk + rest, len(chunk) + len(rest)
-      f.seek(start + cut)
-      yield WorkItem('jsonl', path, start, start + cut, line, field)
-      line += chunk.count(b'\n', 0, cut)
-      start += cut
-
-
-def _plan_parquet(path: str, field: str) -> list[WorkItem]:
-  import pyarrow  # pylint: disable=g-import-not-at-top
-  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-  try:
-    pf = pq.ParquetFile(path)
-  except (pyarrow.ArrowException, OSError) as e:
-    raise DataError(f'{path}: not a readable Parquet file ({e}).') from None
-  schema = pf.schema_arrow
-  if field not in schema.names:
-    raise DataError(f'{path}: no column "{field}" (columns: {", ".join(schema.names)}); set '
-                    f'data.text_field or write the source as {path}#COLUMN.')
-  column_type = schema.field(field).type
-  if not (pyarrow.types.is_string(column_type) or pyarrow.types.is_large_string(column_type)
-          or pyarrow.types.is_binary(column_type) or pyarrow.types.is_large_binary(column_type)):
-    raise DataError(f'{path}: column "{field}" holds {column_type}, not text.')
-  if pf.metadata.num_rows == 0:
-    raise DataError(f'{path}: empty file (no rows).')
-  items, first = [], 1
-  for group in range(pf.metadata.num_row_groups):
-    items.append(WorkItem('parquet', path, group, group + 1, first, field))
-    first += pf.metadata.row_group(group).num_rows
-  return items
-
-
-# Reading: (record number, text, None) or (record number, None, what is wrong with it).
-Record = tuple[int, str | None, str | None]
-
-
-def _decode(raw: bytes) -> tuple[str | None, str | None]:
-  try:
-    return raw.decode('utf-8'), None
-  except UnicodeDecodeError as e:
-    return None, f'bytes that are not UTF-8 (byte {e.start + 1}: {raw[e.start:e.start + 4]!r})'
-
-
-def read(item: WorkItem) -> Iterator[Record]:
-  """The records of a work item, in order."""
-  if item.kind == 'embedded':
-    from jax_pretrain.data import corpus  # pylint: disable=g-import-not-at-top
-    yield from ((i + 1, doc, None) for i, doc in enumerate(corpus.embedded_documents()))
-  elif item.kind == 'txt':
-    with open(item.path, 'rb') as f:
-      raw = f.read()
-    try:
-      yield 1, raw.decode('utf-8'), None
-    except UnicodeDecodeError as e:  # name the line of the first bad byte
-      bad = raw[e.start:e.start + 4]
-      yield raw.count(b'\n', 0, e.start) + 1, None, f'bytes that are not UTF-8 ({bad!r})'
-  elif item.kind == 'jsonl':
-    with open(item.path, 'rb') as f:
-      f.seek(item.start)
-      data = f.read(item.stop - item.start)
-    for n, raw in enumerate(data.split(b'\n'), item.first):
-      if raw.strip():
-        yield (n, *_json_text(raw, item.field))
-  elif item.kind == 'parquet':
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-    column = pq.ParquetFile(item.path).read_row_group(item.start, columns=[item.field]).column(0)
-    for n, value in enumerate(column.to_pylist(), item.first):
-      if value is None:
-        yield n, None, f'"{item.field}" is null'
-      elif isinstance(value, bytes):
-        yield (n, *_decode(value))
-      else:
-        yield n, value, None
-  elif item.kind == 'tfds':
-    name, _, split = item.path[len('tfds:'):].partition('@')
-    source = _tfds_source(name, split, item.tfds_data_dir)
-    examples = source.__getitems__(list(range(item.start, item.stop)))
+  @classmethod
+  def read(cls, item: formats.WorkItem) -> Iterator[formats.Record]:
+    dataset, _, split = item.path[len('tfds:'):].partition('@')
+    examples = _tfds_source(dataset, split, item.tfds_data_dir).__getitems__(
+        list(range(item.start, item.stop)))
     for n, example in enumerate(examples, item.first):
-      value = example[item.field]
-      if isinstance(value, np.ndarray) and value.ndim == 0:
-        value = value.item()
-      if isinstance(value, bytes):
-        yield (n, *_decode(value))
-      elif isinstance(value, str):
-        yield n, value, None
-      else:
-        yield n, None, f'"{item.field}" is {type(value).__name__}, not text'
-  else:
-    raise ValueError(f'unknown work item kind {item.kind!r}')
+      yield (n, *formats.text_value(example[item.field], item.field))
+
+  @classmethod
+  def location(cls, item: formats.WorkItem, n: int) -> str:
+    return f'{item.path}: record {n}'
 
 
-def _json_text(raw: bytes, field: str) -> tuple[str | None, str | None]:
-  line, error = _decode(raw)
-  if error:
-    return None, error
+def read_meta(directory: str) -> dict:
+  with open(os.path.join(directory, 'meta.json'), encoding='utf-8') as f:
+    return json.load(f)
+
+
+@register
+class Prepared(Source):
+  """A directory written by scripts/prepare_data.py: memory-mapped token files per split."""
+
+  def __init__(self, text: str, weight: float = 1.0, field: str = ''):
+    super().__init__(text, weight, field)
+    self.directory = os.path.expanduser(text)
+    self.meta = read_meta(self.directory)
+
+  @staticmethod
+  def claims(body: str) -> bool:
+    return os.path.isfile(os.path.join(os.path.expanduser(body), 'meta.json'))
+
+  def tokenizer_records(self) -> list[TokenizerRecord]:
+    return [TokenizerRecord(self.text, self.meta['tokenizer'], self.directory)]
+
+  def has_split(self, split: str) -> bool:
+    return bool(self.meta.get(split))
+
+  def components(self, split: str, tokenizer, options: ReadOptions) -> list[Component]:
+    entries = self.meta.get(split, [])
+    if not entries:
+      raise DataError(f'{self.text}: prepared without a {split} split.')
+    total = sum(e['weight'] for e in entries)
+    out = []
+    for e in entries:
+      path = os.path.join(self.directory, split, e['name'] + '.bin')
+      stream, files = tokens_lib.open_stream([path], f'{self.text}/{split}/{e["name"]}')
+      tokens_lib.check_ids(files[0], tokenizer.vocab_size)
+      out.append(Component(stream.name, self.weight * e['weight'] / total, stream))
+    return out
+
+
+class Files(Source):
+  """A path or glob of files of one category: text (tokenized on the fly) or token ids; the kind of
+  whatever no registered kind claims."""
+
+  def __init__(self, text: str, weight: float = 1.0, field: str = ''):
+    super().__init__(text, weight, field)
+    self.pattern = os.path.expanduser(text)
+
+  @functools.cached_property
+  def files(self) -> list[tuple[str, type[formats.TextFormat] | type[formats.TokenFormat]]]:
+    """(path, format) of each file, sorted; all text or all token files."""
+    if os.path.isdir(self.pattern):
+      raise DataError(f'{self.text}: is a directory without meta.json (not prepared data); give a '
+                      f'glob such as {os.path.join(self.text, "*.jsonl")}.')
+    paths = sorted(glob.glob(self.pattern, recursive=True))
+    if not paths:
+      raise DataError(f'{self.text}: matches no files.')
+    found = [(path, formats.find(path)) for path in paths]
+    if len({issubclass(f, formats.TextFormat) for _, f in found}) > 1:
+      raise DataError(f'{self.text}: mixes text files and token files; give them as two sources.')
+    return found
+
+  @property
+  def is_text(self) -> bool:  # pylint: disable=invalid-overridden-method
+    return issubclass(self.files[0][1], formats.TextFormat)
+
+  def tokenizer_records(self) -> list[TokenizerRecord]:
+    if self.is_text:
+      return []
+    return [TokenizerRecord(path, info, os.path.dirname(path))
+            for path, _ in self.files if (info := tokens_lib.read_sidecar(path))]
+
+  def components(self, split: str, tokenizer, options: ReadOptions) -> list[Component]:
+    if self.is_text:
+      return TextSource.components(self, split, tokenizer, options)
+    stream, files = tokens_lib.open_stream([path for path, _ in self.files], self.text)
+    for f in files:
+      tokens_lib.check_ids(f, tokenizer.vocab_size)
+    return [Component(self.text, self.weight, stream)]
+
+  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+    if not self.is_text:
+      return super().plan(options)
+    field = self.field or options.text_field
+    items = []
+    for path, fmt in self.files:
+      if os.path.getsize(path) == 0:
+        raise DataError(f'{path}: empty file.')
+      items.extend(fmt.plan(path, field))
+    return items
+
+
+def _as_weight(text: str) -> float | None:
   try:
-    obj = json.loads(line)
-  except json.JSONDecodeError as e:
-    return None, f'invalid JSON ({e.msg}, column {e.colno})'
-  if not isinstance(obj, dict) or field not in obj:
-    return None, f'no "{field}" field'
-  if not isinstance(obj[field], str):
-    return None, f'"{field}" is {type(obj[field]).__name__}, not a string'
-  return obj[field], None
+    return float(text)
+  except ValueError:
+    return None
+
+
+def parse(sources: str, what: str = 'data.train') -> list[Source]:
+  """Parses a source list (see the module docstring); `what` names the setting in errors."""
+  parsed = []
+  for item in (s.strip() for s in sources.split(',')):
+    if not item:
+      continue
+    body, weight = item, 1.0
+    head, sep, tail = item.rpartition(':')
+    if sep and _as_weight(tail) is not None:
+      body, weight = head, _as_weight(tail)
+    if not weight > 0:
+      raise DataError(f'{what}: source {item!r} has weight {weight}; weights must be positive.')
+    body, _, field = body.partition('#')
+    kind = next((k for k in KINDS if k.claims(body)), Files)
+    parsed.append(kind(body, weight, field))
+  if not parsed:
+    raise DataError(f'{what} is empty: give at least one source.')
+  return parsed
 
 
 @dataclasses.dataclass
@@ -286,22 +333,14 @@ class Encoded:
   text_bytes: int          # UTF-8 bytes of the documents' text
 
 
-def location(item: WorkItem, n: int) -> str:
-  if item.kind == 'parquet':
-    return f'{item.path}: row {n}'
-  if item.kind in ('tfds', 'embedded'):
-    return f'{item.path}: record {n}'
-  return f'{item.path}:{n}'
-
-
-def encode(item: WorkItem, tokenizer, on_bad_record: str = 'error') -> Encoded:
+def encode(item: formats.WorkItem, tokenizer, on_bad_record: str = 'error') -> Encoded:
   """Reads and tokenizes one work item. Bad records raise DataError, or are counted ('skip')."""
   texts, skipped, records, text_bytes = [], 0, 0, 0
-  for n, text, error in read(item):
+  for n, text, error in formats.read(item):
     records += 1
     if error is not None:
       if on_bad_record != 'skip':
-        raise DataError(f'{location(item, n)}: {error}. (Set data.on_bad_record=skip, or '
+        raise DataError(f'{formats.location(item, n)}: {error}. (Set data.on_bad_record=skip, or '
                         '--on-bad-record=skip, to skip such records and count them.)')
       skipped += 1
     elif text:
@@ -317,45 +356,55 @@ def encode(item: WorkItem, tokenizer, on_bad_record: str = 'error') -> Encoded:
   return Encoded(item.path, tokens, doc_lengths, skipped, records, text_bytes)
 
 
+@dataclasses.dataclass
+class Counts:
+  documents: int = 0
+  tokens: int = 0
+  skipped: int = 0
+  records: int = 0
+  text_bytes: int = 0
+
+
 class FileStats:
-  """Documents, tokens and skipped records per file, summed over work items."""
+  """Counts per file, summed over work items."""
 
   def __init__(self):
-    # path -> [documents, tokens, skipped, records, text bytes]
-    self.by_path: dict[str, list[int]] = {}
+    self.by_path: dict[str, Counts] = {}
 
   def add(self, e: Encoded) -> None:
-    s = self.by_path.setdefault(e.path, [0, 0, 0, 0, 0])
-    for k, v in enumerate((len(e.doc_lengths), len(e.tokens), e.skipped, e.records,
-                           e.text_bytes)):
-      s[k] += int(v)
+    s = self.by_path.setdefault(e.path, Counts())
+    s.documents += len(e.doc_lengths)
+    s.tokens += len(e.tokens)
+    s.skipped += e.skipped
+    s.records += e.records
+    s.text_bytes += e.text_bytes
 
   def check(self) -> None:
     """A file that gave no document at all is an error: never train on nothing."""
-    for path, (docs, _, skipped, records, _) in self.by_path.items():
-      if records == 0:
+    for path, s in self.by_path.items():
+      if s.records == 0:
         raise DataError(f'{path}: no records (empty or only blank lines).')
-      if docs == 0:
-        raise DataError(f'{path}: no usable document ({skipped} of {records} records were bad, '
-                        f'the rest empty).')
+      if s.documents == 0:
+        raise DataError(f'{path}: no usable document ({s.skipped} of {s.records} records were '
+                        'bad, the rest empty).')
 
-  def total(self) -> tuple[int, int, int]:
-    return tuple(sum(s[k] for s in self.by_path.values()) for k in range(3))
+  def total(self) -> Counts:
+    return Counts(*(sum(getattr(s, f.name) for s in self.by_path.values())
+                    for f in dataclasses.fields(Counts)))
 
   def skip_report(self) -> list[str]:
-    return [f'{path}: skipped {s[2]} bad records of {s[3]}'
-            for path, s in self.by_path.items() if s[2]]
+    return [f'{path}: skipped {s.skipped} bad records of {s.records}'
+            for path, s in self.by_path.items() if s.skipped]
 
 
-def texts(source_list: str, text_field: str = 'text', tfds_data_dir: str = '',
-          on_bad_record: str = 'error') -> Iterator[str]:
+def texts(source_list: str, options: ReadOptions = ReadOptions()) -> Iterator[str]:
   """Every document's text of a source list, in order (one process; for training a tokenizer)."""
-  for spec in parse(source_list, '--input'):
-    if spec.kind not in ('embedded', 'tfds', 'files'):
-      raise DataError(f'{spec.text}: not a text source.')
-    for item in plan(spec, text_field, tfds_data_dir):
-      for n, text, error in read(item):
-        if error is not None and on_bad_record != 'skip':
-          raise DataError(f'{location(item, n)}: {error}.')
+  for source in parse(source_list, '--input'):
+    if not source.is_text:
+      raise DataError(f'{source.text}: not a text source.')
+    for item in source.plan(options):
+      for n, text, error in formats.read(item):
+        if error is not None and options.on_bad_record != 'skip':
+          raise DataError(f'{formats.location(item, n)}: {error}.')
         if text:
           yield text

@@ -5,7 +5,9 @@ All have encode(str) -> int32 [n], decode(ids) -> str, vocab_size, bos_id, eos_i
 records the identity of the tokenizer that made it, so training can refuse a different one.
 """
 import hashlib
+import json
 import os
+import shutil
 
 import numpy as np
 
@@ -39,12 +41,13 @@ def _with_appended_specials(num_pieces: int, ids: list[int]) -> tuple[list[int],
     if i is None or i < 0:
       i, next_id = next_id, next_id + 1
     out.append(int(i))
-  return out, next_id
+  return out, max(next_id, max(out) + 1)
 
 
 class SentencePieceTokenizer:
   """A sentencepiece .model. A model without a pad (or BOS/EOS) piece gets one appended after its
   pieces, so pad never collides with a real token; vocab_size then counts it."""
+  file_name = 'tokenizer.model'  # its name where a record keeps it (tokenizer.save)
 
   def __init__(self, path: str):
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
@@ -101,11 +104,65 @@ class IdTokenizer:
     return ' '.join(str(int(i)) for i in ids)
 
 
+RECORD_FILE = 'tokenizer_record.json'  # in a tokenizer directory written by save()
+
+
 def load(spec: str):
-  """'byte' or a sentencepiece .model path."""
+  """'byte', a sentencepiece .model path, or a directory written by save() (a run's tokenizer/)."""
   if spec == 'byte':
     return ByteTokenizer()
+  if os.path.isdir(spec):
+    path = os.path.join(spec, RECORD_FILE)
+    if not os.path.isfile(path):
+      raise DataError(f'{spec}: a directory without {RECORD_FILE}; give a tokenizer file.')
+    with open(path, encoding='utf-8') as f:
+      return from_record(json.load(f), spec, path)
   return SentencePieceTokenizer(spec)
+
+
+def record(tokenizer) -> dict:
+  """What identifies a tokenizer and its special ids (prepared data, token sidecars and runs keep
+  it); 'tokenizer_file' names its file, when it has one, relative to where the record is."""
+  out = dict(tokenizer=tokenizer.identity, vocab_size=tokenizer.vocab_size,
+             bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+  if getattr(tokenizer, 'file_name', None):
+    out['tokenizer_file'] = tokenizer.file_name
+  return out
+
+
+def save(tokenizer, directory: str) -> dict:
+  """Writes the tokenizer's file (if any) and RECORD_FILE into directory; returns the record.
+  load(directory) gives the tokenizer back."""
+  os.makedirs(directory, exist_ok=True)
+  rec = record(tokenizer)
+  if 'tokenizer_file' in rec:
+    target = os.path.join(directory, rec['tokenizer_file'])
+    if os.path.abspath(target) != os.path.abspath(tokenizer.path):
+      shutil.copyfile(tokenizer.path, target)
+  with open(os.path.join(directory, RECORD_FILE), 'w', encoding='utf-8') as f:
+    json.dump(rec, f, indent=2, sort_keys=True)
+    f.write('\n')
+  return rec
+
+
+def from_record(rec: dict, directory: str, where: str):
+  """The tokenizer a record describes (its file under directory), or bare ids when it names none."""
+  identity = rec.get('tokenizer', '')
+  if identity == 'byte':
+    return ByteTokenizer()
+  if identity.startswith('sentencepiece:'):
+    path = os.path.join(directory, rec.get('tokenizer_file', 'tokenizer.model'))
+    tok = SentencePieceTokenizer(path)
+    if tok.identity != identity:
+      raise DataError(f'{where}: records tokenizer {identity}, but {path} is {tok.identity}.')
+    return tok
+  if identity.startswith('ids:'):  # ids:N:eos=E (N excludes appended specials)
+    return IdTokenizer(int(identity.split(':')[1]), rec['eos_id'], rec.get('bos_id'),
+                       rec.get('pad_id'))
+  if 'vocab_size' not in rec or 'eos_id' not in rec:
+    raise DataError(f'{where}: the sidecar must give "vocab_size" and "eos_id" (or set '
+                    'data.tokenizer).')
+  return IdTokenizer(rec['vocab_size'], rec['eos_id'], rec.get('bos_id'), rec.get('pad_id'))
 
 
 def train_sentencepiece(texts, output: str, vocab_size: int, model_type: str = 'bpe',

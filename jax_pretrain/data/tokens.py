@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from jax_pretrain.data import formats
 from jax_pretrain.data.errors import DataError
 
 FORMAT = 'jax_pretrain.tokens/1'
@@ -52,27 +53,11 @@ def read_sidecar(path: str) -> dict:
 
 
 def open_file(path: str) -> TokenFile:
-  """Memory-maps a .npy or .bin token file and reads its sidecar; checks shape, dtype and size."""
+  """Memory-maps a token file (formats.TOKEN_FORMATS) and reads its sidecar; checks the size."""
   info = read_sidecar(path)
   if os.path.getsize(path) == 0:
     raise DataError(f'{path}: empty file.')
-  if path.endswith('.npy'):
-    try:
-      tokens = np.load(path, mmap_mode='r')
-    except ValueError as e:
-      raise DataError(f'{path}: not a readable .npy file ({e}).') from None
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-      raise DataError(f'{path}: holds {tokens.dtype} {tokens.shape}; token files are flat integer '
-                      'arrays.')
-  else:
-    if 'dtype' not in info:
-      raise DataError(f'{path}: a raw .bin token file needs a sidecar {sidecar_path(path)} with at '
-                      'least {"dtype": "uint16", "vocab_size": V, "eos_id": E}.')
-    dtype = np.dtype(info['dtype'])
-    if os.path.getsize(path) % dtype.itemsize:
-      raise DataError(f'{path}: size {os.path.getsize(path)} is not a multiple of {dtype} '
-                      f'({dtype.itemsize} bytes): truncated or the wrong dtype.')
-    tokens = np.memmap(path, dtype=dtype, mode='r')
+  tokens = formats.find(path).open(path, info)
   if len(tokens) == 0:
     raise DataError(f'{path}: empty file (no tokens).')
   if 'num_tokens' in info and info['num_tokens'] != len(tokens):

@@ -17,14 +17,13 @@ from jax_pretrain import sharding
 IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
 
 
-def check_available(implementation: str, backend: str | None = None) -> None:
-  """Raises a clear error for an attention choice this machine cannot run (never falls back)."""
+def unavailable_reason(implementation: str, backend: str | None = None) -> str | None:
+  """Why this machine cannot run the attention choice (None: it can). Never a silent fallback."""
   backend = backend or jax.default_backend()
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f'model.attention={implementation!r}: choose one of {IMPLEMENTATIONS}.')
   if implementation == 'cudnn' and backend != 'gpu':
-    raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, but jax's backend is "
-                     f"{backend!r}; use --config.model.attention=xla (or pallas).")
+    return (f"model.attention='cudnn' needs an NVIDIA GPU, but jax's backend is {backend!r}; use "
+            '--config.model.attention=xla (or pallas).')
+  return None
 
 
 def _fused(implementation: str):

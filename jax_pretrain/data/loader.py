@@ -1,0 +1,155 @@
+"""From the config's data group to the trainer's batches.
+
+`open_sources(config)` parses data.train and data.val once and settles the tokenizer (cheap: no
+data is read); `build(config, sources, ...)` resolves them into token streams, holds out eval data
+and returns a `Data` with the grain iterators. See data/__init__.py for what Data holds.
+"""
+import dataclasses
+from collections.abc import Callable, Iterator
+
+from absl import logging
+import ml_collections
+import numpy as np
+
+from jax_pretrain.data import sources as sources_lib
+from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.data import tokens as tokens_lib
+from jax_pretrain.data.errors import DataError
+from jax_pretrain.data.sources import Component
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass
+class Data:
+  tokenizer: object  # ByteTokenizer | SentencePieceTokenizer | IdTokenizer
+  train: Iterator[Batch]  # pipeline.LockedIterator over grain's: get_state() / set_state()
+  eval_batches: Callable[[], Iterator[Batch]]
+
+
+@dataclasses.dataclass
+class Sources:
+  """data.train and data.val, parsed once, and the tokenizer that reads them."""
+  train: list[sources_lib.Source]
+  val: list[sources_lib.Source]  # []: eval data is held out of train
+  tokenizer: object
+  options: sources_lib.ReadOptions
+
+
+def resolve_tokenizer(setting: str, sources: list[sources_lib.Source], model_vocab_size: int):
+  """data.tokenizer if set; else the one the prepared data / sidecars record; else bytes for raw
+  text; else (synthetic only) bare ids filling model.vocab_size. Checks that all sources agree."""
+  declared = [r for s in sources for r in s.tokenizer_records()]
+  if setting:
+    tok = tokenizer_lib.load(setting)
+  elif declared:
+    first = declared[0]
+    tok = tokenizer_lib.from_record(first.record, first.directory, first.where)
+  elif any(not isinstance(s, sources_lib.Synthetic) for s in sources):
+    tok = tokenizer_lib.ByteTokenizer()
+  else:
+    v = model_vocab_size
+    tok = tokenizer_lib.IdTokenizer(v - 1, eos_id=v - 2, bos_id=v - 3)  # pad: v - 1
+  for d in declared:
+    identity = d.record.get('tokenizer')
+    if identity and identity != tok.identity:
+      raise DataError(f'{d.where}: was tokenized with {identity}, but the tokenizer is '
+                      f'{tok.identity} ({tok.path or "from the data"}). Use one tokenizer for '
+                      'all sources (data.tokenizer, or re-run prepare_data.py).')
+    if not identity and d.record.get('eos_id', tok.eos_id) != tok.eos_id:
+      raise DataError(f'{d.where}: eos_id {d.record["eos_id"]} differs from the tokenizer\'s '
+                      f'{tok.eos_id}.')
+  return tok
+
+
+def open_sources(config: ml_collections.ConfigDict) -> Sources:
+  d = config.data
+  if not d.train:
+    raise DataError("data.train is empty: name the training data, e.g. --config.data.train="
+                    "data/mix1 (a directory written by scripts/prepare_data.py), 'data/*.jsonl', or "
+                    "'embedded' (the Python manual that ships with Python); see docs/data.md.")
+  train = sources_lib.parse(d.train, 'data.train')
+  val = sources_lib.parse(d.val, 'data.val') if d.val else []
+  tokenizer = resolve_tokenizer(d.tokenizer, train + val, config.model.vocab_size)
+  return Sources(train, val, tokenizer, sources_lib.ReadOptions.from_config(d))
+
+
+def eval_components(sources: list[sources_lib.Source], tokenizer,
+                    options: sources_lib.ReadOptions, split: str = 'val') -> list[Component]:
+  """The token streams of a source list read whole for evaluation (a prepared source: its split)."""
+  return [c for s in sources for c in s.components(split, tokenizer, options)]
+
+
+def split_components(s: Sources, val_ratio: float) -> tuple[list[Component], list[Component]]:
+  """(train, eval) components; the eval streams are never in train.
+
+  Eval is data.val when given, else the split prepare_data.py made, else the last val_ratio of
+  each training source.
+  """
+  train, val = [], []
+  for source in s.train:
+    components = source.components('train', s.tokenizer, s.options)
+    train.extend(components)
+    if s.val:
+      continue
+    if source.has_split('val'):
+      val.extend(source.components('val', s.tokenizer, s.options))  # prepare_data.py's split
+      continue
+    for c in components:
+      if c.tokens is None:
+        val.append(c)
+      else:
+        c.tokens, held_out = tokens_lib.carve(c.tokens, s.tokenizer.eos_id, val_ratio)
+        val.append(Component(c.name, c.weight, held_out))
+  val.extend(eval_components(s.val, s.tokenizer, s.options))
+  return train, val
+
+
+def build(config: ml_collections.ConfigDict, sources: Sources, process_index: int = 0,
+          process_count: int = 1) -> Data:
+  """config: resolved (config.resolve); sources: open_sources(config)."""
+  from jax_pretrain.data import pipeline  # pylint: disable=g-import-not-at-top
+  # (grain, and the jax it imports, load here: prepare's worker processes start without them)
+  d, t, tokenizer = config.data, config.train, sources.tokenizer
+  eval_budget = t.eval_steps * t.eval_batch_size
+  train, val = split_components(sources, d.val_ratio)
+
+  train_sources = []
+  for k, c in enumerate(train):
+    if c.tokens is None:
+      windows = pipeline.SyntheticWindows(tokenizer.vocab_size, tokenizer.pad_id, d.seq_len,
+                                          seed=pipeline.source_seed(t.seed, k))
+    else:
+      windows = pipeline.Windows(c.tokens, d.seq_len)
+    if not len(windows):
+      raise DataError(f'{c.name}: {len(c.tokens)} training tokens make no window of seq_len + 1 '
+                      f'= {d.seq_len + 1} tokens. Add data or lower data.seq_len.')
+    train_sources.append(windows)
+    logging.info('train source %s: weight %.3f, %d windows', c.name, c.weight, len(windows))
+  ds = pipeline.train_dataset(train_sources, [c.weight for c in train], t.batch_size, t.seed,
+                              process_index, process_count)
+  train_it = pipeline.iterator(ds, d.read_threads, d.prefetch, d.num_workers)
+
+  eval_sources, eval_weights = [], []
+  for c in val:
+    windows = None if c.tokens is None else pipeline.Windows(c.tokens, d.seq_len, tokenizer.pad_id)
+    if windows is not None and len(windows):  # a source too small to hold val tokens adds none
+      eval_sources.append(windows)
+      eval_weights.append(c.weight)
+  if not eval_sources and any(c.tokens is None for c in val):
+    # Random tokens are eval data only for a synthetic-only run (a benchmark): they would blur
+    # the eval loss of real data.
+    eval_sources = [pipeline.SyntheticWindows(tokenizer.vocab_size, tokenizer.pad_id, d.seq_len,
+                                              seed=pipeline.EVAL_SEED, length=max(eval_budget, 1))]
+    eval_weights = [1.0]
+  if not eval_sources:
+    why = ('data.val holds no tokens' if d.val else
+           f'data.val_ratio={d.val_ratio} holds out nothing from data.train')
+    raise DataError(f'no eval data: {why}. Set data.val or a positive data.val_ratio.')
+  eval_ds = pipeline.eval_dataset(eval_sources, eval_weights)
+
+  def eval_batches() -> Iterator[Batch]:
+    return pipeline.eval_batches(eval_ds, t.eval_steps, t.eval_batch_size, d.seq_len,
+                                 tokenizer.pad_id, process_index, process_count)
+
+  return Data(tokenizer=tokenizer, train=train_it, eval_batches=eval_batches)

@@ -1,0 +1,10 @@
+"""The one base class of user errors: every entry point prints them as one line and exits 1.
+
+A UserError is a mistake the user can fix (a config value, a path, bad input, a checkpoint that
+does not fit): its message names the file, line, field or step, and says what to do. Anything else
+is a bug and keeps its traceback. See cli.user_errors.
+"""
+
+
+class UserError(Exception):
+  """A mistake the user can fix; the message says where and what to do."""

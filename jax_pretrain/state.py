@@ -1,0 +1,195 @@
+"""The train state in its shardings, and the pure train and eval steps that transform it.
+
+Flow: resolved config -> mesh -> model/optimizer -> abstract state (eval_shape) -> shardings ->
+jit(init, out_shardings). `build` returns all of it as a Setup; train.py runs the loop, plan.py
+compiles the same step for a device it does not have, workdir.py restores a run into it.
+"""
+import dataclasses
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from jax_pretrain import checkpoint as checkpoint_lib
+from jax_pretrain import config as config_lib
+from jax_pretrain import model as model_lib
+from jax_pretrain import optim
+from jax_pretrain import sharding
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  nonfinite_count: jax.Array  # steps whose update was dropped for a non-finite loss or grad norm
+  consecutive_nonfinite: jax.Array  # of those, how many in a row up to now
+
+
+def make_loss_fn(model: nn.Module, pad_id: int):
+  """(params, tokens [B, T+1]) -> (sum of next-token NLL over non-pad targets, their count).
+
+  Sums, not means, so that micro-batches and data-parallel shards combine exactly.
+  """
+  def loss_fn(params, tokens_BxT1):
+    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+    logits_BxTxV = model.apply({'params': params}, inputs_BxT).astype(jnp.float32)
+    logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+    target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    weights_BxT = (targets_BxT != pad_id).astype(jnp.float32)
+    return jnp.sum((logz_BxT - target_logit_BxT) * weights_BxT), jnp.sum(weights_BxT)
+  return loss_fn
+
+
+def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id: int,
+                    mesh=None):
+  """A pure (state, batch) -> (state, metrics) function; jit it once."""
+  loss_and_grad = jax.value_and_grad(make_loss_fn(model, pad_id), has_aux=True)
+
+  def train_step(state: TrainState, batch):
+    tokens_BxT1 = batch['tokens']
+    if grad_accum_steps == 1:
+      (loss_sum, weight), grads = loss_and_grad(state.params, tokens_BxT1)
+    else:
+      # Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps its own rows (no transfer).
+      B, T1 = tokens_BxT1.shape
+      micro_AxMxT1 = tokens_BxT1.reshape(B // grad_accum_steps, grad_accum_steps, T1)
+      micro_AxMxT1 = sharding.constrain(micro_AxMxT1.swapaxes(0, 1), (None, 'batch', None), mesh)
+
+      def accumulate(carry, tokens_MxT1):
+        (loss_i, weight_i), grads_i = loss_and_grad(state.params, tokens_MxT1)
+        loss_sum, weight, grads = carry
+        return (loss_sum + loss_i, weight + weight_i, jax.tree.map(jnp.add, grads, grads_i)), None
+
+      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+               jax.tree.map(jnp.zeros_like, state.params))
+      (loss_sum, weight, grads), _ = jax.lax.scan(accumulate, zeros, micro_AxMxT1)
+
+    weight = jnp.maximum(weight, 1.0)
+    grads = jax.tree.map(lambda g: g / weight, grads)
+    loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    # A non-finite loss or gradient drops the whole update: params and moments stay as they were.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    params, opt_state = jax.lax.cond(finite, lambda: (params, opt_state),
+                                     lambda: (state.params, state.opt_state))
+    new_state = state.replace(
+        step=state.step + 1, params=params, opt_state=opt_state,
+        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+        consecutive_nonfinite=jnp.where(finite, 0, state.consecutive_nonfinite + 1))
+    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
+               'nonfinite_count': new_state.nonfinite_count,
+               'consecutive_nonfinite': new_state.consecutive_nonfinite}
+    return new_state, metrics
+
+  return train_step
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything built from the config before the first step."""
+  config: ml_collections.ConfigDict
+  run: config_lib.RunShape
+  mesh: Any
+  model: model_lib.Transformer
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  state_shardings: TrainState
+  batch_sharding: Any
+  abstract_state: TrainState
+  init_fn: Any  # rng -> TrainState with fresh params
+  new_state_fn: Any  # params -> TrainState at step 0 with a fresh optimizer
+
+
+def build(config: ml_collections.ConfigDict, devices=None, tokenizer_vocab_size: int = 0) -> Setup:
+  """Resolves the config, builds mesh, model and optimizer, and the abstract sharded state.
+
+  tokenizer_vocab_size: checked against model.vocab_size (0: not checked).
+  """
+  devices = jax.devices() if devices is None else devices
+  config, run = config_lib.resolve(config, len(devices), backend=devices[0].platform,
+                                   tokenizer_vocab_size=tokenizer_vocab_size)
+  mesh = sharding.make_mesh(run.mesh_shape, devices)
+  model = model_lib.Transformer(config_lib.model_config(config), mesh=mesh)
+  optimizer = optim.make_optimizer(config.optim, config.train.steps)
+  schedule = optim.learning_rate_schedule(config.optim, config.train.steps)
+  # Init traces the model once (the forward pass is dead code XLA drops); the batch must split
+  # over the data-parallel devices, since fused attention runs under shard_map.
+  dummy_BxT = jnp.zeros((run.mesh_shape[0] * run.mesh_shape[1], config.data.seq_len), jnp.int32)
+
+  def new_state(params):
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(step=zero, params=params, opt_state=optimizer.init(params),
+                      nonfinite_count=zero, consecutive_nonfinite=zero)
+
+  def init_fn(rng):
+    return new_state(nn.meta.unbox(model.init(rng, dummy_BxT)['params']))
+
+  rng = jax.random.key(config.train.seed)
+  boxed = jax.eval_shape(lambda r: model.init(r, dummy_BxT)['params'], rng)
+  logical_specs = nn.get_partition_spec(boxed)
+  param_shardings = jax.tree.map(lambda spec: sharding.named_sharding(mesh, tuple(spec)),
+                                 logical_specs, is_leaf=lambda x: isinstance(x, jax.P))
+  abstract = jax.eval_shape(init_fn, rng)
+  replicated = sharding.replicated(mesh)
+  opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state,
+                                        param_shardings,
+                                        transform_non_params=lambda _: replicated)
+  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                               nonfinite_count=replicated, consecutive_nonfinite=replicated)
+  return Setup(config=config, run=run, mesh=mesh, model=model, optimizer=optimizer,
+               schedule=schedule, state_shardings=state_shardings,
+               batch_sharding=sharding.named_sharding(mesh, ('batch', None)),
+               abstract_state=checkpoint_lib.abstract_with_shardings(abstract, state_shardings),
+               init_fn=init_fn, new_state_fn=new_state)
+
+
+def init_state(s: Setup) -> TrainState:
+  """Fresh parameters, created directly in their shardings: no host ever holds the full model."""
+  init = jax.jit(s.init_fn, out_shardings=s.state_shardings)
+  return init(jax.random.key(s.config.train.seed))
+
+
+def state_from_params(s: Setup, params) -> TrainState:
+  """A step-0 state with these params and a fresh optimizer, in the state's shardings."""
+  return jax.jit(s.new_state_fn, out_shardings=s.state_shardings)(params)
+
+
+def jit_train_step(s: Setup, pad_id: int):
+  step = make_train_step(s.model, s.optimizer, s.schedule,
+                         grad_accum_steps=s.run.grad_accum_steps, pad_id=pad_id, mesh=s.mesh)
+  return jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding),
+                 out_shardings=(s.state_shardings, sharding.replicated(s.mesh)),
+                 donate_argnums=(0,))
+
+
+def jit_eval_step(s: Setup, pad_id: int):
+  """(params, {'tokens': [B, T+1]}) -> (NLL summed over non-pad targets, their count)."""
+  loss_fn = make_loss_fn(s.model, pad_id)
+  return jax.jit(lambda params, batch: loss_fn(params, batch['tokens']),
+                 in_shardings=(s.state_shardings.params, s.batch_sharding),
+                 out_shardings=sharding.replicated(s.mesh))
+
+
+def abstract_batch(s: Setup, batch_size: int):
+  return {'tokens': jax.ShapeDtypeStruct((batch_size, s.config.data.seq_len + 1), jnp.int32,
+                                         sharding=s.batch_sharding)}
+
+
+def summed_loss(eval_step, params, batches, batch_sharding) -> tuple[float, float]:
+  """(NLL summed over the batches' non-pad targets, their count): one host sync at the end.
+
+  batches: host arrays {'tokens': int32 [local B, T+1]}, this process's rows of each batch.
+  """
+  nll, count = jnp.zeros(()), jnp.zeros(())
+  for batch in batches:
+    device_batch = jax.make_array_from_process_local_data(batch_sharding, batch['tokens'])
+    l, w = eval_step(params, {'tokens': device_batch})
+    nll, count = nll + l, count + w
+  nll, count = jax.device_get((nll, count))
+  return float(nll), float(count)

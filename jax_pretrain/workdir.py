@@ -1,0 +1,114 @@
+"""A run's directory, and a trained run loaded from it: what training writes and what sampling,
+evaluation, export and import read.
+
+  WORKDIR/config.json    the resolved config (config.as_dict)
+  WORKDIR/tokenizer/     the run's tokenizer (data.tokenizer.save: its file and record)
+  WORKDIR/checkpoints/   orbax checkpoints (checkpoint.py)
+  WORKDIR/metrics.jsonl, WORKDIR/tensorboard/   scalars (metrics.py)
+
+`load(workdir)` gives a `Trained` run: config, params of its latest (or a given) checkpoint, and
+tokenizer, on this machine's devices. `create(...)` writes a step-0 run from given params (an
+imported Hugging Face model), which training can continue from.
+"""
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+from jax_pretrain import checkpoint as checkpoint_lib
+from jax_pretrain import config as config_lib
+from jax_pretrain import state as state_lib
+from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.errors import UserError
+
+CONFIG_FILE = 'config.json'
+TOKENIZER_DIR = 'tokenizer'
+
+
+class WorkdirError(UserError):
+  """A workdir that is not what the command needs (missing, not a run, already used)."""
+
+
+def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """config.json, written to a temporary name and renamed: never half-written."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    f.write(config_lib.to_json(config))
+  os.replace(path + '.tmp', path)
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The resolved config a run saved, over today's defaults (runs saved before a field existed,
+  or moved, still load)."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise WorkdirError(f'{path} not found: is {workdir!r} the workdir of a training run?')
+  with open(path, encoding='utf-8') as f:
+    return config_lib.from_dict(json.load(f))
+
+
+def save_tokenizer(workdir: str, tokenizer) -> None:
+  tokenizer_lib.save(tokenizer, os.path.join(workdir, TOKENIZER_DIR))
+
+
+def load_tokenizer(workdir: str, config: ml_collections.ConfigDict | None = None):
+  """The tokenizer the run trained with. Runs older than WORKDIR/tokenizer/ resolve it from their
+  config's data settings, as training did (that reads the data's metadata, not the data)."""
+  directory = os.path.join(workdir, TOKENIZER_DIR)
+  if os.path.isdir(directory):
+    return tokenizer_lib.load(directory)
+  from jax_pretrain import data as data_lib  # pylint: disable=g-import-not-at-top
+  return data_lib.open_sources(config or load_config(workdir)).tokenizer
+
+
+@dataclasses.dataclass
+class Trained:
+  """A run's config (resolved for this machine), params (in setup's shardings) and tokenizer."""
+  config: ml_collections.ConfigDict
+  params: Any
+  tokenizer: Any
+  setup: state_lib.Setup
+  step: int
+
+
+def load(workdir: str, step: int | None = None, devices=None) -> Trained:
+  """The run's latest (or given) checkpoint on these devices (default: all of this machine's).
+
+  The mesh is rebuilt for the devices at hand (data-parallel over all of them), batch splits are
+  re-derived, and the attention falls back to 'xla' where the run used a GPU-only kernel and
+  this machine has no GPU.
+  """
+  config = load_config(workdir)
+  tokenizer = load_tokenizer(workdir, config)
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  config.train.micro_batch_size = config.train.eval_batch_size = 0  # re-derived for these devices
+  devices = jax.devices() if devices is None else devices
+  if devices[0].platform != 'gpu':
+    config.model.attention = 'xla'
+  s = state_lib.build(config, devices, tokenizer.vocab_size)
+  checkpointer = checkpoint_lib.Checkpointer(workdir, read_only=True)
+  try:
+    step, params = checkpointer.restore_params(s.abstract_state.params, step)
+  finally:
+    checkpointer.close()
+  return Trained(s.config, params, tokenizer, s, step)
+
+
+def create(workdir: str, config: ml_collections.ConfigDict, params, tokenizer) -> Trained:
+  """A new run at step 0 with these params (host arrays) and a fresh optimizer. Its config.json
+  is `config` as given (unresolved: a new run from it resolves it for its own devices)."""
+  if os.path.exists(os.path.join(workdir, checkpoint_lib.DIRECTORY)):
+    raise WorkdirError(f'{workdir} already holds checkpoints; give a new workdir.')
+  s = state_lib.build(config, jax.devices()[:1], tokenizer.vocab_size)
+  os.makedirs(workdir, exist_ok=True)
+  save_tokenizer(workdir, tokenizer)
+  write_config(workdir, config)
+  checkpointer = checkpoint_lib.Checkpointer(workdir, async_save=False)
+  try:
+    checkpointer.save(0, state_lib.state_from_params(s, params), {}, config_lib.as_dict(config))
+  finally:
+    checkpointer.close()
+  return Trained(s.config, params, tokenizer, s, 0)
