@@ -93,3 +93,23 @@ def test_cudnn_on_cpu_is_an_error_not_a_fallback():
   c = parse(f'--config={ROOT}/configs/test.py', '--config.model.attention=cudnn')
   with pytest.raises(config_lib.ConfigError, match="'cudnn' needs an NVIDIA GPU"):
     config_lib.resolve(c, num_devices=1, backend='cpu')
+
+
+def test_runs_saved_with_optimizer_fields_in_train_still_load():
+  old = config_lib.as_dict(config_lib.preset('test'))
+  old['train'].update(learning_rate=0.123, warmup_steps=3, grad_clip=0.5)  # the old layout
+  for name in ('learning_rate', 'warmup_steps', 'grad_clip'):
+    old['optim'].pop(name)
+  old['train']['removed_field'] = 1  # a field this version no longer has
+  c = config_lib.from_dict(old)
+  assert (c.optim.learning_rate, c.optim.warmup_steps, c.optim.grad_clip) == (0.123, 3, 0.5)
+  assert 'learning_rate' not in c.train and 'removed_field' not in c.train
+  r, _ = config_lib.resolve(c, num_devices=1, backend='cpu')
+  assert r.optim.learning_rate == 0.123
+
+
+def test_a_typo_in_a_config_file_is_refused_naming_the_field():
+  c = config_lib.preset('test')
+  c.optim.lerning_rate = 0.1  # config files are unlocked while they build the config
+  with pytest.raises(config_lib.ConfigError, match=r'optim.lerning_rate: no such config field'):
+    config_lib.resolve(c, num_devices=1, backend='cpu')

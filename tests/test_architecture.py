@@ -1,0 +1,83 @@
+"""The package's structure: no import cycles (imports inside functions included), no sys.path
+edits, and every module importable on its own."""
+import ast
+import importlib
+import os
+import pkgutil
+
+import jax_pretrain
+from tests.conftest import ROOT
+
+
+def import_graph() -> dict[str, set[str]]:
+  """module -> the package modules it imports anywhere in its source."""
+  modules = {m.name: m for m in pkgutil.walk_packages(jax_pretrain.__path__, 'jax_pretrain.')}
+  modules['jax_pretrain'] = None
+  graph = {}
+  for name in modules:
+    spec = importlib.util.find_spec(name)
+    with open(spec.origin, encoding='utf-8') as f:
+      tree = ast.parse(f.read())
+    targets = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+          'jax_pretrain'):
+        for alias in node.names:
+          full = f'{node.module}.{alias.name}'
+          targets.add(full if full in modules else node.module)
+      elif isinstance(node, ast.Import):
+        targets.update(a.name for a in node.names if a.name.startswith('jax_pretrain'))
+    graph[name] = targets - {name}
+  return graph
+
+
+def find_cycle(graph):
+  """A list of modules forming a cycle, or None."""
+  state, stack = {}, []
+
+  def visit(v):
+    state[v] = 'open'
+    stack.append(v)
+    for w in sorted(graph.get(v, ())):
+      if state.get(w) == 'open':
+        return stack[stack.index(w):] + [w]
+      if w not in state:
+        found = visit(w)
+        if found:
+          return found
+    state[v] = 'done'
+    stack.pop()
+    return None
+
+  for v in sorted(graph):
+    if v not in state:
+      found = visit(v)
+      if found:
+        return found
+  return None
+
+
+def test_no_import_cycles():
+  graph = import_graph()
+  assert len(graph) > 20 and 'jax_pretrain.workdir' in graph['jax_pretrain.sample']
+  assert find_cycle(graph) is None, ' -> '.join(find_cycle(graph))
+  assert find_cycle({'a': {'b'}, 'b': {'c'}, 'c': {'a'}}) == ['a', 'b', 'c', 'a']  # it can fail
+
+
+def test_nothing_edits_sys_path():
+  offenders = []
+  for top in ('jax_pretrain', 'scripts', 'tests', 'configs'):
+    for directory, _, files in os.walk(os.path.join(ROOT, top)):
+      for name in files:
+        if name.endswith('.py') and name != 'test_architecture.py':
+          with open(os.path.join(directory, name), encoding='utf-8') as f:
+            if 'sys.path' in f.read():
+              offenders.append(os.path.join(directory, name))
+  assert not offenders
+
+
+def test_presets_load_by_path_and_start_from_the_defaults():
+  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  for name in os.listdir(os.path.join(ROOT, 'configs')):
+    c = config_lib.load_file(os.path.join(ROOT, 'configs', name))
+    assert set(c) == set(config_lib.defaults()), name
