@@ -214,9 +214,9 @@ def _text_record(raw: bytes) -> Record:
     return raw.count(b'\n', 0, e.start) + 1, None, f'bytes that are not UTF-8 ({bad!r})'
 
 
-def _decompressed(path: str, compression: str):
-  """A binary file object streaming the decompressed content."""
-  if compression == 'gz':
+def _decompressed(path: str):
+  """A binary file object streaming the decompressed content (gzip or zstd, by the file name)."""
+  if path.lower().endswith('.gz'):
     return gzip.open(path, 'rb')
   import zstandard  # pylint: disable=g-import-not-at-top
   return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, 'rb'),
@@ -224,10 +224,9 @@ def _decompressed(path: str, compression: str):
 
 
 class _Compressed(TextFormat):
-  """A compressed text file, streamed: one work item per file (a compressed stream cannot be cut
-  into byte ranges); prepare_data.py spreads files over cores. Corrupt or truncated data is a
-  DataError naming the file."""
-  compression = ''
+  """A gzip or zstd compressed text file, streamed: one work item per file (a compressed stream
+  cannot be cut into byte ranges); prepare_data.py spreads files over cores. Corrupt or truncated
+  data is a DataError naming the file."""
 
   @classmethod
   def plan(cls, path: str, field: str) -> list[WorkItem]:
@@ -237,7 +236,7 @@ class _Compressed(TextFormat):
   def read(cls, item: WorkItem) -> Iterator[Record]:
     import zstandard  # pylint: disable=g-import-not-at-top
     try:
-      with _decompressed(item.path, cls.compression) as f:
+      with _decompressed(item.path) as f:
         yield from cls.records(f, item)
     except (OSError, EOFError, zstandard.ZstdError) as e:  # corrupt or truncated
       raise DataError(f'{item.path}: cannot decompress it ({type(e).__name__}: {e}).') from None
@@ -247,7 +246,10 @@ class _Compressed(TextFormat):
     raise NotImplementedError
 
 
-class _CompressedJsonl(_Compressed):
+@register
+class CompressedJsonl(_Compressed):
+  name, endings = 'jsonl-compressed', ('.jsonl.gz', '.jsonl.zst', '.jsonl.zstd')
+
   @classmethod
   def records(cls, f, item: WorkItem) -> Iterator[Record]:
     if f.peek(len(_BOM)).startswith(_BOM):
@@ -255,30 +257,13 @@ class _CompressedJsonl(_Compressed):
     yield from _jsonl_records((line.rstrip(b'\n') for line in f), item)
 
 
-class _CompressedTxt(_Compressed):
+@register
+class CompressedTxt(_Compressed):
+  name, endings = 'txt-compressed', ('.txt.gz', '.txt.zst', '.txt.zstd')
+
   @classmethod
   def records(cls, f, item: WorkItem) -> Iterator[Record]:
     yield _text_record(f.read())
-
-
-@register
-class JsonlGz(_CompressedJsonl):
-  name, endings, compression = 'jsonl.gz', ('.jsonl.gz',), 'gz'
-
-
-@register
-class JsonlZst(_CompressedJsonl):
-  name, endings, compression = 'jsonl.zst', ('.jsonl.zst', '.jsonl.zstd'), 'zst'
-
-
-@register
-class TxtGz(_CompressedTxt):
-  name, endings, compression = 'txt.gz', ('.txt.gz',), 'gz'
-
-
-@register
-class TxtZst(_CompressedTxt):
-  name, endings, compression = 'txt.zst', ('.txt.zst', '.txt.zstd'), 'zst'
 
 
 @register
