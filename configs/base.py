@@ -65,6 +65,11 @@ def get_config() -> ml_collections.ConfigDict:
   t.max_consecutive_skips = 10  # with 'skip': halt after this many non-finite steps in a row
   t.sample_prompt = 'The '     # prompt of the continuation printed at the end ('' disables)
   t.sample_tokens = 64         # tokens generated for that continuation
+  # Downstream evals during training through lm-evaluation-harness (jax_pretrain/lm_eval.py).
+  t.lm_eval_tasks = ''         # tasks, comma-separated ('' : none), logged as lm_eval/TASK/METRIC
+  t.lm_eval_every = 0          # steps between them; 0: at every eval (eval_every) and the end
+  t.lm_eval_include_path = ''  # a folder of extra task YAMLs (lm_eval's --include_path)
+  t.lm_eval_limit = 0          # examples per task at most; 0: all
 
   c.optim = o = ml_collections.ConfigDict()
   o.mu_dtype = 'float32'       # AdamW first-moment dtype; 'bfloat16' halves its memory

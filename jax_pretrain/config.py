@@ -122,6 +122,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
   _check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
   for field in ('log_every', 'eval_every'):
     _check(t[field] > 0, f'train.{field} must be positive, got {t[field]}.')
+  for field in ('lm_eval_every', 'lm_eval_limit'):
+    _check(t[field] >= 0, f'train.{field} must be >= 0, got {t[field]}.')
 
   c.lock()
   return c, RunShape(mesh_shape=mesh_shape, grad_accum_steps=accum,
