@@ -100,6 +100,13 @@ def token_logprobs(model, params, tokens_BxT1, *, top_n: int = 0):
   return target_BxT, greedy_BxT, top
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _empty(config: model_lib.ModelConfig, slots: int, context: int):
+  """The engine's cache and last logits, zero."""
+  return (model_lib.KVCache.zeros(config, slots, context),
+          jnp.zeros((slots, config.vocab_size), jnp.float32))
+
+
 @functools.partial(jax.jit, static_argnames=('model',), donate_argnums=(2, 3))
 def _prefill(model, params, cache, logits_SxV, prompts_NxP, lengths_N, slots_N, allowed_V):
   """Runs the prompts, right-padded, into a fresh cache of their length and copies it into their
@@ -164,13 +171,25 @@ class Engine:
     self.prefill_tokens = max(prefill_tokens, context)  # prompt tokens per prefill call at most
     ids_V = np.arange(model_config.vocab_size)
     self._allowed_V = jnp.asarray((ids_V < tokenizer.vocab_size) & (ids_V != tokenizer.pad_id))
-    self._cache = self._logits_SxV = None  # allocated at the first prefill
+    self._cache = self._logits_SxV = None  # allocated at the first use (_state)
     self._busy: list[Sequence | None] = [None] * slots
     self._waiting: collections.deque[Sequence] = collections.deque()
     self._wakeup = threading.Condition()
     self._stopping = False
     self.shapes: set[tuple] = set()  # the compiled shapes asked for so far
     self.tokens_generated = 0
+
+  def warmup(self) -> None:
+    """Compiles every shape that traffic can ask for (prefills of 1, 2, 4, ... rows of each length
+    bucket, decodes of each row bucket), so that no request waits for a compile. Changes no
+    sequence: these prefills write to no slot and these decodes run no step."""
+    for P in sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)}):
+      most = self._most_rows(P)
+      for N in sorted({bucket(n, most) for n in range(1, most + 1)}):
+        self._prefill(np.zeros((N, P), np.int32), np.ones(N, np.int32),
+                      np.full(N, self.slots, np.int32))
+    for rows in sorted({bucket(n, self.slots) for n in range(1, self.slots + 1)}):
+      self._decode(rows, [], 0)
 
   def submit(self, seq: Sequence) -> None:
     """Queues a sequence (thread-safe). Its prompt and max_new_tokens must fit the context."""
@@ -227,23 +246,10 @@ class Engine:
     busy = [i for i, seq in enumerate(self._busy) if seq is not None]
     if not busy:
       return bool(self._waiting)
-    rows = bucket(busy[-1] + 1, self.slots)
-    positions, seeds, streams, counts = (np.zeros(rows, np.int32) for _ in range(4))
-    seeds = seeds.astype(np.uint32)
-    temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-    top_k = np.zeros(rows, np.int32)
-    steps = 1
-    for i in busy:
-      seq = self._busy[i]
-      positions[i] = len(seq.prompt) + len(seq.tokens)
-      seeds[i], streams[i], counts[i] = seq.seed % 2**32, seq.stream, len(seq.tokens)
-      temperature[i], top_k[i], top_p[i] = seq.temperature, seq.top_k, seq.top_p
-      steps = max(steps, min(self.chunk, seq.max_new_tokens - len(seq.tokens)))
-    self.shapes.add(('decode', rows))
-    self._cache, self._logits_SxV, *out = _decode(
-        self.model, self.params, self._cache, self._logits_SxV, positions, seeds, streams, counts,
-        temperature, top_k, top_p, self._allowed_V, np.int32(steps), rows=rows, chunk=self.chunk)
-    tokens_RxC, logprobs_RxC, top_lp_RxCxN, top_ids_RxCxN = jax.device_get(out)
+    steps = max(min(self.chunk, seq.max_new_tokens - len(seq.tokens))
+                for seq in (self._busy[i] for i in busy))
+    tokens_RxC, logprobs_RxC, top_lp_RxCxN, top_ids_RxCxN = self._decode(
+        bucket(busy[-1] + 1, self.slots), busy, steps)
     for i in busy:
       seq = self._busy[i]
       self._extend(seq, tokens_RxC[i, :steps], logprobs_RxC[i], top_lp_RxCxN[i], top_ids_RxCxN[i])
@@ -263,16 +269,11 @@ class Engine:
             continue
           self._busy[i] = seq
           admitted.append(i)
-    if not admitted:
-      return
-    if self._cache is None:
-      self._cache = model_lib.KVCache.zeros(self.model.config, self.slots, self.context)
-      self._logits_SxV = jnp.zeros((self.slots, self.model.config.vocab_size), jnp.float32)
     by_length = collections.defaultdict(list)
     for i in admitted:
       by_length[bucket(len(self._busy[i].prompt), self.context, MIN_BUCKET)].append(i)
     for P, slots in sorted(by_length.items()):
-      most = 1 << (max(1, self.prefill_tokens // P).bit_length() - 1)  # a power of two
+      most = self._most_rows(P)
       for start in range(0, len(slots), most):
         group = slots[start:start + most]
         N = bucket(len(group), most)
@@ -281,10 +282,46 @@ class Engine:
         for r, i in enumerate(group):
           prompt = self._busy[i].prompt
           prompts_NxP[r, :len(prompt)], lengths_N[r], slots_N[r] = prompt, len(prompt), i
-        self.shapes.add(('prefill', N, P))
-        self._cache, self._logits_SxV = _prefill(
-            self.model, self.params, self._cache, self._logits_SxV, prompts_NxP, lengths_N,
-            slots_N, self._allowed_V)
+        self._prefill(prompts_NxP, lengths_N, slots_N)
+
+  def _most_rows(self, P: int) -> int:
+    """Prompts per prefill call at most for prompts padded to P: a power of two that keeps the
+    call within prefill_tokens (its logits are [rows, P, vocab]), and no more than the slots need."""
+    return min(1 << (max(1, self.prefill_tokens // P).bit_length() - 1), bucket(self.slots, 1 << 30))
+
+  def _state(self):
+    """The cache and last logits, allocated at the first use, where the params are (replicated
+    over their mesh, if any), as the arrays that replace them will be: so the first and later
+    calls of a shape share one compile."""
+    if self._cache is None:
+      where = jax.tree.leaves(self.params)[0].sharding
+      if isinstance(where, jax.sharding.NamedSharding):
+        where = jax.sharding.NamedSharding(where.mesh, jax.P())
+      self._cache, self._logits_SxV = jax.device_put(
+          _empty(self.model.config, self.slots, self.context), where)
+    return self._cache, self._logits_SxV
+
+  def _prefill(self, prompts_NxP, lengths_N, slots_N) -> None:
+    self.shapes.add(('prefill', *prompts_NxP.shape))
+    self._cache, self._logits_SxV = _prefill(self.model, self.params, *self._state(),
+                                             prompts_NxP, lengths_N, slots_N, self._allowed_V)
+
+  def _decode(self, rows: int, busy: list[int], steps: int):
+    """`steps` decoding steps of the first `rows` slots, of which `busy` hold sequences: their
+    tokens [rows, chunk], logprobs [rows, chunk] and alternatives [rows, chunk, TOP_N]."""
+    positions, streams, counts, top_k = (np.zeros(rows, np.int32) for _ in range(4))
+    seeds, temperature, top_p = (np.zeros(rows, np.uint32), np.zeros(rows, np.float32),
+                                 np.ones(rows, np.float32))
+    for i in busy:
+      seq = self._busy[i]
+      positions[i] = len(seq.prompt) + len(seq.tokens)
+      seeds[i], streams[i], counts[i] = seq.seed % 2**32, seq.stream, len(seq.tokens)
+      temperature[i], top_k[i], top_p[i] = seq.temperature, seq.top_k, seq.top_p
+    self.shapes.add(('decode', rows))
+    self._cache, self._logits_SxV, *out = _decode(
+        self.model, self.params, *self._state(), positions, seeds, streams, counts, temperature,
+        top_k, top_p, self._allowed_V, np.int32(steps), rows=rows, chunk=self.chunk)
+    return jax.device_get(out)
 
   def _extend(self, seq: Sequence, tokens, logprobs, top_lp_CxN, top_ids_CxN) -> None:
     """Appends a chunk's tokens to a sequence, up to EOS, max_new_tokens or a stop string."""

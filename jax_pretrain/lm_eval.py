@@ -181,18 +181,19 @@ def evaluate(lm: JaxLM, tasks: list[str], *, include_path: str = '', limit: floa
   """lm_eval's results dict (results, configs, versions, n-samples, and samples if log_samples)."""
   from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
   task_manager = task_manager or TaskManager(include_path=include_path or None)
-  missing = unknown_tasks(tasks, task_manager)
-  if missing:
-    raise UsageError(f'unknown lm_eval task(s) {", ".join(missing)}: see `lm_eval ls tasks`, or '
-                     'give --include_path a folder of task YAMLs.')
+  check_known(tasks, task_manager)
   return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, limit=limit,
                                  num_fewshot=num_fewshot, log_samples=log_samples,
                                  random_seed=lm.seed, numpy_random_seed=lm.seed,
                                  fewshot_random_seed=lm.seed)
 
 
-def unknown_tasks(tasks: list[str], task_manager) -> list[str]:
-  return [t for t in tasks if t not in task_manager.all_tasks]
+def check_known(tasks: list[str], task_manager) -> None:
+  """Fails (UsageError) on a task name that the task index does not have."""
+  missing = [t for t in tasks if t not in task_manager.all_tasks]
+  if missing:
+    raise UsageError(f'unknown lm_eval task(s) {", ".join(missing)}: see `lm_eval ls tasks`, or '
+                     'give --include_path a folder of task YAMLs.')
 
 
 def scalars(results: dict) -> dict[str, float]:
@@ -225,10 +226,10 @@ def _training_tasks(t) -> tuple[list[str], object]:
 def check_tasks(t) -> None:
   """Fails (ConfigError) on a train.lm_eval_tasks name that lm_eval does not know."""
   from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  missing = unknown_tasks(*_training_tasks(t))
-  if missing:
-    raise config_lib.ConfigError(f'train.lm_eval_tasks: unknown task(s) {", ".join(missing)} (set '
-                                 'train.lm_eval_include_path for a folder of task YAMLs).')
+  try:
+    check_known(*_training_tasks(t))
+  except UsageError as e:
+    raise config_lib.ConfigError(f'train.lm_eval_tasks: {e}') from None
 
 
 def evaluate_during_training(config, params, tokenizer) -> dict[str, float]:
@@ -260,16 +261,19 @@ def define_flags():
 def main(argv):
   from absl import flags  # pylint: disable=g-import-not-at-top
   from jax_pretrain import cli  # pylint: disable=g-import-not-at-top
+  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
   cli.start(argv)
   f = flags.FLAGS
-  model_config, params, tokenizer, config = engine_lib.load_run(f.workdir, f.step)
-  lm = JaxLM(model_config, params, tokenizer, max_length=config.data.seq_len,
-             batch_size=f.batch_size, seed=f.seed)
-  limit = None if f.limit is None else (int(f.limit) if f.limit >= 1 else f.limit)
   t0 = time.perf_counter()
   try:
-    results = evaluate(lm, f.tasks, include_path=f.include_path, limit=limit,
-                       num_fewshot=f.num_fewshot, log_samples=f.log_samples)
+    task_manager = TaskManager(include_path=f.include_path or None)
+    check_known(f.tasks, task_manager)  # before the model loads: a typo fails at once
+    model_config, params, tokenizer, config = engine_lib.load_run(f.workdir, f.step)
+    lm = JaxLM(model_config, params, tokenizer, max_length=config.data.seq_len,
+               batch_size=f.batch_size, seed=f.seed)
+    limit = None if f.limit is None else (int(f.limit) if f.limit >= 1 else f.limit)
+    results = evaluate(lm, f.tasks, limit=limit, num_fewshot=f.num_fewshot,
+                       log_samples=f.log_samples, task_manager=task_manager)
   except UsageError as e:
     print(f'error: {e}', file=sys.stderr, flush=True)
     sys.exit(1)

@@ -45,16 +45,23 @@ def filter_logits(logits_BxV: jax.Array, temperature, top_k, top_p) -> jax.Array
                                            for x in (temperature, top_k, top_p))
   logits_BxV = logits_BxV.astype(jnp.float32) / temperature_Bx1
   V = logits_BxV.shape[-1]
-  sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-  k_Bx1 = jnp.where((top_k_Bx1 > 0) & (top_k_Bx1 < V), top_k_Bx1, V)
-  kth_Bx1 = jnp.take_along_axis(sorted_BxV, k_Bx1 - 1, axis=-1)
-  sorted_BxV = jnp.where(sorted_BxV < kth_Bx1, -jnp.inf, sorted_BxV)
-  probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-  # Keep a token while the tokens more likely than it hold less than top_p: always >= 1 kept.
-  before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-  n_kept_Bx1 = jnp.sum(before_BxV < top_p_Bx1, axis=-1, keepdims=True)
-  n_kept_Bx1 = jnp.where(top_p_Bx1 < 1.0, n_kept_Bx1, V)
-  threshold_Bx1 = jnp.maximum(kth_Bx1, jnp.take_along_axis(sorted_BxV, n_kept_Bx1 - 1, axis=-1))
+
+  def threshold():
+    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+    k_Bx1 = jnp.where((top_k_Bx1 > 0) & (top_k_Bx1 < V), top_k_Bx1, V)
+    kth_Bx1 = jnp.take_along_axis(sorted_BxV, k_Bx1 - 1, axis=-1)
+    sorted_BxV = jnp.where(sorted_BxV < kth_Bx1, -jnp.inf, sorted_BxV)
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    # Keep a token while the tokens more likely than it hold less than top_p: always >= 1 kept.
+    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    n_kept_Bx1 = jnp.sum(before_BxV < top_p_Bx1, axis=-1, keepdims=True)
+    n_kept_Bx1 = jnp.where(top_p_Bx1 < 1.0, n_kept_Bx1, V)
+    return jnp.maximum(kth_Bx1, jnp.take_along_axis(sorted_BxV, n_kept_Bx1 - 1, axis=-1))
+
+  # The sort is the costly part of a decoding step on the CPU: skipped when nothing is cut.
+  cuts = jnp.any((top_k_Bx1 > 0) & (top_k_Bx1 < V)) | jnp.any(top_p_Bx1 < 1.0)
+  threshold_Bx1 = jax.lax.cond(cuts, threshold,
+                               lambda: jnp.full((logits_BxV.shape[0], 1), -jnp.inf))
   return jnp.where(logits_BxV < threshold_Bx1, -jnp.inf, logits_BxV)
 
 

@@ -159,11 +159,14 @@ class Server:
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue = asyncio.Queue()
     seed = secrets.randbits(32) if r.seed is None else r.seed
+
+    def on_update(seq):  # in the engine thread; without a stream only the end matters
+      if r.stream or seq.done:
+        loop.call_soon_threadsafe(updates.put_nowait, _Update(seq))
+
     sequences = [engine_lib.Sequence(
         ids, max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=seed,
-        stream=j, stop=_stops(r),
-        on_update=lambda s: loop.call_soon_threadsafe(updates.put_nowait, _Update(s)))
-        for _, ids in prompts for j in range(r.n)]
+        stream=j, stop=_stops(r), on_update=on_update) for _, ids in prompts for j in range(r.n)]
     prompt_logprobs = [None] * len(prompts)
     if r.echo and r.logprobs is not None:
       prompt_logprobs = [await asyncio.to_thread(self._prompt_logprobs, ids) for _, ids in prompts]
@@ -379,6 +382,8 @@ def define_flags():
   flags.DEFINE_integer('slots', 16, 'Sequences decoded together at most (KV cache rows).')
   flags.DEFINE_integer('context', 0, "Tokens per sequence, prompt included; 0: the run's seq_len.")
   flags.DEFINE_integer('chunk', 8, 'Tokens decoded per compiled call (requests join between).')
+  flags.DEFINE_bool('warmup', False, 'Compile every bucketed shape before serving (no request '
+                    'then waits for a compile; takes a while for a large model).')
 
 
 def main(argv):
@@ -393,6 +398,10 @@ def main(argv):
   engine = engine_lib.Engine(model_config, params, tokenizer, slots=f.slots, context=context,
                              chunk=f.chunk)
   name = f.model_name or os.path.basename(os.path.normpath(f.workdir))
+  if f.warmup:
+    t0 = time.perf_counter()
+    engine.warmup()
+    print(f'compiled {len(engine.shapes)} shapes in {time.perf_counter() - t0:.1f}s', flush=True)
   print(f'serving {name} on http://{f.host}:{f.port}/v1 ({f.slots} slots of {context} tokens)',
         flush=True)
   uvicorn.run(create_app(Server(engine, name)), host=f.host, port=f.port, log_level='warning')

@@ -5,6 +5,7 @@ streaming, stop sequences, seeds, echo and logprobs, temperature 0 equal to `jax
 the server goes on serving."""
 import concurrent.futures
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import urllib.request
 import openai
 import pytest
 
+from jax_pretrain import engine
 from tests import tiny_run
 from tests.conftest import ROOT
 from tests.conftest import run_cli
@@ -23,14 +25,15 @@ from tests.conftest import subprocess_env
 NAME = 'tiny'
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def run(tmp_path_factory):
   return tiny_run.train_once(tmp_path_factory)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def server(run):
-  """The server's base URL; the server runs for the module's tests and is stopped after them."""
+  """The server's base URL: one server per pytest-xdist worker (session scope: a worker may run
+  other modules' tests between these), stopped at the end."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
@@ -208,3 +211,18 @@ def test_client_errors_unknown_model_and_path(client, server):
   status, answer = _post(server, b'{}', '/v1/nowhere')
   assert status == 404 and answer['error']['code'] == 'not_found'
   assert greedy(client, 'The ', max_tokens=3).choices[0].text
+
+
+def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
+  model_config, params, tokenizer, _ = engine.load_run(run)
+  eng = engine.Engine(model_config, params, tokenizer, slots=8, context=tiny_run.SEQ_LEN, chunk=4)
+  eng.warmup()
+  # Prompts pad to 16, 32 or 64 tokens, 1, 2, 4 or 8 of them per prefill; decodes cover 1, 2, 4
+  # or 8 slots.
+  assert len(eng.shapes) == 3 * 4 + 4
+  warm = set(eng.shapes)
+  rng = random.Random(0)
+  sequences = [engine.Sequence([rng.randrange(256) for _ in range(rng.randrange(1, 50))], 10,
+                               temperature=1.0, seed=i) for i in range(20)]
+  eng.generate(sequences)
+  assert all(seq.done and seq.tokens for seq in sequences) and eng.shapes == warm
