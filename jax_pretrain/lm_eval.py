@@ -197,13 +197,13 @@ def check_known(tasks: list[str], task_manager) -> None:
 
 
 def scalars(results: dict) -> dict[str, float]:
-  """lm_eval/TASK/METRIC for each numeric metric (stderr left out); a metric under a filter other
-  than 'none' is named METRIC/FILTER."""
+  """lm_eval/TASK/METRIC for each metric (stderr left out); a metric under a filter other than
+  'none' is named METRIC/FILTER."""
   out = {}
   for task, metrics in results['results'].items():
-    for key, value in metrics.items():
-      metric, _, filter_name = key.partition(',')
-      if '_stderr' in metric or not isinstance(value, (int, float)) or isinstance(value, bool):
+    for key, value in metrics.items():  # 'METRIC,FILTER' keys; the others describe the task
+      metric, comma, filter_name = key.partition(',')
+      if not comma or '_stderr' in metric or not isinstance(value, (int, float)):
         continue
       name = metric if filter_name in ('', 'none') else f'{metric}/{filter_name}'
       out[f'lm_eval/{task}/{name}'] = float(value)

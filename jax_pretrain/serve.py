@@ -115,34 +115,29 @@ class Server:
 
   def check(self, r: CompletionRequest, prompts) -> int:
     """Refuses what cannot be served; returns max_tokens."""
+    if r.model is not None and r.model != self.name:
+      raise APIError(f'The model `{r.model}` does not exist: this server serves `{self.name}`.',
+                     'model', status=404, code='model_not_found')
     max_tokens = 16 if r.max_tokens is None else r.max_tokens
-    rules = [
-        (r.model is None or r.model == self.name, 'model'),
-        (max_tokens >= 0, 'max_tokens'), (1 <= r.n <= MAX_N, 'n'),
-        (0 <= r.temperature <= 2, 'temperature'), (0 < r.top_p <= 1, 'top_p'),
-        (r.top_k >= 0, 'top_k'), (r.logprobs is None or 0 <= r.logprobs <= engine_lib.TOP_N,
-                                  'logprobs'),
-        (r.presence_penalty == 0 and r.frequency_penalty == 0, 'presence_penalty'),
-        (not r.logit_bias, 'logit_bias'), (r.suffix is None, 'suffix'),
-        (r.best_of is None or r.best_of == r.n, 'best_of'),
-        (len(_stops(r)) <= MAX_STOP and all(_stops(r)), 'stop'),
-    ]
-    messages = {
-        'model': (f'The model `{r.model}` does not exist: this server serves `{self.name}`.'),
-        'max_tokens': 'max_tokens must be >= 0', 'n': f'n must be between 1 and {MAX_N}',
-        'temperature': 'temperature must be between 0 and 2', 'top_p': 'top_p must be in (0, 1]',
-        'top_k': 'top_k must be >= 0 (0: off)',
-        'logprobs': f'logprobs must be between 0 and {engine_lib.TOP_N}',
-        'presence_penalty': 'presence and frequency penalties are not supported',
-        'logit_bias': 'logit_bias is not supported', 'suffix': 'suffix is not supported',
-        'best_of': 'best_of other than n is not supported',
-        'stop': f'stop takes at most {MAX_STOP} non-empty strings',
-    }
-    for ok, param in rules:
+    stops = _stops(r)
+    for ok, param, message in [
+        (max_tokens >= 0, 'max_tokens', 'max_tokens must be >= 0'),
+        (1 <= r.n <= MAX_N, 'n', f'n must be between 1 and {MAX_N}'),
+        (0 <= r.temperature <= 2, 'temperature', 'temperature must be between 0 and 2'),
+        (0 < r.top_p <= 1, 'top_p', 'top_p must be in (0, 1]'),
+        (r.top_k >= 0, 'top_k', 'top_k must be >= 0 (0: off)'),
+        (r.logprobs is None or 0 <= r.logprobs <= engine_lib.TOP_N, 'logprobs',
+         f'logprobs must be between 0 and {engine_lib.TOP_N}'),
+        (len(stops) <= MAX_STOP and all(stops), 'stop',
+         f'stop takes at most {MAX_STOP} non-empty strings'),
+        (r.presence_penalty == r.frequency_penalty == 0, 'presence_penalty',
+         'presence and frequency penalties are not supported'),
+        (not r.logit_bias, 'logit_bias', 'logit_bias is not supported'),
+        (r.suffix is None, 'suffix', 'suffix is not supported'),
+        (r.best_of is None or r.best_of == r.n, 'best_of', 'best_of other than n is not supported'),
+    ]:
       if not ok:
-        if param == 'model':
-          raise APIError(messages[param], param, status=404, code='model_not_found')
-        raise APIError(messages[param], param)
+        raise APIError(message, param)
     context = self.engine.context
     for _, ids in prompts:
       if len(ids) + max_tokens > context:

@@ -196,6 +196,7 @@ def test_downstream_evals_during_training_are_logged(tasks, tmp_path):
   lines = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl', encoding='utf-8')]
   logged = {m['step']: m['lm_eval/local_mc/acc'] for m in lines if 'lm_eval/local_mc/acc' in m}
   assert sorted(logged) == [10, 20] and all(acc in np.arange(9) / 8 for acc in logged.values())
+  assert {k for m in lines for k in m if k.startswith('lm_eval/')} == {'lm_eval/local_mc/acc'}
   assert final['lm_eval/local_mc/acc'] == logged[20]
 
   c.train.lm_eval_tasks = 'local_mc,no_such_task'
