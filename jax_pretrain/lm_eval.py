@@ -64,6 +64,7 @@ class JaxLM(lm_eval_model.TemplateLM):
                seed: int = 0):
     super().__init__()
     self.model = sample_lib.decoding_model(model_config)
+    # Not `self.tokenizer`: lm_eval reads that as a Hugging Face tokenizer (chat templates).
     self.params, self.tokenizer_ = params, tokenizer
     self._max_length, self.batch_size, self.seed = max_length, batch_size, seed
     self.engine = engine_lib.Engine(model_config, params, tokenizer, slots=batch_size,
