@@ -40,9 +40,15 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
                                         implementation='xla')
   attend = _fused(implementation)
-  if mesh is None or mesh.size == 1:
+  # Inside the train step's shard_map over 'data', the kernel is mapped over the other axes too,
+  # even of size 1: cuDNN's custom partitioning fails in a partly manual region.
+  manual = sharding.manual_axes()
+  if manual:
+    mesh = jax.sharding.get_abstract_mesh()
+  elif mesh is None or mesh.size == 1:
     return attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
   q_spec = sharding.logical_to_spec(('batch', 'length', 'act_heads', None))
   kv_spec = sharding.logical_to_spec(('batch', 'length', 'act_kv_heads', None))
   return jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                       axis_names=set(mesh.axis_names) - manual,
                        check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
