@@ -110,9 +110,11 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # A non-finite loss or gradient drops the whole update: params and moments stay as they were.
+    # An elementwise select, not lax.cond: XLA fuses it into the update and writes in place,
+    # where a cond kept a second copy of the whole state alive.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params, opt_state = jax.lax.cond(finite, lambda: (params, opt_state),
-                                     lambda: (state.params, state.opt_state))
+    params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                     (params, opt_state), (state.params, state.opt_state))
     new_state = state.replace(
         step=state.step + 1, params=params, opt_state=opt_state,
         nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
