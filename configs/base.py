@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.rope_theta = 10000.0       # rotary embedding base
   m.norm_eps = 1e-5            # RMSNorm epsilon
   m.init_std = 0.02            # normal init std (output projections scaled by 1/sqrt(2*layers))
-  m.attention = 'xla'          # 'xla' | 'cudnn' | 'pallas'
+  m.attention = 'auto'         # 'auto' (cuDNN where it runs, else XLA) | 'xla' | 'cudnn' | 'pallas'
   m.remat = 'full'             # 'none' | 'full' | 'dots' | 'dots_no_batch' | 'minimal'
   m.scan_layers = True         # scan over stacked layers (compile time independent of depth)
   m.dtype = 'bfloat16'         # compute dtype; params and optimizer state stay float32

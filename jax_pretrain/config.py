@@ -7,6 +7,7 @@ the numbers that disagree. Everything else reads the resolved config and never r
 import dataclasses
 import math
 
+import jax
 import ml_collections
 
 from jax_pretrain import model as model_lib
@@ -26,6 +27,7 @@ class RunShape:
   mesh_shape: tuple[int, int, int]
   grad_accum_steps: int  # micro-batches per optimizer step
   tokens_per_step: int
+  choices: tuple[str, ...] = ()  # what 'auto' fields resolved to and why, for the start-up lines
 
 
 def _check(ok: bool, message: str) -> None:
@@ -33,16 +35,24 @@ def _check(ok: bool, message: str) -> None:
     raise ConfigError(message)
 
 
-def resolve(config: ml_collections.ConfigDict, num_devices: int,
-            backend: str | None = None) -> tuple[ml_collections.ConfigDict, RunShape]:
-  """Returns (resolved locked copy of config, RunShape); raises ConfigError on any inconsistency."""
+def resolve(config: ml_collections.ConfigDict, num_devices: int, backend: str | None = None,
+            device=None) -> tuple[ml_collections.ConfigDict, RunShape]:
+  """Returns (resolved locked copy of config, RunShape); raises ConfigError on any inconsistency.
+
+  device: one of the devices the run uses (a jax Device, real or compile-only); it decides
+  model.attention='auto' and gives the backend. Without it, backend alone decides ('gpu' is taken
+  to be a recent NVIDIA GPU).
+  """
   c = ml_collections.ConfigDict(config.to_dict())  # a copy; the caller's config is untouched
   m, d, t = c.model, c.data, c.train
+  choices = []
+  if device is not None:
+    backend = device.platform
 
   # Model.
-  _check(m.attention in attention.IMPLEMENTATIONS,
-         f'model.attention={m.attention!r}: choose one of {attention.IMPLEMENTATIONS}.')
-  attention.check_available(m.attention, backend)
+  _check(m.attention in attention.IMPLEMENTATIONS + (attention.AUTO,),
+         f'model.attention={m.attention!r}: choose one of '
+         f'{attention.IMPLEMENTATIONS + (attention.AUTO,)}.')
   _check(m.remat in model_lib.REMAT_POLICIES,
          f'model.remat={m.remat!r}: choose one of {tuple(model_lib.REMAT_POLICIES)}.')
   for field in ('dtype', 'param_dtype'):
@@ -59,6 +69,16 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
            'set model.head_dim explicitly.')
     m.head_dim = m.d_model // m.num_heads
   _check(m.head_dim % 2 == 0, f'model.head_dim={m.head_dim} must be even (rotary embeddings).')
+  if m.attention == attention.AUTO:
+    if device is None and backend is None:
+      device = jax.devices()[0]
+      backend = device.platform
+    kind = device.device_kind if device is not None else (
+        'NVIDIA GPU' if backend == 'gpu' else backend)
+    m.attention, why = attention.choose(backend, kind, getattr(device, 'compute_capability', None),
+                                        m.dtype, m.head_dim)
+    choices.append(f'attention {m.attention} (auto: {why})')
+  attention.check_available(m.attention, backend)
 
   # Mesh.
   try:
@@ -125,7 +145,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
 
   c.lock()
   return c, RunShape(mesh_shape=mesh_shape, grad_accum_steps=accum,
-                     tokens_per_step=tokens_per_step)
+                     tokens_per_step=tokens_per_step, choices=tuple(choices))
 
 
 def model_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:

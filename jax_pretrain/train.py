@@ -151,7 +151,7 @@ class Setup:
 def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   """Resolves the config, builds mesh, model and optimizer, and the abstract sharded state."""
   devices = jax.devices() if devices is None else devices
-  config, run = config_lib.resolve(config, len(devices), backend=devices[0].platform)
+  config, run = config_lib.resolve(config, len(devices), device=devices[0])
   mesh = sharding.make_mesh(run.mesh_shape, devices)
   model = model_lib.Transformer(config_lib.model_config(config), mesh=mesh)
   optimizer = optim.make_optimizer(config.train, config.optim.mu_dtype)
@@ -320,7 +320,7 @@ def describe(s: Setup, num_params: int) -> str:
       f'tensor={run.mesh_shape[2]} on {s.mesh.size} × {s.mesh.devices.flat[0].device_kind}',
       f'attention         {m.attention}, remat {m.remat}',
       f'precision         compute {m.dtype}, params and optimizer {m.param_dtype}',
-  ])
+  ] + [f'chosen            {choice}' for choice in run.choices])
 
 
 class StepLogger:
