@@ -56,11 +56,16 @@ def initialize_distributed() -> None:
 
 def main(argv):
   cli.start(argv)
+  from jax_pretrain import runtime  # pylint: disable=g-import-not-at-top
+  settings = runtime.configure()  # before jax starts its backend
   initialize_distributed()
   # pylint: disable=g-import-not-at-top  (after flags parse and distributed init)
   from jax_pretrain import checkpoint
   from jax_pretrain import config as config_lib
   from jax_pretrain import train
+  import jax
+  if jax.process_index() == 0:
+    print('\n'.join(settings), flush=True)
   try:
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (config_lib.ConfigError, checkpoint.CheckpointError, train.NonFiniteError) as e:
