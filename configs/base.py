@@ -22,7 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-5            # RMSNorm epsilon
   m.init_std = 0.02            # normal init std (output projections scaled by 1/sqrt(2*layers))
   m.attention = 'auto'         # 'auto' (cuDNN where it runs, else XLA) | 'xla' | 'cudnn' | 'pallas'
-  m.remat = 'full'             # 'none' | 'full' | 'dots' | 'dots_no_batch' | 'minimal'
+  m.remat = 'auto'             # 'auto' (dots with fused attention, else full) | 'none' | 'full' |
+                               # 'dots' | 'dots_no_batch' | 'minimal'
   m.scan_layers = True         # scan over stacked layers (compile time independent of depth)
   m.dtype = 'bfloat16'         # compute dtype; params and optimizer state stay float32
   m.param_dtype = 'float32'    # master parameter dtype
@@ -44,8 +45,9 @@ def get_config() -> ml_collections.ConfigDict:
   t.steps = 0                  # optimizer steps; 0: derive from total_tokens
   t.total_tokens = 0           # run length in tokens (alternative to steps)
   t.batch_size = 64            # global batch, in sequences
-  t.micro_batch_size = 0       # sequences per data-parallel device per forward/backward;
-                               # 0: batch_size / data-parallel devices (no accumulation)
+  t.micro_batch_size = 0       # sequences per data-parallel device per forward/backward; 0: on a
+                               # GPU the largest that fits (compiled at start-up, printed), else
+                               # batch_size / data-parallel devices (no accumulation)
   t.learning_rate = 3e-4       # peak learning rate
   t.min_learning_rate = 3e-5   # end of the cosine decay
   t.warmup_steps = 0           # linear warmup; 0: derive from warmup_tokens

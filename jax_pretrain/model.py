@@ -36,6 +36,7 @@ REMAT_POLICIES = {
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # projections only
     'minimal': jax.checkpoint_policies.save_only_these_names('attn_out', 'mlp_hidden'),
 }
+AUTO_REMAT = 'auto'  # resolved by config.resolve: 'dots' with fused attention, else 'full'
 
 
 @dataclasses.dataclass(frozen=True)

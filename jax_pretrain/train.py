@@ -438,6 +438,9 @@ def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        devices=None) -> dict[str, float]:
   """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics."""
+  from jax_pretrain import plan  # pylint: disable=g-import-not-at-top  (plan builds on this module)
+  devices = jax.devices() if devices is None else devices
+  config, fitted = plan.fit_micro_batch(config, devices)  # train.micro_batch_size=0 on a GPU
   s = build(config, devices)
   config, t, ck = s.config, s.config.train, s.config.checkpoint
   is_main = jax.process_index() == 0
@@ -448,6 +451,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
       f.write(config.to_json_best_effort(indent=2, sort_keys=True) + '\n')
     print(describe(s, model_lib.count_params(s.abstract_state.params)), flush=True)
+    if fitted:
+      print(f'chosen            {fitted}', flush=True)
 
   checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
                                              async_save=ck.async_save)

@@ -127,4 +127,14 @@ def test_auto_attention_is_cudnn_where_it_runs_and_says_why(device, overrides, e
 def test_an_explicit_attention_is_never_replaced(choice):
   c = parse(f'--config={ROOT}/configs/xlarge.py', f'--config.model.attention={choice}')
   r, run = config_lib.resolve(c, num_devices=1, device=_Device('gpu', 'NVIDIA H100 80GB HBM3'))
-  assert r.model.attention == choice and not run.choices
+  assert r.model.attention == choice
+  assert not [x for x in run.choices if x.startswith('attention')]
+
+
+@pytest.mark.parametrize('attention, remat', [('auto', 'dots'), ('pallas', 'dots'), ('xla', 'full')])
+def test_auto_remat_keeps_matmul_outputs_unless_attention_materializes_scores(attention, remat):
+  c = parse(f'--config={ROOT}/configs/xlarge.py', f'--config.model.attention={attention}')
+  r, run = config_lib.resolve(c, num_devices=1, device=_Device('gpu', 'NVIDIA H100 80GB HBM3'))
+  assert r.model.remat == remat and f'remat {remat} (auto: attention ' in ' '.join(run.choices)
+  explicit = parse(f'--config={ROOT}/configs/xlarge.py', '--config.model.remat=minimal')
+  assert config_lib.resolve(explicit, num_devices=1, backend='cpu')[0].model.remat == 'minimal'
