@@ -45,6 +45,10 @@ def parse_args(argv=None):
   p.add_argument('--block_k', type=int, default=128, help='pallas forward kv tile')
   p.add_argument('--bwd_block_q', type=int, default=None, help='pallas backward q tile')
   p.add_argument('--bwd_block_k', type=int, default=None, help='pallas backward kv tile')
+  p.add_argument('--reference', choices=IMPLS, default=None,
+                 help='implementation the others are compared with (default: cudnn where it '
+                      'runs, else xla)')
+  p.add_argument('--markdown', action='store_true', help='print the table in Markdown')
   return p.parse_args(argv)
 
 
@@ -116,14 +120,16 @@ def main(argv=None):
       jax.block_until_ready(results[impl])
     except Exception as e:  # pylint: disable=broad-except
       errors[impl] = short(e)
-  ref_name = next((r for r in ('cudnn', 'xla') if r in results), None)
+  preferred = (args.reference,) if args.reference else ('cudnn', 'xla')
+  ref_name = next((r for r in preferred if r in results), None)
   rel = {}
   for impl, outs in results.items():
     if ref_name is None or impl == ref_name:
       rel[impl] = '-' if impl == ref_name else 'n/a'
       continue
     errs = [rel_err(a, b) for a, b in zip(outs, results[ref_name])]
-    rel[impl] = f'{errs[0]:.2e}'
+    rel[impl] = (f'{errs[0]:.2e}' if not args.markdown else
+                 ' / '.join(f'{e:.1e}' for e in errs))
     print(f'{impl} vs {ref_name}: rel err o {errs[0]:.2e}  dq {errs[1]:.2e}  '
           f'dk {errs[2]:.2e}  dv {errs[3]:.2e}')
   del results
@@ -151,6 +157,9 @@ def main(argv=None):
     except Exception as e:  # pylint: disable=broad-except
       rows.append((impl, short(e)))
 
+  if args.markdown:
+    print_markdown(rows, flops, ref_name, args)
+    return
   header = (f"{'impl':<8}{'fwd ms':>10}{'TFLOP/s':>9}{'bwd ms':>10}{'TFLOP/s':>9}"
             f"{'fwd+bwd ms':>12}{'TFLOP/s':>9}{'rel err':>10}")
   print()
@@ -164,6 +173,23 @@ def main(argv=None):
     tf = {k: flops[k] / (ms[k] * 1e-3) / 1e12 for k in ms}
     print(f"{impl:<8}{ms['fwd']:>10.3f}{tf['fwd']:>9.1f}{ms['bwd']:>10.3f}{tf['bwd']:>9.1f}"
           f"{ms['fwdbwd']:>12.3f}{tf['fwdbwd']:>9.1f}{err:>10}")
+
+
+def print_markdown(rows, flops, ref_name, args):
+  print(f'\nB={args.batch} T={args.seq} heads={args.heads} (kv {args.kv_heads}) × '
+        f'{args.head_dim} {args.dtype} causal={args.causal}, median of {args.iters}; '
+        f'relative L2 error against {ref_name} of o / dq / dk / dv\n')
+  print('| attention | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s '
+        f'| rel err vs {ref_name}: o / dq / dk / dv |')
+  print('|---|---|---|---|---|---|---|---|')
+  for row in rows:
+    if isinstance(row[1], str):
+      print(f'| {row[0]} | failed: {row[1]} | | | | | | |')
+      continue
+    impl, ms, err = row
+    tf = {k: flops[k] / (ms[k] * 1e-3) / 1e12 for k in ms}
+    print(f"| {impl} | {ms['fwd']:.3f} | {tf['fwd']:.1f} | {ms['bwd']:.3f} | {tf['bwd']:.1f} | "
+          f"{ms['fwdbwd']:.3f} | {tf['fwdbwd']:.1f} | {err} |")
 
 
 if __name__ == '__main__':
