@@ -158,38 +158,34 @@ def main(argv=None):
       rows.append((impl, short(e)))
 
   if args.markdown:
-    print_markdown(rows, flops, ref_name, args)
-    return
-  header = (f"{'impl':<8}{'fwd ms':>10}{'TFLOP/s':>9}{'bwd ms':>10}{'TFLOP/s':>9}"
-            f"{'fwd+bwd ms':>12}{'TFLOP/s':>9}{'rel err':>10}")
-  print()
-  print(header)
-  print('-' * len(header))
+    print(f'\nB={B} T={T} heads={N} (kv {K}) × {H} {dtype.name} causal={args.causal}, median of '
+          f'{args.iters}; relative L2 error against {ref_name} of o / dq / dk / dv\n')
+  print_table(rows, flops, f'rel err vs {ref_name}: o / dq / dk / dv' if args.markdown else None)
+
+
+def print_table(rows, flops, markdown_error_column: str | None):
+  """The timing table, plain or (given the error column's title) in Markdown."""
+  markdown = markdown_error_column is not None
+  if markdown:
+    print('| attention | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s '
+          f'| {markdown_error_column} |\n|---|---|---|---|---|---|---|---|')
+  else:
+    header = (f"{'impl':<8}{'fwd ms':>10}{'TFLOP/s':>9}{'bwd ms':>10}{'TFLOP/s':>9}"
+              f"{'fwd+bwd ms':>12}{'TFLOP/s':>9}{'rel err':>10}")
+    print(f'\n{header}\n' + '-' * len(header))
   for row in rows:
     if isinstance(row[1], str):
-      print(f'{row[0]:<8}  failed: {row[1]}')
+      print(f'| {row[0]} | failed: {row[1]} | | | | | | |' if markdown else
+            f'{row[0]:<8}  failed: {row[1]}')
       continue
     impl, ms, err = row
     tf = {k: flops[k] / (ms[k] * 1e-3) / 1e12 for k in ms}
-    print(f"{impl:<8}{ms['fwd']:>10.3f}{tf['fwd']:>9.1f}{ms['bwd']:>10.3f}{tf['bwd']:>9.1f}"
-          f"{ms['fwdbwd']:>12.3f}{tf['fwdbwd']:>9.1f}{err:>10}")
-
-
-def print_markdown(rows, flops, ref_name, args):
-  print(f'\nB={args.batch} T={args.seq} heads={args.heads} (kv {args.kv_heads}) × '
-        f'{args.head_dim} {args.dtype} causal={args.causal}, median of {args.iters}; '
-        f'relative L2 error against {ref_name} of o / dq / dk / dv\n')
-  print('| attention | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s '
-        f'| rel err vs {ref_name}: o / dq / dk / dv |')
-  print('|---|---|---|---|---|---|---|---|')
-  for row in rows:
-    if isinstance(row[1], str):
-      print(f'| {row[0]} | failed: {row[1]} | | | | | | |')
-      continue
-    impl, ms, err = row
-    tf = {k: flops[k] / (ms[k] * 1e-3) / 1e12 for k in ms}
-    print(f"| {impl} | {ms['fwd']:.3f} | {tf['fwd']:.1f} | {ms['bwd']:.3f} | {tf['bwd']:.1f} | "
-          f"{ms['fwdbwd']:.3f} | {tf['fwdbwd']:.1f} | {err} |")
+    if markdown:
+      print(f"| {impl} | {ms['fwd']:.3f} | {tf['fwd']:.1f} | {ms['bwd']:.3f} | {tf['bwd']:.1f} | "
+            f"{ms['fwdbwd']:.3f} | {tf['fwdbwd']:.1f} | {err} |")
+    else:
+      print(f"{impl:<8}{ms['fwd']:>10.3f}{tf['fwd']:>9.1f}{ms['bwd']:>10.3f}{tf['bwd']:>9.1f}"
+            f"{ms['fwdbwd']:>12.3f}{tf['fwdbwd']:>9.1f}{err:>10}")
 
 
 if __name__ == '__main__':
