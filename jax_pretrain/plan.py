@@ -245,6 +245,8 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
       'collective_counts_per_step': {k: v.count for k, v in stats.collectives.items()},
       'collective_bytes_per_step': {k: v.bytes for k, v in stats.collectives.items()},
       'collective_wire_bytes_per_step': {k: v.wire_bytes for k, v in stats.collectives.items()},
+      'collective_cross_node_wire_bytes_per_step': {
+          k: v.cross_node_wire_bytes for k, v in stats.collectives.items()},
       'compute_s': r.compute_s if r else None,
       'communication_s': r.communication_s if r else None,
       'step_s': r.step_s if r else None,
@@ -254,13 +256,17 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
   }
 
 
-def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | None = None) -> dict:
+def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | None = None,
+         memory_gib: float | None = None) -> dict:
   """Compiles the train step of `config` for `num_devices` of `target`; returns `report`'s dict
-  (and writes the compiled HLO text to hlo_path if given).
+  (and writes the compiled HLO text to hlo_path if given). memory_gib: plan for a card of the
+  target's family with this much memory (e.g. 24 for an RTX 3090 against the A100 program).
 
   Raises PlanError (no CUDA plugin, too few CPU devices) and config.ConfigError.
   """
   t = gpu_targets.TARGETS[target]
+  if memory_gib:
+    t = dataclasses.replace(t, memory_override=memory_gib * GIB)
   devices = devices_for(t, num_devices)
   config, fitted = fit_micro_batch(config, devices, t)
   t0 = time.perf_counter()
@@ -319,6 +325,8 @@ def define_flags() -> None:
                        'from the config, data=-1 by default).')
   flags.DEFINE_bool('json', False, 'Print one JSON object instead of the report.')
   flags.DEFINE_string('hlo', None, 'Also write the compiled program (HLO text) to this file.')
+  flags.DEFINE_float('memory_gib', None, "Device memory in GiB instead of the target's: a card of "
+                     'the same family with less memory (e.g. --target=a100-40 --memory_gib=24).')
 
 
 def main(argv):
@@ -340,7 +348,7 @@ def main(argv):
   if f.target == 'cpu':
     jax.config.update('jax_num_cpu_devices', f.num_devices)
   try:
-    result = plan(f.config, f.target, f.num_devices, f.hlo)
+    result = plan(f.config, f.target, f.num_devices, f.hlo, f.memory_gib)
   except (PlanError, config_lib.ConfigError) as e:
     print(f'error: {e}', file=sys.stderr, flush=True)
     sys.exit(1)

@@ -2,7 +2,7 @@
 Markdown table of the results (BENCHMARKS.md, "compiled, not measured").
 
   python scripts/plan_presets.py [--targets h100,a100-80,a100-40] [--devices 1,8] \\
-      [--presets tiny,...] [--out plans.jsonl] [--table-only] [-- --config.x=y ...]
+      [--presets tiny,...] [--out plans.jsonl] [--table-only] [-- --memory_gib=24 --config.x=y ...]
 
 Each plan runs in its own process (one compile at a time: a deviceless GPU compile of xlarge
 takes ~1 GB and 10-60 s on a 2-core machine). Results are appended to --out as JSON lines, and
@@ -30,7 +30,8 @@ def run_plan(preset: str, target: str, devices: int, overrides: list[str]) -> di
 
 
 def row(r: dict) -> str:
-  case = f'| {r["preset"]} | {r["target"]} | {r["num_devices"]} |'
+  card = f' ({r["device_memory_gib"]:.0f} GiB)' if 'device_memory_gib' in r else ''
+  case = f'| {r["preset"]} | {r["target"]}{card} | {r["num_devices"]} |'
   if 'error' in r:
     return f'{case} {r["error"]} | | | | | |'
   mesh = ','.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or '1'

@@ -41,6 +41,7 @@ class Target:
   link_bandwidth: float = 0.0  # bytes/s per device each way inside a node (NVLink)
   network_bandwidth: float = 0.0  # bytes/s per device each way across nodes
   devices_per_node: int = 8
+  memory_override: float | None = None  # bytes: a card of this family with less memory
 
   def config_text(self) -> str:
     with open(os.path.join(_DIR, self.file), encoding='utf-8') as f:
@@ -53,6 +54,8 @@ class Target:
   @property
   def device_memory(self) -> float:
     """Bytes of device memory (the CPU: this machine's RAM)."""
+    if self.memory_override:
+      return self.memory_override
     if self.file is None:
       return float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
     return self._field('device_memory_size')
