@@ -84,7 +84,8 @@ def test_micro_batch_search_finds_the_largest_fitting_in_few_compiles():
 
 
 def test_user_xla_flags_win_over_the_defaults():
-  merged = runtime.merge_xla_flags('--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=x')
+  merged = runtime.merge_xla_flags(
+      '--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=x')
   assert '--xla_gpu_enable_latency_hiding_scheduler=false' in merged.split()
   assert '--xla_gpu_enable_latency_hiding_scheduler=true' not in merged.split()
   assert '--xla_gpu_enable_pipelined_all_gather=true' in merged.split()
