@@ -21,9 +21,11 @@ and their memory cost from `python -m jax_pretrain.plan` (xlarge, H100, remat do
       them already, and the data-parallel gradient reduction is one all-reduce per parameter
       array of 0.1-1 GB after the accumulation loop (train.make_train_step), too large to combine.
 
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.9: JAX preallocates 75% of GPU memory by default; training wants
-  the most it can get while leaving room for the CUDA context, cuBLAS/cuDNN and NCCL buffers
-  (~8 GB on an 80 GB card). jax_pretrain.plan reports "fits" against this fraction.
+XLA_CLIENT_MEM_FRACTION=0.9, unless it or its deprecated name XLA_PYTHON_CLIENT_MEM_FRACTION is
+  set (jaxlib refuses both): JAX preallocates 75% of GPU memory by default; training wants the most
+  it can get while leaving room for the CUDA context, cuBLAS/cuDNN and NCCL buffers (~8 GB on an
+  80 GB card; NVIDIA's JAX-Toolbox guide suggests 0.8-0.9). jax_pretrain.plan reports "fits"
+  against this fraction.
 
 The persistent compilation cache: jax_compilation_cache_dir = $JAX_COMPILATION_CACHE_DIR, else
   $XDG_CACHE_HOME/jax_pretrain/xla (~/.cache/jax_pretrain/xla), so a restarted run (or the same
@@ -37,11 +39,13 @@ GPU_XLA_FLAGS = (
     '--xla_gpu_enable_pipelined_all_gather=true',
 )
 MEM_FRACTION = '0.9'
+_MEM_FRACTION_VARIABLES = ('XLA_CLIENT_MEM_FRACTION', 'XLA_PYTHON_CLIENT_MEM_FRACTION')
 
 
 def mem_fraction() -> float:
   """The fraction of device memory JAX may preallocate in this process."""
-  return float(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', MEM_FRACTION))
+  return float(next((os.environ[v] for v in _MEM_FRACTION_VARIABLES if os.environ.get(v)),
+                    MEM_FRACTION))
 
 
 def default_cache_dir() -> str:
@@ -64,7 +68,8 @@ def configure(cache: bool = True) -> list[str]:
   compiled without a GPU was not autotuned, and must never be what a training run loads).
   """
   os.environ['XLA_FLAGS'] = merge_xla_flags(os.environ.get('XLA_FLAGS', ''))
-  os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', MEM_FRACTION)
+  if not any(os.environ.get(v) for v in _MEM_FRACTION_VARIABLES):
+    os.environ['XLA_CLIENT_MEM_FRACTION'] = MEM_FRACTION
   import jax  # pylint: disable=g-import-not-at-top
   if not cache:
     jax.config.update('jax_enable_compilation_cache', False)
@@ -73,5 +78,5 @@ def configure(cache: bool = True) -> list[str]:
   cache = (jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache
            else 'off')
   return [f'XLA_FLAGS         {os.environ["XLA_FLAGS"]}',
-          f'GPU memory        {mem_fraction():.0%} preallocated (XLA_PYTHON_CLIENT_MEM_FRACTION)',
+          f'GPU memory        {mem_fraction():.0%} preallocated (XLA_CLIENT_MEM_FRACTION)',
           f'compile cache     {cache} (JAX_COMPILATION_CACHE_DIR)']
