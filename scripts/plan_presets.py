@@ -6,7 +6,8 @@ Markdown table of the results (BENCHMARKS.md, "compiled, not measured").
 
 Each plan runs in its own process (one compile at a time: a deviceless GPU compile of xlarge
 takes ~1 GB and 10-60 s on a 2-core machine). Results are appended to --out as JSON lines, and
-cases already there are not compiled again; --table-only only prints the table of --out.
+cases already there are not compiled again; --table-only only prints the table of --out (--pivot:
+presets down, targets across).
 """
 import argparse
 import json
@@ -43,6 +44,31 @@ def row(r: dict) -> str:
           f'{r["mfu"]:.0%} |')
 
 
+def pivot(results: list[dict]) -> str:
+  """Presets down, (target, GPUs) across; each cell: peak GiB (fits), compiled/model FLOPs,
+  roofline tokens/s, and the micro-batch × accumulation the plan chose."""
+  cases = list(dict.fromkeys((r['target'], r['num_devices'],
+                              r.get('device_memory_gib', 0)) for r in results))
+  presets = list(dict.fromkeys(r['preset'] for r in results))
+  by_key = {(r['preset'], r['target'], r['num_devices'], r.get('device_memory_gib', 0)): r
+            for r in results}
+  lines = ['| preset | ' + ' | '.join(f'{n} × {t} ({m:.0f} GiB)' for t, n, m in cases) + ' |',
+           '|---|' + '---|' * len(cases)]
+  for preset in presets:
+    cells = []
+    for t, n, m in cases:
+      r = by_key.get((preset, t, n, m))
+      if r is None or 'error' in r:
+        cells.append(r['error'] if r else '')
+        continue
+      mark = '' if r['fits'] else ' ✗'
+      cells.append(f'{r["peak_memory_gib"]:.1f} GiB{mark}, {r["flops_ratio"]:.2f}×, '
+                   f'{r["tokens_per_s"] / 1e3:,.0f}k tok/s, mb {r["micro_batch_size"]}×'
+                   f'{r["grad_accum_steps"]}')
+    lines.append(f'| {preset} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
 HEADER = ('| preset | target | GPUs | mesh: attention, remat, micro-batch × accumulation | peak / '
           'usable memory per GPU | compiled / model FLOPs | collective GB per GPU per step | '
           'roofline tokens/s | roofline MFU |\n|---|---|---|---|---|---|---|---|---|')
@@ -55,6 +81,8 @@ def main():
   p.add_argument('--presets', default=','.join(PRESETS))
   p.add_argument('--out', default='plans.jsonl')
   p.add_argument('--table-only', action='store_true')
+  p.add_argument('--pivot', action='store_true',
+                 help='print presets × (target, GPUs), one cell each, instead of a row per case')
   args, overrides = p.parse_known_args()
   overrides = [o for o in overrides if o != '--']
   done = []
@@ -73,6 +101,9 @@ def main():
           with open(args.out, 'a', encoding='utf-8') as f:
             f.write(json.dumps(r) + '\n')
           print(row(r), file=sys.stderr, flush=True)
+  if args.pivot:
+    print(pivot(done))
+    return
   print(HEADER)
   for r in done:
     print(row(r))
