@@ -78,5 +78,5 @@ def configure(cache: bool = True) -> list[str]:
   cache = (jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache
            else 'off')
   return [f'XLA_FLAGS         {os.environ["XLA_FLAGS"]}',
-          f'GPU memory        {mem_fraction():.0%} preallocated (XLA_CLIENT_MEM_FRACTION)',
+          f'GPU memory        {mem_fraction():.0%} preallocated on GPUs (XLA_CLIENT_MEM_FRACTION)',
           f'compile cache     {cache} (JAX_COMPILATION_CACHE_DIR)']
