@@ -167,8 +167,8 @@ def print_table(rows, flops, markdown_error_column: str | None):
   """The timing table, plain or (given the error column's title) in Markdown."""
   markdown = markdown_error_column is not None
   if markdown:
-    print('| attention | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s '
-          f'| {markdown_error_column} |\n|---|---|---|---|---|---|---|---|')
+    print('| attention | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | '
+          f'fwd+bwd TFLOP/s | {markdown_error_column} |\n|---|---|---|---|---|---|---|---|')
   else:
     header = (f"{'impl':<8}{'fwd ms':>10}{'TFLOP/s':>9}{'bwd ms':>10}{'TFLOP/s':>9}"
               f"{'fwd+bwd ms':>12}{'TFLOP/s':>9}{'rel err':>10}")

@@ -131,7 +131,8 @@ def test_an_explicit_attention_is_never_replaced(choice):
   assert not [x for x in run.choices if x.startswith('attention')]
 
 
-@pytest.mark.parametrize('attention, remat', [('auto', 'dots'), ('pallas', 'dots'), ('xla', 'full')])
+@pytest.mark.parametrize('attention, remat',
+                         [('auto', 'dots'), ('pallas', 'dots'), ('xla', 'full')])
 def test_auto_remat_keeps_matmul_outputs_unless_attention_materializes_scores(attention, remat):
   c = parse(f'--config={ROOT}/configs/xlarge.py', f'--config.model.attention={attention}')
   r, run = config_lib.resolve(c, num_devices=1, device=_Device('gpu', 'NVIDIA H100 80GB HBM3'))
