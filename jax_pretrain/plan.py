@@ -156,7 +156,9 @@ def fit_micro_batch(config: ml_collections.ConfigDict, devices,
     return config, None
   resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
   per_device = resolved.train.batch_size // (run.mesh_shape[0] * run.mesh_shape[1])
-  limit = usable_memory(devices[0], target)
+  # Each process asks one of its own devices (another process's cannot report its memory).
+  local = [d for d in devices if d.process_index == devices[0].client.process_index()]
+  limit = usable_memory((local or devices)[0], target)
 
   def with_micro_batch(m):
     c = ml_collections.ConfigDict(config.to_dict())
