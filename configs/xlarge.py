@@ -10,7 +10,6 @@ def get_config():
   c.model.num_layers, c.model.d_model, c.model.mlp_dim = 32, 1920, 5120
   c.model.num_heads = c.model.num_kv_heads = 15
   c.train.batch_size = 256
-  c.train.micro_batch_size = 8
   c.train.total_tokens = int(30e9)
   c.optim.warmup_tokens = int(1e9)
   c.optim.learning_rate = 2e-4

@@ -11,6 +11,7 @@ import json
 import math
 import os
 
+import jax
 import ml_collections
 
 from jax_pretrain import cli
@@ -34,8 +35,9 @@ def defaults() -> ml_collections.ConfigDict:
   m.rope_theta = 10000.0       # rotary embedding base
   m.norm_eps = 1e-5            # RMSNorm epsilon
   m.init_std = 0.02            # normal init std (output projections scaled by 1/sqrt(2*layers))
-  m.attention = 'xla'          # 'xla' | 'cudnn' | 'pallas'
-  m.remat = 'full'             # 'none' | 'full' | 'dots' | 'dots_no_batch' | 'minimal'
+  m.attention = 'auto'         # 'auto' (cuDNN where it runs, else XLA) | 'xla' | 'cudnn' | 'pallas'
+  m.remat = 'auto'             # 'auto' (dots with fused attention, else full) | 'none' | 'full' |
+                               # 'dots' | 'dots_no_batch' | 'minimal'
   m.scan_layers = True         # scan over stacked layers (compile time independent of depth)
   m.dtype = 'bfloat16'         # compute dtype; params and optimizer state stay float32
   m.param_dtype = 'float32'    # master parameter dtype
@@ -57,8 +59,9 @@ def defaults() -> ml_collections.ConfigDict:
   t.steps = 0                  # optimizer steps; 0: derive from total_tokens
   t.total_tokens = 0           # run length in tokens (alternative to steps)
   t.batch_size = 64            # global batch, in sequences
-  t.micro_batch_size = 0       # sequences per data-parallel device per forward/backward;
-                               # 0: batch_size / data-parallel devices (no accumulation)
+  t.micro_batch_size = 0       # sequences per data-parallel device per forward/backward; 0: on a
+                               # GPU the largest that fits (compiled at start-up, printed), else
+                               # batch_size / data-parallel devices (no accumulation)
   t.seed = 0                   # parameter init and data order
   t.log_every = 10             # steps between logged scalars
   t.eval_every = 500           # steps between evals (and at the end)
@@ -158,6 +161,7 @@ class RunShape:
   mesh_shape: tuple[int, int, int]
   grad_accum_steps: int  # micro-batches per optimizer step
   tokens_per_step: int
+  choices: tuple[str, ...] = ()  # what 'auto' fields resolved to and why, for the start-up lines
 
 
 _DTYPES = ('float32', 'bfloat16', 'float16')
@@ -174,28 +178,34 @@ def _choice(group: ml_collections.ConfigDict, where: str, field: str, choices) -
 
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int, backend: str | None = None,
-            tokenizer_vocab_size: int = 0) -> tuple[ml_collections.ConfigDict, RunShape]:
+            tokenizer_vocab_size: int = 0,
+            device=None) -> tuple[ml_collections.ConfigDict, RunShape]:
   """Returns (resolved locked copy of config, RunShape); raises ConfigError on any inconsistency.
 
   tokenizer_vocab_size: the tokenizer's ids, which the embedding must hold (0: not checked).
+  device: one of the devices the run uses (a jax Device, real or compile-only); it decides
+  model.attention='auto' and gives the backend. Without it, backend alone decides ('gpu' is taken
+  to be a recent NVIDIA GPU).
   """
   c = from_dict(config.to_dict(), strict=True)  # a copy in today's layout; the caller's is untouched
-  _resolve_model(c.model, backend, tokenizer_vocab_size)
+  choices = _resolve_model(c.model, backend, tokenizer_vocab_size, device)
   mesh_shape = _resolve_mesh(c, num_devices)
   accum, tokens_per_step = _resolve_batch(c)
   _resolve_schedule(c.train, c.optim, tokens_per_step)
   _resolve_rest(c)
   c.lock()
   return c, RunShape(mesh_shape=mesh_shape, grad_accum_steps=accum,
-                     tokens_per_step=tokens_per_step)
+                     tokens_per_step=tokens_per_step, choices=tuple(choices))
 
 
-def _resolve_model(m: ml_collections.ConfigDict, backend: str | None,
-                   tokenizer_vocab_size: int) -> None:
-  _choice(m, 'model', 'attention', attention.IMPLEMENTATIONS)
-  reason = attention.unavailable_reason(m.attention, backend)
-  _check(reason is None, reason)
-  _choice(m, 'model', 'remat', model_lib.REMAT_POLICIES)
+def _resolve_model(m: ml_collections.ConfigDict, backend: str | None, tokenizer_vocab_size: int,
+                   device) -> list[str]:
+  """Checks the model group and decides its 'auto' fields; returns what they became, and why."""
+  choices = []
+  if device is not None:
+    backend = device.platform
+  _choice(m, 'model', 'attention', attention.IMPLEMENTATIONS + (attention.AUTO,))
+  _choice(m, 'model', 'remat', tuple(model_lib.REMAT_POLICIES) + (model_lib.AUTO_REMAT,))
   for field in ('dtype', 'param_dtype'):
     _choice(m, 'model', field, _DTYPES)
   for field in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'mlp_dim', 'vocab_size'):
@@ -208,10 +218,29 @@ def _resolve_model(m: ml_collections.ConfigDict, backend: str | None,
            'set model.head_dim explicitly.')
     m.head_dim = m.d_model // m.num_heads
   _check(m.head_dim % 2 == 0, f'model.head_dim={m.head_dim} must be even (rotary embeddings).')
+  if m.attention == attention.AUTO:
+    if device is None and backend is None:
+      device = jax.devices()[0]
+      backend = device.platform
+    kind = device.device_kind if device is not None else (
+        'NVIDIA GPU' if backend == 'gpu' else backend)
+    m.attention, why = attention.choose(backend, kind, getattr(device, 'compute_capability', None),
+                                        m.dtype, m.head_dim)
+    choices.append(f'attention {m.attention} (auto: {why})')
+  reason = attention.unavailable_reason(m.attention, backend)
+  _check(reason is None, reason)
+  if m.remat == model_lib.AUTO_REMAT:
+    # 'dots' keeps every matmul output for the backward pass and recomputes only the cheap rest.
+    # With XLA's attention, the T×T attention scores are matmul outputs too: 'dots' would keep
+    # them for every layer (xlarge, one H100, micro-batch 8: 116 GiB against 50 with cuDNN), so
+    # there 'full' recomputes each layer instead (1.25× the matmul FLOPs).
+    m.remat = 'full' if m.attention == 'xla' else 'dots'
+    choices.append(f'remat {m.remat} (auto: attention {m.attention})')
   _check(m.vocab_size >= tokenizer_vocab_size,
          f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary "
          f'({tokenizer_vocab_size}); set model.vocab_size to at least that (a multiple of '
          '128 is fastest).')
+  return choices
 
 
 def _resolve_mesh(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:

@@ -124,8 +124,13 @@ def _set(tree, path, value):
 
 
 def _param_shapes(c: model_lib.ModelConfig) -> dict[tuple, tuple[int, ...]]:
-  """Shapes of our (scanned) params, from the model itself: no second copy of the layout."""
-  model = model_lib.Transformer(dataclasses.replace(c, scan_layers=True))
+  """Shapes of our (scanned) params, from the model itself: no second copy of the layout.
+
+  Attention and remat do not change the params; the plain ones are traced, since the config may
+  not be resolved yet (model.attention and model.remat 'auto' are decided on the run's devices).
+  """
+  model = model_lib.Transformer(dataclasses.replace(c, scan_layers=True, attention='xla',
+                                                    remat='none'))
   abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
   leaves = jax.tree_util.tree_leaves_with_path(meta.unbox(abstract['params']))
   return {tuple(k.key for k in path): tuple(x.shape) for path, x in leaves}

@@ -36,6 +36,7 @@ REMAT_POLICIES = {
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # projections only
     'minimal': jax.checkpoint_policies.save_only_these_names('attn_out', 'mlp_hidden'),
 }
+AUTO_REMAT = 'auto'  # resolved by config.resolve: 'dots' with fused attention, else 'full'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +231,10 @@ class Transformer(nn.Module):
     c = self.config
     embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                            c.init_std)
-    x_BxTxD = jnp.take(embedding_VxD.astype(c.dtype), tokens_BxT, axis=0)
+    # The lookup reads a replicated compute-dtype copy of the table (V·D·2 bytes): XLA's SPMD
+    # partitioner aborts on a gather from a sharded table inside the train step's shard_map.
+    table_VxD = sharding.constrain(embedding_VxD.astype(c.dtype), (None, None), self.mesh)
+    x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
     if cache is None:
       cos_TxH2, sin_TxH2 = rope_tables(jnp.arange(tokens_BxT.shape[1]), c.head_dim, c.rope_theta)
       kv_args, kv_axes = (), ()

@@ -36,9 +36,26 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _RULES = dict(LOGICAL_AXIS_RULES)
 
 
+def manual_axes() -> frozenset[str]:
+  """Mesh axes that an enclosing shard_map has made manual (none outside one)."""
+  return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def logical_to_spec(logical_axes: Sequence[str | None]) -> P:
-  """PartitionSpec for an array whose dimensions carry these logical names."""
-  return P(*(None if name is None else _RULES[name] for name in logical_axes))
+  """PartitionSpec for an array whose dimensions carry these logical names.
+
+  Inside a shard_map (the train step maps over 'data'), the manual axes are left out: the array
+  there is already this device's block along them.
+  """
+  manual = manual_axes()
+
+  def mesh_axes(name):
+    axes = _RULES[name] if name is not None else None
+    if axes is None or not manual:
+      return axes
+    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in manual)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+  return P(*(mesh_axes(name) for name in logical_axes))
 
 
 def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:

@@ -39,7 +39,10 @@ def make_loss_fn(model: nn.Module, pad_id: int):
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     logits_BxTxV = model.apply({'params': params}, inputs_BxT).astype(jnp.float32)
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    # A masked sum, not take_along_axis: XLA's SPMD partitioner aborts on that gather when the
+    # vocabulary is split over 'tensor' inside the train step's shard_map.
+    is_target_BxTxV = targets_BxT[..., None] == jnp.arange(logits_BxTxV.shape[-1])
+    target_logit_BxT = jnp.sum(jnp.where(is_target_BxTxV, logits_BxTxV, 0.0), axis=-1)
     weights_BxT = (targets_BxT != pad_id).astype(jnp.float32)
     return jnp.sum((logz_BxT - target_logit_BxT) * weights_BxT), jnp.sum(weights_BxT)
   return loss_fn
@@ -47,37 +50,57 @@ def make_loss_fn(model: nn.Module, pad_id: int):
 
 def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id: int,
                     mesh=None):
-  """A pure (state, batch) -> (state, metrics) function; jit it once."""
+  """A pure (state, batch) -> (state, metrics) function; jit it once.
+
+  Gradients are reduced across data-parallel replicas once per optimizer step, not once per
+  micro-batch: the accumulation runs under a shard_map over the 'data' axis, where each replica
+  sums its own micro-batches' float32 gradients, and one psum follows the loop. 'fsdp' and
+  'tensor' stay with the compiler (GSPMD): FSDP gathers each layer's weights, and reduce-scatters
+  their gradients, per micro-batch, which is what keeps its memory at 1/fsdp of the state.
+  """
   loss_and_grad = jax.value_and_grad(make_loss_fn(model, pad_id), has_aux=True)
 
+  def local_sums(params, tokens_BxT1):
+    """(loss sum, target count, float32 grads) over this replica's rows, micro-batch by
+    micro-batch. Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps its own rows."""
+    B, T1 = tokens_BxT1.shape
+    micro_AxMxT1 = tokens_BxT1.reshape(B // grad_accum_steps, grad_accum_steps, T1)
+    micro_AxMxT1 = sharding.constrain(micro_AxMxT1.swapaxes(0, 1), (None, 'batch', None), mesh)
+
+    def accumulate(carry, tokens_MxT1):
+      (loss_i, weight_i), grads_i = loss_and_grad(params, tokens_MxT1)
+      loss_sum, weight, grads = carry
+      return (loss_sum + loss_i, weight + weight_i, jax.tree.map(jnp.add, grads, grads_i)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    sums, _ = jax.lax.scan(accumulate, zeros, micro_AxMxT1)
+    return sums
+
+  def data_parallel_sums(params, tokens_BxT1):
+    # check_vma=False: no implicit psum per micro-batch for the replicated params; the one
+    # reduction is this explicit psum, in float32.
+    return jax.lax.psum(local_sums(params, tokens_BxT1), 'data')
+
+  if mesh is not None and mesh.shape['data'] > 1:  # (XLA rejects a psum over a 1-device axis)
+    sums_fn = jax.shard_map(data_parallel_sums, mesh=mesh, in_specs=(jax.P(), jax.P('data')),
+                            out_specs=jax.P(), axis_names={'data'}, check_vma=False)
+  else:
+    sums_fn = local_sums
+
   def train_step(state: TrainState, batch):
-    tokens_BxT1 = batch['tokens']
-    if grad_accum_steps == 1:
-      (loss_sum, weight), grads = loss_and_grad(state.params, tokens_BxT1)
-    else:
-      # Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps its own rows (no transfer).
-      B, T1 = tokens_BxT1.shape
-      micro_AxMxT1 = tokens_BxT1.reshape(B // grad_accum_steps, grad_accum_steps, T1)
-      micro_AxMxT1 = sharding.constrain(micro_AxMxT1.swapaxes(0, 1), (None, 'batch', None), mesh)
-
-      def accumulate(carry, tokens_MxT1):
-        (loss_i, weight_i), grads_i = loss_and_grad(state.params, tokens_MxT1)
-        loss_sum, weight, grads = carry
-        return (loss_sum + loss_i, weight + weight_i, jax.tree.map(jnp.add, grads, grads_i)), None
-
-      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-               jax.tree.map(jnp.zeros_like, state.params))
-      (loss_sum, weight, grads), _ = jax.lax.scan(accumulate, zeros, micro_AxMxT1)
-
+    loss_sum, weight, grads = sums_fn(state.params, batch['tokens'])
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
     loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # A non-finite loss or gradient drops the whole update: params and moments stay as they were.
+    # An elementwise select, not lax.cond: XLA fuses it into the update and writes in place,
+    # where a cond kept a second copy of the whole state alive.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params, opt_state = jax.lax.cond(finite, lambda: (params, opt_state),
-                                     lambda: (state.params, state.opt_state))
+    params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                     (params, opt_state), (state.params, state.opt_state))
     new_state = state.replace(
         step=state.step + 1, params=params, opt_state=opt_state,
         nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
@@ -112,7 +135,7 @@ def build(config: ml_collections.ConfigDict, devices=None, tokenizer_vocab_size:
   tokenizer_vocab_size: checked against model.vocab_size (0: not checked).
   """
   devices = jax.devices() if devices is None else devices
-  config, run = config_lib.resolve(config, len(devices), backend=devices[0].platform,
+  config, run = config_lib.resolve(config, len(devices), device=devices[0],
                                    tokenizer_vocab_size=tokenizer_vocab_size)
   mesh = sharding.make_mesh(run.mesh_shape, devices)
   model = model_lib.Transformer(config_lib.model_config(config), mesh=mesh)

@@ -19,6 +19,8 @@ from jax_pretrain import config as config_lib
 from jax_pretrain import data as data_lib
 from jax_pretrain import metrics as metrics_lib
 from jax_pretrain import model as model_lib
+from jax_pretrain import plan
+from jax_pretrain import runtime
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import signals
 from jax_pretrain import state as state_lib
@@ -89,7 +91,8 @@ def describe(s: Setup, num_params: int) -> str:
       f'tensor={run.mesh_shape[2]} on {s.mesh.size} × {s.mesh.devices.flat[0].device_kind}',
       f'attention         {m.attention}, remat {m.remat}',
       f'precision         compute {m.dtype}, params and optimizer {m.param_dtype}',
-  ])
+  ] + [f'chosen            {choice}' for choice in run.choices]
+      + runtime.describe(s.mesh.devices.flat[0].platform))
 
 
 class StepLogger:
@@ -260,6 +263,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   interruptible by a stop signal; then the loop, and a sample from the final model.
   """
   sources = data_lib.open_sources(config)
+  devices = jax.devices() if devices is None else devices
+  config, fitted = plan.fit_micro_batch(config, devices)  # train.micro_batch_size=0 on a GPU
   s = state_lib.build(config, devices, sources.tokenizer.vocab_size)
   config, t, ck = s.config, s.config.train, s.config.checkpoint
   is_main = jax.process_index() == 0
@@ -273,6 +278,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     try:
       if is_main:
         print(describe(s, model_lib.count_params(s.abstract_state.params)), flush=True)
+        if fitted:
+          print(f'chosen            {fitted}', flush=True)
       state, changes = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
       step = int(jax.device_get(state.step))
       if is_main:  # only once the restore succeeded

@@ -1,16 +1,21 @@
 """Training-step benchmark on synthetic tokens (generated on the devices: input never waits).
 
   python scripts/benchmark.py --config=configs/xlarge.py [--config.x=y ...] [--steps 20] [--sweep]
+      [--variant=model.attention=xla,train.micro_batch_size=8 ...] [--markdown]
 
-Compiles the real train step (the trainer's own code), warms up, then times --steps steps one by
+Compiles the real train step (the trainer's own code, with the trainer's runtime settings and its
+choice of micro-batch when train.micro_batch_size=0), warms up, then times --steps steps one by
 one and reports the median: tokens/s, MFU (the trainer's formula), peak device memory, compile
-time. --sweep tries micro-batch × remat policy × attention implementation and prints a table,
-best first; a setting that fails (out of memory, unsupported) is listed with its error.
+time, and the loss and gradient norm after the last step (same seed and tokens for every setting,
+so settings that compute the same thing agree to rounding). --sweep tries micro-batch × remat
+policy × attention implementation; each --variant is one setting (comma-separated overrides of
+the config; an empty --variant= is the config as given). A setting that fails (out of memory,
+unsupported) is listed with its error. Results print as a table, best first (--markdown: in
+Markdown, in the order run).
 """
 import itertools
 import statistics
 import time
-
 
 from absl import flags
 
@@ -24,6 +29,9 @@ _MICRO_BATCHES = flags.DEFINE_list('micro_batches', ['4', '8', '16'], 'Sweep: mi
 _REMATS = flags.DEFINE_list('remats', ['full', 'dots_no_batch', 'minimal', 'none'],
                             'Sweep: remat policies.')
 _ATTENTIONS = flags.DEFINE_list('attentions', ['cudnn', 'pallas'], 'Sweep: attention kernels.')
+_VARIANTS = flags.DEFINE_multi_string('variant', [], 'One setting: GROUP.FIELD=VALUE,... over the '
+                                      'config (repeatable; empty: the config itself).')
+_MARKDOWN = flags.DEFINE_bool('markdown', False, 'Print the results as a Markdown table.')
 
 
 def benchmark(config, steps: int, warmup: int) -> dict:
@@ -32,8 +40,12 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   from jax_pretrain import config as config_lib
   from jax_pretrain import metrics as metrics_lib
   from jax_pretrain import model as model_lib
+  from jax_pretrain import plan
   from jax_pretrain import state as state_lib
 
+  t0 = time.perf_counter()
+  config, _ = plan.fit_micro_batch(config, jax.devices())  # micro_batch_size=0: as the trainer does
+  fit_s = time.perf_counter() - t0
   s = state_lib.build(config)
   c = s.config
   state = state_lib.init_state(s)
@@ -63,7 +75,10 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   return {'micro_batch': c.train.micro_batch_size, 'remat': c.model.remat,
           'attention': c.model.attention, 'step_s': step_time, 'tokens_per_s': tokens_per_sec,
           'mfu': mfu, 'peak_gib': memory / 2**30 if memory else None, 'compile_s': compile_s,
-          'loss': float(metrics['loss']), 'device': f'{s.mesh.size} × {device.device_kind}'}
+          'compiled_gib': plan.peak_bytes(step) / 2**30,
+          'fit_s': fit_s, 'accumulation': s.run.grad_accum_steps, 'loss': float(metrics['loss']),
+          'grad_norm': float(metrics['grad_norm']),
+          'device': f'{s.mesh.size} × {device.device_kind}'}
 
 
 def row(r: dict) -> str:
@@ -78,25 +93,71 @@ def row(r: dict) -> str:
 HEADER = (f'{"micro":>5} {"remat":>14} {"attn":>7} {"step_s":>8} {"tokens/s":>12} {"MFU":>6} '
           f'{"peak_GiB":>8} {"compile_s":>9}')
 
+# Peak memory: XLA's buffer assignment of the step (what the plan predicts), and the device
+# allocator's high-water mark, which only grows within a process (so, after the first row, it is
+# the largest so far).
+MARKDOWN_HEADER = ('| attention, remat, micro-batch × accumulation | tokens/s | MFU | step s | '
+                   'peak GiB: XLA / device so far | compile s (+ micro-batch search) | loss, grad '
+                   'norm after the last step |\n|---|---|---|---|---|---|---|')
 
-def main():
-  import jax  # pylint: disable=g-import-not-at-top
-  config = cli.config_value(_CONFIG)
-  if not _SWEEP.value:
-    results = [benchmark(config, _STEPS.value, _WARMUP.value)]
-  else:
-    results = []
+
+def markdown_row(r: dict) -> str:
+  setting = f'{r["attention"]}, {r["remat"]}, mb {r["micro_batch"]}'
+  if 'error' in r:
+    return f'| {setting} | failed: {r["error"]} | | | | | |'
+  mfu = f'{r["mfu"]:.1%}' if r['mfu'] is not None else 'n/a'
+  mem = f'{r["peak_gib"]:.1f}' if r['peak_gib'] is not None else 'n/a'
+  return (f'| {setting} × {r["accumulation"]} | {r["tokens_per_s"]:,.0f} | {mfu} | '
+          f'{r["step_s"]:.3f} | {r["compiled_gib"]:.1f} / {mem} | {r["compile_s"]:.1f} '
+          f'(+ {r["fit_s"]:.1f}) | {r["loss"]:.4f}, {r["grad_norm"]:.4f} |')
+
+
+def settings(config) -> list:
+  """The configs to run: --sweep's product, or each --variant, or the config as given."""
+  if _SWEEP.value:
+    runs = []
     for micro, remat, attention in itertools.product(_MICRO_BATCHES.value, _REMATS.value,
                                                      _ATTENTIONS.value):
       c = config.copy_and_resolve_references()
       c.train.micro_batch_size, c.model.remat, c.model.attention = int(micro), remat, attention
-      try:
-        results.append(benchmark(c, _STEPS.value, _WARMUP.value))
-      except Exception as e:  # pylint: disable=broad-except  (OOM, unsupported kernel, ...)
-        results.append({'micro_batch': micro, 'remat': remat, 'attention': attention,
-                        'error': f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'})
-      print(row(results[-1]), flush=True)
-      jax.clear_caches()
+      runs.append(c)
+    return runs
+  runs = []
+  for variant in _VARIANTS.value or ['']:
+    c = config.copy_and_resolve_references()
+    for override in filter(None, variant.split(',')):
+      path, value = override.split('=', 1)
+      group, field = path.split('.')
+      old = c[group][field]
+      c[group][field] = value.lower() == 'true' if isinstance(old, bool) else type(old)(value)
+    runs.append(c)
+  return runs
+
+
+def main():
+  from jax_pretrain import runtime  # pylint: disable=g-import-not-at-top
+  runtime.configure()  # the trainer's XLA flags, memory fraction, cache
+  import jax  # pylint: disable=g-import-not-at-top
+  print('\n'.join(runtime.describe(jax.default_backend())))
+  config = cli.config_value(_CONFIG)
+  results = []
+  for c in settings(config):
+    try:
+      results.append(benchmark(c, _STEPS.value, _WARMUP.value))
+    except Exception as e:  # pylint: disable=broad-except  (OOM, unsupported kernel, ...)
+      results.append({'micro_batch': c.train.micro_batch_size, 'remat': c.model.remat,
+                      'attention': c.model.attention,
+                      'error': f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'})
+    print(row(results[-1]), flush=True)
+    jax.clear_caches()
+  if _MARKDOWN.value:
+    print(f'\njax {jax.__version__}, {jax.devices()[0].device_kind} × {jax.device_count()}, '
+          f'batch {config.train.batch_size} × seq {config.data.seq_len}, median of '
+          f'{_STEPS.value} steps\n')
+    print(MARKDOWN_HEADER)
+    for r in results:
+      print(markdown_row(r))
+    return
   ok = sorted((r for r in results if 'error' not in r), key=lambda r: -r['tokens_per_s'])
   print(f'\njax {jax.__version__}, {ok[0]["device"] if ok else jax.devices()[0].device_kind}, '
         f'batch {config.train.batch_size} × seq {config.data.seq_len}, median of '

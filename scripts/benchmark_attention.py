@@ -41,6 +41,10 @@ def parse_args(argv=None):
   p.add_argument('--block_k', type=int, default=128, help='pallas forward kv tile')
   p.add_argument('--bwd_block_q', type=int, default=None, help='pallas backward q tile')
   p.add_argument('--bwd_block_k', type=int, default=None, help='pallas backward kv tile')
+  p.add_argument('--reference', choices=IMPLS, default=None,
+                 help='implementation the others are compared with (default: cudnn where it '
+                      'runs, else xla)')
+  p.add_argument('--markdown', action='store_true', help='print the table in Markdown')
   return p.parse_args(argv)
 
 
@@ -112,14 +116,16 @@ def main(argv=None):
       jax.block_until_ready(results[impl])
     except Exception as e:  # pylint: disable=broad-except
       errors[impl] = short(e)
-  ref_name = next((r for r in ('cudnn', 'xla') if r in results), None)
+  preferred = (args.reference,) if args.reference else ('cudnn', 'xla')
+  ref_name = next((r for r in preferred if r in results), None)
   rel = {}
   for impl, outs in results.items():
     if ref_name is None or impl == ref_name:
       rel[impl] = '-' if impl == ref_name else 'n/a'
       continue
     errs = [rel_err(a, b) for a, b in zip(outs, results[ref_name])]
-    rel[impl] = f'{errs[0]:.2e}'
+    rel[impl] = (f'{errs[0]:.2e}' if not args.markdown else
+                 ' / '.join(f'{e:.1e}' for e in errs))
     print(f'{impl} vs {ref_name}: rel err o {errs[0]:.2e}  dq {errs[1]:.2e}  '
           f'dk {errs[2]:.2e}  dv {errs[3]:.2e}')
   del results
@@ -147,19 +153,35 @@ def main(argv=None):
     except Exception as e:  # pylint: disable=broad-except
       rows.append((impl, short(e)))
 
-  header = (f"{'impl':<8}{'fwd ms':>10}{'TFLOP/s':>9}{'bwd ms':>10}{'TFLOP/s':>9}"
-            f"{'fwd+bwd ms':>12}{'TFLOP/s':>9}{'rel err':>10}")
-  print()
-  print(header)
-  print('-' * len(header))
+  if args.markdown:
+    print(f'\nB={B} T={T} heads={N} (kv {K}) × {H} {dtype.name} causal={args.causal}, median of '
+          f'{args.iters}; relative L2 error against {ref_name} of o / dq / dk / dv\n')
+  print_table(rows, flops, f'rel err vs {ref_name}: o / dq / dk / dv' if args.markdown else None)
+
+
+def print_table(rows, flops, markdown_error_column: str | None):
+  """The timing table, plain or (given the error column's title) in Markdown."""
+  markdown = markdown_error_column is not None
+  if markdown:
+    print('| attention | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | '
+          f'fwd+bwd TFLOP/s | {markdown_error_column} |\n|---|---|---|---|---|---|---|---|')
+  else:
+    header = (f"{'impl':<8}{'fwd ms':>10}{'TFLOP/s':>9}{'bwd ms':>10}{'TFLOP/s':>9}"
+              f"{'fwd+bwd ms':>12}{'TFLOP/s':>9}{'rel err':>10}")
+    print(f'\n{header}\n' + '-' * len(header))
   for row in rows:
     if isinstance(row[1], str):
-      print(f'{row[0]:<8}  failed: {row[1]}')
+      print(f'| {row[0]} | failed: {row[1]} | | | | | | |' if markdown else
+            f'{row[0]:<8}  failed: {row[1]}')
       continue
     impl, ms, err = row
     tf = {k: flops[k] / (ms[k] * 1e-3) / 1e12 for k in ms}
-    print(f"{impl:<8}{ms['fwd']:>10.3f}{tf['fwd']:>9.1f}{ms['bwd']:>10.3f}{tf['bwd']:>9.1f}"
-          f"{ms['fwdbwd']:>12.3f}{tf['fwdbwd']:>9.1f}{err:>10}")
+    if markdown:
+      print(f"| {impl} | {ms['fwd']:.3f} | {tf['fwd']:.1f} | {ms['bwd']:.3f} | {tf['bwd']:.1f} | "
+            f"{ms['fwdbwd']:.3f} | {tf['fwdbwd']:.1f} | {err} |")
+    else:
+      print(f"{impl:<8}{ms['fwd']:>10.3f}{tf['fwd']:>9.1f}{ms['bwd']:>10.3f}{tf['bwd']:>9.1f}"
+            f"{ms['fwdbwd']:>12.3f}{tf['fwdbwd']:>9.1f}{err:>10}")
 
 
 if __name__ == '__main__':

@@ -21,6 +21,7 @@ from jax_pretrain import cli
 _CONFIG = cli.define_config('small.py', 'Preset whose state is saved.')
 _SAVES = flags.DEFINE_integer('saves', 3, 'Saves to time.')
 _DIR = flags.DEFINE_string('dir', None, 'Where to write (default: a temporary directory).')
+_MARKDOWN = flags.DEFINE_bool('markdown', False, 'Print the result as a Markdown table.')
 
 
 def main():
@@ -51,6 +52,13 @@ def main():
     shutil.rmtree(directory)
   n = model_lib.count_params(s.abstract_state.params)
   print(f'jax {jax.__version__}, {s.mesh.size} × {s.mesh.devices.flat[0].device_kind}')
+  if _MARKDOWN.value:
+    print('\n| state | save stall (blocking part), median | save complete on disk | restore |\n'
+          '|---|---|---|---|\n'
+          f'| {n / 1e6:.0f}M params, {state_bytes / 2**30:.2f} GiB | '
+          f'{statistics.median(stalls):.3f} s ({", ".join(f"{x:.3f}" for x in stalls)}) | '
+          f'{statistics.median(writes):.2f} s | {restore_s:.2f} s |')
+    return
   print(f'state: {n / 1e6:.0f}M params, {state_bytes / 2**30:.2f} GiB (params + Adam moments, '
         'float32)')
   print(f'save stall (blocking part), median of {len(stalls)}: {statistics.median(stalls):.3f} s '

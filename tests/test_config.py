@@ -113,3 +113,49 @@ def test_a_typo_in_a_config_file_is_refused_naming_the_field():
   c.optim.lerning_rate = 0.1  # config files are unlocked while they build the config
   with pytest.raises(config_lib.ConfigError, match=r'optim.lerning_rate: no such config field'):
     config_lib.resolve(c, num_devices=1, backend='cpu')
+
+
+class _Device:
+  """What config.resolve reads from a jax Device."""
+
+  def __init__(self, platform, device_kind, compute_capability=None):
+    self.platform, self.device_kind = platform, device_kind
+    if compute_capability is not None:
+      self.compute_capability = compute_capability
+
+
+@pytest.mark.parametrize('device, overrides, expected', [
+    (_Device('gpu', 'NVIDIA H100 80GB HBM3', '9.0'), (), 'cudnn'),
+    (_Device('gpu', 'NVIDIA H100 80GB HBM3'), (), 'cudnn'),  # compile-only: no capability
+    (_Device('gpu', 'NVIDIA A100-SXM4-40GB', '8.0'), (), 'cudnn'),
+    (_Device('gpu', 'Tesla V100-SXM2-16GB', '7.0'), (), 'xla'),
+    (_Device('gpu', 'Tesla V100-SXM2-16GB'), (), 'xla'),
+    (_Device('gpu', 'AMD Instinct MI300X'), (), 'xla'),
+    (_Device('cpu', 'cpu'), (), 'xla'),
+    (_Device('gpu', 'NVIDIA H100 80GB HBM3', '9.0'), ('--config.model.dtype=float32',), 'xla'),
+    (_Device('gpu', 'NVIDIA H100 80GB HBM3', '9.0'), ('--config.model.head_dim=256',), 'xla'),
+])
+def test_auto_attention_is_cudnn_where_it_runs_and_says_why(device, overrides, expected):
+  c = parse(f'--config={ROOT}/configs/xlarge.py', *overrides)
+  assert c.model.attention == 'auto'
+  r, run = config_lib.resolve(c, num_devices=1, device=device)
+  assert r.model.attention == expected
+  assert run.choices[0].startswith(f'attention {expected} (auto: ')
+
+
+@pytest.mark.parametrize('choice', ['xla', 'pallas', 'cudnn'])
+def test_an_explicit_attention_is_never_replaced(choice):
+  c = parse(f'--config={ROOT}/configs/xlarge.py', f'--config.model.attention={choice}')
+  r, run = config_lib.resolve(c, num_devices=1, device=_Device('gpu', 'NVIDIA H100 80GB HBM3'))
+  assert r.model.attention == choice
+  assert not [x for x in run.choices if x.startswith('attention')]
+
+
+@pytest.mark.parametrize('attention, remat',
+                         [('auto', 'dots'), ('pallas', 'dots'), ('xla', 'full')])
+def test_auto_remat_keeps_matmul_outputs_unless_attention_materializes_scores(attention, remat):
+  c = parse(f'--config={ROOT}/configs/xlarge.py', f'--config.model.attention={attention}')
+  r, run = config_lib.resolve(c, num_devices=1, device=_Device('gpu', 'NVIDIA H100 80GB HBM3'))
+  assert r.model.remat == remat and f'remat {remat} (auto: attention ' in ' '.join(run.choices)
+  explicit = parse(f'--config={ROOT}/configs/xlarge.py', '--config.model.remat=minimal')
+  assert config_lib.resolve(explicit, num_devices=1, backend='cpu')[0].model.remat == 'minimal'

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jax_pretrain import config as config_lib
+from jax_pretrain import hlo
 from jax_pretrain import state as state_lib
 from tests.conftest import ROOT
 
@@ -119,3 +120,25 @@ def test_every_preset_compiles_for_fsdp8(preset):
   shard = s.state_shardings.params['layers']['mlp']['w_up'].shard_shape(
       s.abstract_state.params['layers']['mlp']['w_up'].shape)
   assert shard[1] == c.model.d_model // 8
+
+
+def test_data_parallel_gradients_are_reduced_once_per_step_in_float32():
+  """data=8 with 2 micro-batches: no all-reduce inside the accumulation loop; after it, one float32
+  reduction of every gradient (4 bytes per parameter) plus the loss and target count."""
+  c = mesh_config((8, 1, 1))
+  c.train.micro_batch_size = 1  # 16 sequences over 8 devices: 2 micro-batches
+  s = state_lib.build(c, devices=jax.devices())
+  assert s.run.grad_accum_steps == 2
+  text = state_lib.jit_train_step(s, pad_id=258).lower(
+      s.abstract_state, state_lib.abstract_batch(s, c.train.batch_size)).compile().as_text()
+  computations, entry = hlo.parse(text)
+  looped = hlo.loop_computations(computations)
+  assert any(i.opcode == 'while' for i in computations[entry])
+  reductions = [(name, i) for name, body in computations.items() for i in body
+                if i.opcode in ('all-reduce', 'all-reduce-start')]
+  assert reductions and not [i.name for name, i in reductions if name in looped]
+  shapes = {i.name: i.shape for body in computations.values() for i in body}
+  reduced = [shapes[o] for _, i in reductions for o in i.operands]
+  assert all(shape.startswith('f32') for shape in reduced), reduced
+  n = sum(x.size for x in jax.tree.leaves(s.abstract_state.params))
+  assert sum(hlo.shape_bytes(x) for x in reduced) == 4 * n + 4 * 2

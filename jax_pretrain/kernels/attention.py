@@ -3,6 +3,10 @@
 'xla'    jax.nn.dot_product_attention's XLA path (any backend; GSPMD partitions it).
 'cudnn'  jax.nn.dot_product_attention(implementation='cudnn'), the fused cuDNN kernel (GPU only).
 'pallas' our own flash-attention kernel (jax_pretrain/kernels/flash_attention.py).
+'auto'   (the default) resolved once, at start-up, by `choose`: cuDNN on an NVIDIA GPU where it
+         supports the dtype and head_dim, else XLA. On an H100 at the xlarge shape cuDNN ran
+         430 / 333 TFLOP/s forward / forward+backward against XLA's 39 / 55, and training ran
+         ~45k against ~23k tokens/s.
 
 The fused kernels are custom calls that GSPMD cannot split, so on a mesh they run under shard_map:
 each device attends over its own batch rows and heads, which needs no communication.
@@ -15,6 +19,29 @@ from jax.sharding import Mesh
 from jax_pretrain import sharding
 
 IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
+AUTO = 'auto'
+# NVIDIA GPUs before Ampere (compute capability < 8.0), which cuDNN's fused attention does not run
+# on, by the names jax gives them (device_kind) where the device reports no compute capability.
+_PRE_AMPERE = ('V100', 'P100', 'T4', 'TITAN V', 'Quadro', 'RTX 20')
+
+
+def choose(backend: str, device_kind: str, compute_capability: str | None, dtype: str,
+           head_dim: int) -> tuple[str, str]:
+  """What model.attention='auto' means on this device: (implementation, the reason, to print)."""
+  nvidia = device_kind.startswith(('NVIDIA', 'Tesla', 'Quadro'))
+  if backend != 'gpu' or not nvidia:
+    return 'xla', f'no NVIDIA GPU ({device_kind or backend})'
+  if compute_capability is not None:
+    ampere = tuple(int(x) for x in compute_capability.split('.')[:2]) >= (8, 0)
+  else:
+    ampere = not any(name in device_kind for name in _PRE_AMPERE)
+  if not ampere:
+    return 'xla', f'{device_kind} predates Ampere; cuDNN fused attention needs sm_80+'
+  if dtype not in ('bfloat16', 'float16'):
+    return 'xla', f'cuDNN fused attention needs bf16 or fp16, model.dtype is {dtype}'
+  if head_dim % 8 or head_dim > 128:
+    return 'xla', f'cuDNN fused attention needs head_dim <= 128 and a multiple of 8, not {head_dim}'
+  return 'cudnn', f'{device_kind}, {dtype}, head_dim {head_dim}'
 
 
 def unavailable_reason(implementation: str, backend: str | None = None) -> str | None:
@@ -29,6 +56,9 @@ def unavailable_reason(implementation: str, backend: str | None = None) -> str |
 def _fused(implementation: str):
   if implementation == 'cudnn':
     return functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation='cudnn')
+  if implementation != 'pallas':  # e.g. 'auto' that skipped config.resolve
+    raise ValueError(f'attention implementation {implementation!r} is not one of '
+                     f'{IMPLEMENTATIONS}; resolve the config first.')
   from jax_pretrain.kernels import flash_attention  # pylint: disable=g-import-not-at-top
   return functools.partial(flash_attention.flash_attention, causal=True)
 
@@ -39,9 +69,15 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
                                         implementation='xla')
   attend = _fused(implementation)
-  if mesh is None or mesh.size == 1:
+  # Inside the train step's shard_map over 'data', the kernel is mapped over the other axes too,
+  # even of size 1: cuDNN's custom partitioning fails in a partly manual region.
+  manual = sharding.manual_axes()
+  if manual:
+    mesh = jax.sharding.get_abstract_mesh()
+  elif mesh is None or mesh.size == 1:
     return attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
   q_spec = sharding.logical_to_spec(('batch', 'length', 'act_heads', None))
   kv_spec = sharding.logical_to_spec(('batch', 'length', 'act_kv_heads', None))
   return jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                       axis_names=set(mesh.axis_names) - manual,
                        check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)

@@ -1,0 +1,121 @@
+"""The machines `python -m jax_pretrain.plan --target=...` compiles for without having them.
+
+For a GPU, XLA needs the device's description (a stream_executor.GpuTargetConfigProto in text
+form, the .txtpb files next to this one). They are XLA's own files
+(xla/backends/gpu/target_config/specs/ in github.com/openxla/xla), as jax's CUDA plugin embeds them
+(`from_plugin` extracts one from the installed plugin; tests check the H100 file still matches).
+Their device memory and HBM bandwidth feed the plan.
+
+The roofline's speeds are not in those files. Where each number comes from:
+  h100      bf16 matmul 794 TFLOP/s and cuDNN attention 430 forward / 333 forward+backward TFLOP/s:
+            measured on one H100 SXM in an earlier session (plain JAX at the xlarge shape); peak
+            989 TFLOP/s dense bf16 (NVIDIA H100 SXM datasheet, for MFU). NVLink 4: 900 GB/s per
+            GPU both ways together, 450 GB/s each way; network: one 400 Gb/s NIC per GPU (DGX H100,
+            ConnectX-7), 50 GB/s.
+  a100-80,  peak 312 TFLOP/s dense bf16 (NVIDIA A100 datasheet); matmul and attention speeds are
+  a100-40   the H100's measured fractions of its peak (80% and 43% / 34%) applied to 312, not
+            measured. NVLink 3: 600 GB/s both ways, 300 GB/s each way; network: one 200 Gb/s NIC
+            per GPU (DGX A100, ConnectX-6), 25 GB/s.
+Collectives are assumed to reach COLLECTIVE_EFFICIENCY of the link (NCCL ring bus bandwidth, as in
+docs/scaling.md).
+"""
+import dataclasses
+import glob
+import os
+import re
+
+COLLECTIVE_EFFICIENCY = 0.8
+_DIR = os.path.dirname(os.path.abspath(__file__))
+
+_H100_PEAK, _A100_PEAK = 989e12, 312e12
+_H100_MATMUL, _H100_ATTENTION = 794e12, (430e12, 333e12)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  name: str  # the --target value
+  file: str | None  # GpuTargetConfigProto text in this directory; None: this machine's CPU
+  peak_flops: float | None = None  # dense bf16 FLOP/s per device (datasheet), for MFU
+  matmul_flops: float | None = None  # bf16 matmul FLOP/s reached
+  cudnn_attention_flops: tuple[float, float] | None = None  # (forward, forward+backward) FLOP/s
+  link_bandwidth: float = 0.0  # bytes/s per device each way inside a node (NVLink)
+  network_bandwidth: float = 0.0  # bytes/s per device each way across nodes
+  devices_per_node: int = 8
+  memory_override: float | None = None  # bytes: a card of this family with less memory
+
+  def config_text(self) -> str:
+    with open(os.path.join(_DIR, self.file), encoding='utf-8') as f:
+      return f.read()
+
+  def _field(self, name: str) -> float:
+    m = re.search(rf'^\s*{name}:\s*"?([^"\n]+)"?\s*$', self.config_text(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+  @property
+  def device_memory(self) -> float:
+    """Bytes of device memory (the CPU: this machine's RAM)."""
+    if self.memory_override:
+      return self.memory_override
+    if self.file is None:
+      return float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
+    return self._field('device_memory_size')
+
+  @property
+  def hbm_bandwidth(self) -> float | None:
+    return self._field('memory_bandwidth') if self.file else None
+
+  @property
+  def device_kind(self) -> str:
+    if self.file is None:
+      return 'cpu'
+    return re.search(r'device_description_str:\s*"([^"]*)"', self.config_text()).group(1)
+
+
+def _a100(name: str, file: str) -> Target:
+  scale = _A100_PEAK / _H100_PEAK
+  return Target(name, file, _A100_PEAK, _H100_MATMUL * scale,
+                (_H100_ATTENTION[0] * scale, _H100_ATTENTION[1] * scale), 300e9, 25e9)
+
+
+TARGETS = {
+    'h100': Target('h100', 'h100_sxm.txtpb', _H100_PEAK, _H100_MATMUL, _H100_ATTENTION, 450e9,
+                   50e9),
+    'a100-80': _a100('a100-80', 'a100_sxm_80.txtpb'),
+    'a100-40': _a100('a100-40', 'a100_sxm_40.txtpb'),
+    'cpu': Target('cpu', None),
+}
+
+
+def plugin_library() -> str | None:
+  """Path of the installed jax CUDA plugin's shared library, or None."""
+  try:
+    import jax_plugins  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  for path in jax_plugins.__path__:
+    found = sorted(glob.glob(os.path.join(path, 'xla_cuda*', 'xla_cuda_plugin.so')))
+    if found:
+      return found[-1]
+  return None
+
+
+def from_plugin(device_description: str, library: str | None = None) -> str:
+  """The GpuTargetConfigProto text that the CUDA plugin embeds for this device (e.g. 'NVIDIA H100
+  80GB HBM3'): the text after the `proto-message: stream_executor.GpuTargetConfigProto` line up to
+  its device_description_str. For refreshing the files here when jax is upgraded."""
+  library = library or plugin_library()
+  if library is None:
+    raise FileNotFoundError("jax's CUDA plugin is not installed (pip install -r "
+                            'requirements-gpu.txt)')
+  with open(library, 'rb') as f:
+    data = f.read()
+  marker = b'# proto-message: stream_executor.GpuTargetConfigProto\n'
+  start = data.find(marker)
+  while start >= 0:
+    begin = start + len(marker)
+    end = data.index(b'\n', data.index(b'device_description_str:', begin)) + 1
+    text = data[begin:end].decode()
+    if f'device_description_str: "{device_description}"' in text:
+      return text
+    start = data.find(marker, end)
+  raise KeyError(f'{device_description!r} is not among the target descriptions in {library}')

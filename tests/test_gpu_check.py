@@ -1,0 +1,30 @@
+"""scripts/gpu_check.sh: its CPU dry run prints the three Markdown tables a GPU session fills in."""
+import re
+import subprocess
+import sys
+
+from tests.conftest import ROOT, subprocess_env
+
+
+def test_gpu_check_dry_run_prints_every_table(tmp_path):
+  env = dict(subprocess_env(), PYTHON=sys.executable, OUT=str(tmp_path))
+  out = subprocess.run(['bash', 'scripts/gpu_check.sh', '--dry-run'], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = out.stdout
+  for heading in ('### Attention: cuDNN and Pallas against XLA',
+                  '### Train step: the default and two alternatives',
+                  '### Checkpoint: asynchronous save and restore'):
+    assert heading in text
+  rows = {line.split('|')[1].strip(): line for line in text.splitlines()
+          if line.startswith('| ') and not line.startswith('| attention')}
+  # Attention: cuDNN cannot run on the CPU and says so; Pallas agrees with XLA.
+  assert 'failed' in rows['cudnn']
+  errors = [float(x) for x in re.findall(r'\d\.\de[-+]\d\d', rows['pallas'].split('|')[8])]
+  assert len(errors) == 4 and max(errors) < 2e-2
+  # Train step: three settings of the same model, seed and tokens end at the same loss.
+  steps = [line for line in text.splitlines() if re.match(r'\| (xla|pallas), \w+, mb \d+ ×', line)]
+  assert len(steps) == 3, text
+  losses = {line.split('|')[7].strip() for line in steps}
+  assert len(losses) == 1, steps
+  assert re.search(r'\| \d+M params, [\d.]+ GiB \| [\d.]+ s', text)

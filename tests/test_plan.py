@@ -1,0 +1,161 @@
+"""jax_pretrain.plan and hlo: what the compiled train step does per device, read without running it.
+
+The GPU-target tests compile the real H100 program on this CPU with jax's CUDA plugin
+(requirements-gpu.txt, ~5.5 GB). CI does not install it: there they are skipped, with the reason.
+"""
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_pretrain import config as config_lib
+from jax_pretrain import gpu_targets
+from jax_pretrain import hlo
+from jax_pretrain import model as model_lib
+from jax_pretrain import plan
+from jax_pretrain import runtime
+from tests.conftest import ROOT, run_cli, subprocess_env
+
+requires_plugin = pytest.mark.skipif(
+    gpu_targets.plugin_library() is None,
+    reason="jax's CUDA plugin is not installed (pip install -r requirements-gpu.txt): the "
+           'deviceless H100 compiles are skipped')
+
+
+def _compiled_text(fn, *shapes):
+  return jax.jit(fn).lower(*shapes).compile().as_text()
+
+
+def test_hlo_counts_dot_flops_times_loop_trips():
+  def five_matmuls(x_MxK, w_KxK):
+    return jax.lax.scan(lambda x, _: (jnp.tanh(x @ w_KxK), None), x_MxK, None, length=5)[0]
+  text = _compiled_text(five_matmuls, jax.ShapeDtypeStruct((32, 64), jnp.float32),
+                        jax.ShapeDtypeStruct((64, 64), jnp.float32))
+  stats = hlo.analyze(text)
+  assert stats.matmul_flops == 5 * 2 * 32 * 64 * 64
+  assert stats.unknown_trip_counts == 0
+
+
+def test_hlo_counts_collectives_in_loops_with_their_group_size():
+  mesh = jax.make_mesh((8,), ('d',))
+  sharded = jax.sharding.NamedSharding(mesh, jax.P('d'))
+
+  def three_psums(x):
+    return jax.lax.scan(lambda c, _: (c + jax.lax.psum(c, 'd'), None), x, None, length=3)[0]
+  fn = jax.shard_map(three_psums, mesh=mesh, in_specs=jax.P('d'), out_specs=jax.P('d'))
+  stats = hlo.analyze(_compiled_text(fn, jax.ShapeDtypeStruct((64, 4), jnp.float32,
+                                                              sharding=sharded)))
+  all_reduce = stats.collectives['all-reduce']
+  assert all_reduce.count == 3 and all_reduce.bytes == 3 * 8 * 4 * 4  # [8, 4] f32 per device
+  assert all_reduce.wire_bytes == pytest.approx(2 * 7 / 8 * all_reduce.bytes)
+  assert all_reduce.cross_node_wire_bytes == 0
+
+
+@pytest.mark.parametrize('groups, size, spans', [
+    ("replica_groups=mesh['data'=2,'fsdp'=8,'tensor'=1] {'fsdp'}", 8, False),
+    ("replica_groups=mesh['data'=2,'fsdp'=8,'tensor'=1] {'data'}", 2, True),
+    ('replica_groups=[2,8]<=[16]', 8, False),
+    ('replica_groups=[8,2]<=[2,8]T(1,0)', 2, True),
+    ('replica_groups={{0,1,2,3},{4,5,6,7}}', 4, False),
+])
+def test_replica_groups_in_each_printed_form(groups, size, spans):
+  instruction = hlo.Instruction('ar', 'f32[4]', 'all-reduce', ['x'], '%x', f', {groups}, x=1')
+  assert hlo.group_size_and_span(instruction, devices_per_node=8) == (size, spans)
+
+
+def test_micro_batch_search_finds_the_largest_fitting_in_few_compiles():
+  compiled = []
+
+  def measure(m):  # 10 GiB of state, 1.5 GiB per sequence; from 48 on, XLA recomputes 10% more
+    compiled.append(m)
+    return (10 + 1.5 * m) * plan.GIB, 1e9 * (1.1 if m >= 48 else 1.0)
+
+  assert plan.micro_batch_candidates(96) == [1, 2, 4, 8, 16, 32, 96]
+  chosen, tried = plan.search_micro_batch(plan.micro_batch_candidates(256), measure,
+                                          60 * plan.GIB)
+  assert chosen == 32 and compiled == [1, 256, 32] and set(tried) == {1, 32, 256}
+  assert plan.search_micro_batch([1, 2, 4], measure, 11 * plan.GIB)[0] is None  # not even one
+  assert plan.search_micro_batch([1, 2, 4], measure, 99 * plan.GIB)[0] == 4
+  # 96 fits the memory but recomputes 10% more: 32 is faster.
+  assert plan.search_micro_batch([1, 2, 32, 96], measure, 999 * plan.GIB)[0] == 32
+
+
+def test_user_xla_flags_win_over_the_defaults():
+  merged = runtime.merge_xla_flags(
+      '--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=x')
+  assert '--xla_gpu_enable_latency_hiding_scheduler=false' in merged.split()
+  assert '--xla_gpu_enable_latency_hiding_scheduler=true' not in merged.split()
+  assert '--xla_gpu_enable_pipelined_all_gather=true' in merged.split()
+  assert runtime.merge_xla_flags('') == ' '.join(runtime.GPU_XLA_FLAGS)
+
+
+def test_cpu_plan_of_data_parallel_step_reduces_gradients_once():
+  c = config_lib.preset('test')
+  c.mesh.data = 8
+  r = plan.plan(c, target='cpu', num_devices=8)
+  n = r['params']
+  for key in ('target', 'num_devices', 'attention', 'remat', 'micro_batch_size', 'peak_memory_gib',
+              'device_memory_gib', 'fits', 'compute_flops_per_step', 'model_flops_per_step',
+              'collective_bytes_per_step'):
+    assert key in r, key
+  assert (r['target'], r['num_devices'], r['attention'], r['remat']) == ('cpu', 8, 'xla', 'none')
+  assert r['collective_bytes_per_step']['all-reduce'] == 4 * n + 8  # float32 grads, loss, count
+  assert r['fits'] and r['tokens_per_s'] is None  # no roofline for the CPU
+  resolved, run = config_lib.resolve(c, num_devices=8, backend='cpu')
+  per_token = model_lib.flops_per_token(config_lib.model_config(resolved), c.data.seq_len)
+  assert r['model_flops_per_step'] == pytest.approx(per_token * run.tokens_per_step / 8)
+
+
+def test_plan_cli_prints_json_and_config_errors_as_one_line():
+  r = json.loads(run_cli('-m', 'jax_pretrain.plan', '--config=configs/test.py', '--target=cpu',
+                         '--num_devices=2', '--json'))
+  assert r['num_devices'] == 2 and r['mesh'] == {'data': 2, 'fsdp': 1, 'tensor': 1}
+  out = subprocess.run([sys.executable, '-m', 'jax_pretrain.plan', '--config=configs/test.py',
+                        '--target=cpu', '--config.mesh.tensor=3', '--num_devices=3'],
+                       cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1
+  assert out.stderr.strip().splitlines() == [
+      'error: mesh.tensor=3 must divide model.num_heads=4 and model.num_kv_heads=2.']
+
+
+def test_a_gpu_target_without_the_plugin_says_what_to_install(monkeypatch):
+  monkeypatch.setattr(gpu_targets, 'plugin_library', lambda: None)
+  with pytest.raises(plan.PlanError, match=r'pip install -r requirements-gpu.txt'):
+    plan.devices_for(gpu_targets.TARGETS['h100'], 1)
+
+
+@requires_plugin
+@pytest.mark.parametrize('target', ['h100', 'a100-80', 'a100-40'])
+def test_shipped_target_descriptions_are_the_plugins(target):
+  t = gpu_targets.TARGETS[target]
+  ours = ''.join(line for line in t.config_text().splitlines(keepends=True)
+                 if not line.startswith('#') and line.strip())
+  theirs = ''.join(line for line in gpu_targets.from_plugin(t.device_kind).splitlines(
+      keepends=True) if not line.startswith('#') and line.strip())
+  assert ours == theirs
+
+
+@requires_plugin
+def test_xlarge_defaults_on_one_h100_are_cudnn_dots_and_fit():
+  r = plan.plan(config_lib.preset('xlarge'), target='h100', num_devices=1)
+  assert (r['attention'], r['remat'], r['micro_batch_size']) == ('cudnn', 'dots', 8)
+  assert r['fits'] and 40 < r['peak_memory_gib'] < 0.95 * r['usable_memory_gib']
+  # 'dots' recomputes no matmul: compiled matmul FLOPs are the model's 6·N·tokens.
+  assert r['matmul_flops_per_step'] == pytest.approx(6 * 1_478_492_160 * 256 * 2048, rel=1e-3)
+  assert not any(r['collective_bytes_per_step'].values())
+
+
+@requires_plugin
+def test_xlarge_data8_all_reduces_gradients_once_per_step_on_h100():
+  c = config_lib.preset('xlarge')
+  c.train.micro_batch_size = 8  # 4 micro-batches per step on each of 8 GPUs
+  r = plan.plan(c, target='h100', num_devices=8)
+  assert r['grad_accum_steps'] == 4 and r['mesh']['data'] == 8
+  collectives = {k: v for k, v in r['collective_bytes_per_step'].items() if v}
+  assert list(collectives) == ['all-reduce']
+  assert collectives['all-reduce'] <= 1.1 * 4 * r['params']
+  np.testing.assert_allclose(r['flops_ratio'], 1.04, atol=0.01)
