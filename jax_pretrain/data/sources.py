@@ -358,6 +358,8 @@ def encode(item: formats.WorkItem, tokenizer, on_bad_record: str = 'error') -> E
 
 @dataclasses.dataclass
 class Counts:
+  """What a file (or, summed, a source) held: documents kept, their tokens (EOS included), bad
+  records skipped, records read, and the UTF-8 bytes of the documents' text."""
   documents: int = 0
   tokens: int = 0
   skipped: int = 0
