@@ -32,6 +32,13 @@ def defaults() -> ml_collections.ConfigDict:
   m.vocab_size = 32768         # embedding rows; >= the tokenizer's vocabulary
   m.tie_embeddings = True      # share the input embedding with the output projection
   m.rope_theta = 10000.0       # rotary embedding base
+  m.rope_scaling = 'none'      # 'none' | 'linear' | 'llama3': rescaled rotary frequencies
+  m.rope_factor = 1.0          # linear, llama3: low frequencies (all, for linear) divided by this
+  m.rope_low_freq_factor = 1.0   # llama3: wavelengths > original_max_len / this are scaled
+  m.rope_high_freq_factor = 4.0  # llama3: wavelengths < original_max_len / this are kept
+  m.rope_original_max_len = 8192  # llama3: the context length the model was pretrained at
+  m.max_position_embeddings = 0  # context length a Hugging Face export states (0: data.seq_len);
+                               # an import keeps its checkpoint's
   m.norm_eps = 1e-5            # RMSNorm epsilon
   m.init_std = 0.02            # normal init std (output projections scaled by 1/sqrt(2*layers))
   m.attention = 'xla'          # 'xla' | 'cudnn' | 'pallas'
@@ -203,6 +210,15 @@ def _resolve_model(m: ml_collections.ConfigDict, backend: str | None,
            'set model.head_dim explicitly.')
     m.head_dim = m.d_model // m.num_heads
   _check(m.head_dim % 2 == 0, f'model.head_dim={m.head_dim} must be even (rotary embeddings).')
+  _choice(m, 'model', 'rope_scaling', model_lib.ROPE_SCALINGS)
+  if m.rope_scaling != 'none':
+    _check(m.rope_factor > 0, f'model.rope_factor={m.rope_factor} must be positive.')
+  if m.rope_scaling == 'llama3':
+    _check(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+           f'model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor='
+           f'{m.rope_high_freq_factor} must satisfy 0 < low < high.')
+    _check(m.rope_original_max_len > 0,
+           f'model.rope_original_max_len={m.rope_original_max_len} must be positive.')
   _check(m.vocab_size >= tokenizer_vocab_size,
          f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary "
          f'({tokenizer_vocab_size}); set model.vocab_size to at least that (a multiple of '
