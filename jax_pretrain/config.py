@@ -52,7 +52,8 @@ def defaults() -> ml_collections.ConfigDict:
   d.train = ''                 # required: 'SOURCE[#field][:weight],...' (docs/data.md)
   d.val = ''                   # eval sources; '' carves val_ratio from the training data
   d.val_ratio = 0.05           # share of the training data held out for eval when val is ''
-  d.tokenizer = ''             # '': from the data (else bytes); 'byte'; or a sentencepiece .model
+  d.tokenizer = ''             # '': from the data (else bytes); 'byte'; a sentencepiece .model;
+                               # a tokenizer.json, or a directory with one (docs/data.md)
   d.text_field = 'text'        # JSONL key, Parquet column or TFDS feature that holds the text
   d.tfds_data_dir = ''         # TFDS data_dir for tfds:NAME sources ('' : ~/tensorflow_datasets)
   d.on_bad_record = 'error'    # bad raw-text lines: 'error' | 'skip' (counted, reported per file)
