@@ -53,7 +53,10 @@ class Checkpointer:
   """Saves and restores train state, data state and config under workdir/checkpoints."""
 
   def __init__(self, workdir: str, *, keep: int = 2, keep_best: int = 0, async_save: bool = True,
-               read_only: bool = False):
+               read_only: bool = False, save_concurrent_gb: int = 0):
+    """save_concurrent_gb: GB of arrays written at once (0: orbax's default); each array being
+    written takes about its size again in host memory (compression buffers)."""
+    limit = {'save_concurrent_gb': save_concurrent_gb} if save_concurrent_gb else {}
     self.directory = os.path.join(os.path.abspath(workdir), DIRECTORY)
     keep_policies = [policies.LatestN(n=max(keep, 1))]
     if keep_best > 0:
@@ -61,7 +64,7 @@ class Checkpointer:
                                           n=keep_best, keep_checkpoints_without_metrics=False))
     self._manager = ocp.CheckpointManager(
         self.directory,
-        item_handlers={'state': ocp.StandardCheckpointHandler(),
+        item_handlers={'state': ocp.StandardCheckpointHandler(**limit),
                        'data': ocp.JsonCheckpointHandler(), 'config': ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save, create=not read_only, read_only=read_only,
