@@ -77,6 +77,9 @@ def defaults() -> ml_collections.ConfigDict:
   t.max_consecutive_skips = 10  # with 'skip': halt after this many non-finite steps in a row
   t.sample_prompt = 'The '     # prompt of the continuation printed at the end ('' disables)
   t.sample_tokens = 64         # tokens generated for that continuation
+  t.wandb_project = ''         # Weights & Biases project: the scalars go there too ('': off)
+  t.wandb_entity = ''          # its team or user ('': your default entity)
+  t.wandb_run_name = ''        # the run's name there ('': the workdir's name)
 
   c.optim = o = ml_collections.ConfigDict()
   o.learning_rate = 3e-4       # peak learning rate
@@ -302,6 +305,9 @@ def _resolve_rest(c: ml_collections.ConfigDict) -> None:
     _check(t[field] > 0, f'train.{field} must be positive, got {t[field]}.')
   _check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
   _choice(c.data, 'data', 'on_bad_record', ('error', 'skip'))
+  _check(not t.wandb_project or importlib.util.find_spec('wandb') is not None,
+         f'train.wandb_project={t.wandb_project!r} needs wandb: `pip install wandb` (or leave '
+         'train.wandb_project empty).')
 
 
 def model_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:

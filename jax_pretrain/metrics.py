@@ -1,14 +1,19 @@
-"""Scalars out: TensorBoard (through clu), metrics.jsonl, and the console; MFU.
+"""Scalars out: TensorBoard (through clu), metrics.jsonl, Weights & Biases, and the console; MFU.
 
 Only process 0 writes. clu's TensorBoard writer imports TensorFlow; where TensorFlow is missing
 (e.g. a GPU image without it) the scalars go only to the console and metrics.jsonl, after one warning.
 metrics.jsonl is always written: one JSON object per logged step, with the same scalar names.
+With train.wandb_project set, the same scalars also go to wandb (files under WORKDIR/wandb); the
+run's wandb id is kept in WORKDIR/wandb_run_id, so a resumed run continues the same wandb run.
 """
 import json
 import math
 import os
+import secrets
 
 from absl import logging
+
+from jax_pretrain.errors import UserError
 
 # Peak dense bf16 FLOP/s per device (vendor datasheets, SXM parts, no sparsity). Matched as a
 # substring of jax's device_kind, first match wins; override with train.peak_flops.
@@ -70,28 +75,64 @@ def _tensorboard_writer(workdir: str):
   return metric_writers.SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
 
-class MetricWriter:
-  """TensorBoard + metrics.jsonl on process 0; does nothing on other processes."""
+WANDB_ID_FILE = 'wandb_run_id'  # in the workdir: the wandb run that a resumed run continues
 
-  def __init__(self, workdir: str, enabled: bool = True):
+
+class _WandbWriter:
+  """The scalars to a wandb run whose id is kept in the workdir (made on the first start)."""
+
+  def __init__(self, workdir: str, train: dict, config: dict):
+    import wandb  # pylint: disable=g-import-not-at-top  (optional; config.py checks it is there)
+    path = os.path.join(workdir, WANDB_ID_FILE)
+    if os.path.isfile(path):
+      with open(path, encoding='utf-8') as f:
+        run_id = f.read().strip()
+    else:
+      run_id = secrets.token_hex(6)  # wandb run ids: letters and digits, unique in a project
+      with open(path, 'w', encoding='utf-8') as f:
+        f.write(run_id + '\n')
+    name = train['wandb_run_name'] or os.path.basename(os.path.abspath(workdir))
+    try:
+      self._run = wandb.init(project=train['wandb_project'], entity=train['wandb_entity'] or None,
+                             name=name, id=run_id, resume='allow', dir=workdir, config=config)
+    except wandb.errors.Error as e:
+      raise UserError(f'wandb: {e} (log in with `wandb login` or WANDB_API_KEY, or set '
+                      'WANDB_MODE=offline and `wandb sync` later).') from None
+
+  def write_scalars(self, step, scalars):
+    self._run.log(scalars, step=step)
+
+  def close(self):
+    self._run.finish()
+
+
+class MetricWriter:
+  """TensorBoard + metrics.jsonl (+ wandb when config's train.wandb_project is set) on process 0;
+  does nothing on other processes. config: the resolved config as a dict (config.as_dict)."""
+
+  def __init__(self, workdir: str, enabled: bool = True, config: dict | None = None):
     self._enabled = enabled
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._tb = _tensorboard_writer(workdir)
+    self._writers = [_tensorboard_writer(workdir)]
+    if config and config['train'].get('wandb_project'):
+      self._writers.append(_WandbWriter(workdir, config['train'], config))
     self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self._enabled:
       return
     scalars = {k: float(v) for k, v in scalars.items() if v is not None}
-    self._tb.write_scalars(step, scalars)
+    for writer in self._writers:
+      writer.write_scalars(step, scalars)
     self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
     self._jsonl.flush()
 
   def close(self) -> None:
     if self._enabled:
-      self._tb.close()
+      for writer in self._writers:
+        writer.close()
       self._jsonl.close()
 
 

@@ -234,7 +234,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if is_main:
     print(f'compiled train step in {time.perf_counter() - t0:.1f}s', flush=True)
 
-  writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_main, config=config_lib.as_dict(config))
   logger = StepLogger(s, writer, step)
   stop = signals.StopSignal(check_every=t.log_every)
   data_state = data.train.get_state()  # before the prefetch thread starts moving the iterator
