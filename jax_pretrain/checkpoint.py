@@ -1,29 +1,42 @@
-"""Checkpoints with orbax: asynchronous saves, last K plus best N by eval loss, exact resume.
+"""Checkpoints with orbax: asynchronous saves, last K plus best N by eval loss, verified restores.
 
 A checkpoint holds the whole train state (params, optimizer state, step, non-finite counters), the
-data iterator's state and the resolved config. Arrays restore into whatever shardings the caller's
-abstract state carries, so a checkpoint written on 8 devices restores on 1 and the other way round.
-orbax writes each checkpoint under a temporary name and renames it when complete, so a process
-killed mid-save leaves only a temporary directory, which is never restored; a complete-looking
-checkpoint that fails to restore is skipped with a warning in favour of the previous one.
+data position, the resolved config, and a digest of every array. Arrays restore into whatever
+shardings the caller's abstract state carries, so a checkpoint written on 8 devices restores on 1
+and the other way round.
+
+What can go wrong, and what happens:
+- A process killed mid-save leaves only a temporary directory, which is never restored.
+- A save that fails (disk full, I/O error), in the foreground or in the background, is reported
+  by the next `check()` (every step) naming the step and the cause; its temporary directory is
+  removed. Before each save the free space is compared with the state's size.
+- A complete-looking checkpoint whose files are damaged, or whose arrays do not match the digests
+  computed on the device when it was saved, is moved to STEP.damaged and the previous one is used.
 """
 import os
+import re
+import shutil
 
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jax_pretrain.errors import UserError
 
-
 DIRECTORY = 'checkpoints'  # under the workdir
+_FREE_SPACE_MARGIN = 1.1  # free space wanted before a save, as a multiple of the state's bytes
 
 
 class CheckpointError(UserError):
   """A checkpoint that cannot be used or written; the message says which and why."""
+
+
+class DamagedCheckpoint(Exception):
+  """A checkpoint's arrays differ from the digests written with them."""
 
 
 def abstract_with_shardings(tree, shardings):
@@ -49,8 +62,56 @@ def check_shapes(saved, wanted, where: str) -> None:
                             f'but {tuple(x.shape)} in the config.')
 
 
+def _digest_one(x: jax.Array) -> jax.Array:
+  """Two 32-bit sums of an array's bits, uint32 [2]: plain, and weighted by 2i + 1 (odd weights,
+  so any change to a single 32-bit word changes it). Integer sums wrap, so the result does not
+  depend on how the array is sharded or summed."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{x.dtype.itemsize * 8}'))
+  bits = bits.astype(jnp.uint32)  # (8-, 16- and 32-bit arrays: the state has no 64-bit ones)
+  index = jnp.zeros(x.shape, jnp.uint32)
+  for axis in range(x.ndim):  # the flat index, without reshaping a sharded array
+    stride = int(np.prod(x.shape[axis + 1:], dtype=np.int64))
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride)
+  return jnp.stack([jnp.sum(bits, dtype=jnp.uint32),
+                    jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)])
+
+
+@jax.jit
+def _digests_on_device(tree):
+  return jax.tree.map(_digest_one, tree)
+
+
+def digests(tree) -> dict[str, list[int]]:
+  """{path: [plain sum, weighted sum]} of every array, computed on the devices (one small
+  transfer)."""
+  sums = jax.device_get(_digests_on_device(tree))
+  return {_path_str(p): [int(v) for v in x] for p, x in jax.tree_util.tree_leaves_with_path(sums)}
+
+
+def _verify(tree, saved: dict[str, list[int]] | None, prefix: str = '') -> None:
+  """Raises DamagedCheckpoint naming the first array whose digest differs (saved None: a
+  checkpoint from before digests, not verified)."""
+  if not saved:
+    return
+  for name, value in digests(tree).items():
+    name = f'{prefix}{name}'
+    if name in saved and saved[name] != value:
+      raise DamagedCheckpoint(f'{name!r} does not match the digest written with it (the file was '
+                              'changed or damaged after the save)')
+
+
+def _cause(error: Exception) -> str:
+  """The gist of an orbax/tensorstore error: the OS error when there is one (their messages
+  repeat long paths), else the start of the message."""
+  text = str(error).strip()
+  found = re.search(r'([A-Z][A-Za-z ]+) \[os_error_code=.?(\d+)', text)
+  if found:
+    return f'{found.group(1)} (errno {found.group(2)})'
+  return text.splitlines()[0][:300] if text else type(error).__name__
+
+
 class Checkpointer:
-  """Saves and restores train state, data state and config under workdir/checkpoints."""
+  """Saves and restores train state, data position and config under workdir/checkpoints."""
 
   def __init__(self, workdir: str, *, keep: int = 2, keep_best: int = 0, async_save: bool = True,
                read_only: bool = False, save_concurrent_gb: int = 0):
@@ -65,11 +126,13 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         self.directory,
         item_handlers={'state': ocp.StandardCheckpointHandler(**limit),
-                       'data': ocp.JsonCheckpointHandler(), 'config': ocp.JsonCheckpointHandler()},
+                       'data': ocp.JsonCheckpointHandler(), 'config': ocp.JsonCheckpointHandler(),
+                       'digests': ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save, create=not read_only, read_only=read_only,
             cleanup_tmp_directories=not read_only,
             preservation_policy=policies.AnyPreservationPolicy(keep_policies)))
+    self._pending: int | None = None  # the step being saved in the background
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -79,44 +142,92 @@ class Checkpointer:
 
   def save(self, step: int, state, data_state: dict, config: dict,
            metrics: dict[str, float] | None = None) -> None:
-    """Starts an asynchronous save; raises CheckpointError if this or the previous save failed."""
+    """Starts an asynchronous save; raises CheckpointError if the disk lacks room for it, or if
+    it (or the previous save) failed."""
+    self.check()
+    needed = sum(x.nbytes for x in jax.tree.leaves(state))
+    free = shutil.disk_usage(self.directory).free
+    if free < needed * _FREE_SPACE_MARGIN:
+      raise CheckpointError(
+          f'saving step {step}: {self.directory} has {free / 2**30:.2f} GiB free, but the '
+          f'checkpoint needs about {needed / 2**30:.2f} GiB. {self.last_complete()} Free some '
+          'space (or lower checkpoint.keep) and run the same command to resume.')
     try:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-          config=ocp.args.JsonSave(config)), metrics=metrics, force=True)
+          config=ocp.args.JsonSave(config), digests=ocp.args.JsonSave(digests(state))),
+                         metrics=metrics, force=True)
     except Exception as e:  # pylint: disable=broad-except  (disk full, permissions, ...)
-      raise CheckpointError(f'saving step {step} to {self.directory} failed: {e}. The training '
-                            'state in memory is intact, and so are the earlier checkpoints.') from e
+      self._failed(step, e)
+    self._pending = step
+
+  def check(self) -> None:
+    """Raises CheckpointError if the background save has failed; cheap: call it every step."""
+    if self._pending is None or self._manager.is_saving_in_progress():
+      return
+    self.wait()  # finished: returns at once, or raises the failure orbax kept
 
   def wait(self) -> None:
+    """Blocks until the background save is complete; raises CheckpointError if it failed."""
+    step, self._pending = self._pending, None
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'an asynchronous save to {self.directory} failed: {e}') from e
+      self._failed(step, e)
 
-  def _restore(self, step: int, abstract_state, with_data: bool):
-    where = f'checkpoint {os.path.join(self.directory, str(step))}'
-    check_shapes(self._manager.item_metadata(step)['state'], abstract_state, where)
-    items = {'state': ocp.args.StandardRestore(abstract_state)}
-    if with_data:
-      items['data'] = ocp.args.JsonRestore()
-    return self._manager.restore(step, args=ocp.args.Composite(**items))
+  def _failed(self, step: int | None, error: Exception):
+    """Removes the temporary directory the failed save left and raises a CheckpointError naming
+    the step and the cause."""
+    if jax.process_index() == 0 and step is not None and os.path.isdir(self.directory):
+      for name in os.listdir(self.directory):
+        if name.startswith(f'{step}.orbax-checkpoint-tmp'):
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    self._manager.reload()
+    raise CheckpointError(f'saving step {step if step is not None else "?"} to {self.directory} '
+                          f'failed: {_cause(error)}. {self.last_complete()}') from error
+
+  def last_complete(self) -> str:
+    last = self.latest_step()
+    return (f'The last complete checkpoint is step {last}.' if last is not None else
+            'No checkpoint was completed yet.')
+
+  def saved_config(self, step: int) -> dict | None:
+    """The config a checkpoint was saved with (None if it cannot be read)."""
+    try:
+      return dict(self._manager.restore(step, args=ocp.args.Composite(
+          config=ocp.args.JsonRestore()))['config'])
+    except Exception:  # pylint: disable=broad-except  (damaged: restore_latest deals with it)
+      return None
+
+  def _saved_digests(self, step: int) -> dict | None:
+    if 'digests' not in (self._manager.item_metadata(step) or {}):
+      return None  # written before digests existed
+    try:
+      return dict(self._manager.restore(step, args=ocp.args.Composite(
+          digests=ocp.args.JsonRestore()))['digests'])
+    except Exception:  # pylint: disable=broad-except
+      return None
 
   def restore_latest(self, abstract_state):
-    """(step, state, data_state) of the newest checkpoint that restores, or None if there is none.
+    """(step, state) of the newest checkpoint that restores and verifies, or None if there is none.
 
-    A checkpoint whose files are damaged is skipped with a warning; one that does not fit the
-    config (another model) raises CheckpointError rather than silently starting over.
+    A checkpoint whose files are damaged, or whose arrays differ from their digests, is moved
+    aside with a warning in favour of the previous one; one that does not fit the config (another
+    model) raises CheckpointError rather than silently starting over.
     """
     for step in reversed(self.all_steps()):
+      where = f'checkpoint {os.path.join(self.directory, str(step))}'
       try:
-        restored = self._restore(step, abstract_state, with_data=True)
+        check_shapes(self._manager.item_metadata(step)['state'], abstract_state, where)
+        state = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state)))['state']
+        _verify(state, self._saved_digests(step))
       except CheckpointError:
         raise
-      except Exception as e:  # pylint: disable=broad-except  (truncated or missing files)
+      except Exception as e:  # pylint: disable=broad-except  (truncated, missing, altered files)
         self._set_aside(step, e)
         continue
-      return step, restored['state'], dict(restored['data'])
+      return step, state
     return None
 
   def _set_aside(self, step: int, error: Exception) -> None:
@@ -126,12 +237,15 @@ class Checkpointer:
     logging.warning('checkpoint %s/%d is damaged (%s: %s); moved to %s, trying the previous one.',
                     self.directory, step, type(error).__name__, error, damaged)
     if jax.process_index() == 0:
+      if os.path.exists(damaged):
+        shutil.rmtree(damaged)
       os.rename(os.path.join(self.directory, str(step)), damaged)
     multihost_utils.sync_global_devices(f'checkpoint set aside {step}')
     self._manager.reload()
 
   def restore_params(self, abstract_params, step: int | None = None):
-    """Only the params of a checkpoint (e.g. another run's, to continue pretraining from)."""
+    """Only the params of a checkpoint (e.g. another run's, to continue pretraining from),
+    verified against their digests."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f'no checkpoint in {self.directory}')
@@ -150,7 +264,12 @@ class Checkpointer:
           abstract, restore_args=restore_args, partial_restore=True)))
     finally:
       reader.close()
-    return step, restored['state']['params']
+    params = restored['state']['params']
+    try:
+      _verify(params, self._saved_digests(step), prefix='params/')
+    except DamagedCheckpoint as e:
+      raise CheckpointError(f'{where}: {e}. Use another step (--step) or re-export it.') from None
+    return step, params
 
   def close(self) -> None:
     try:

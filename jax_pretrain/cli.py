@@ -11,6 +11,7 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+from ml_collections import config_flags
 
 from jax_pretrain.errors import UserError
 
@@ -39,12 +40,63 @@ def _start(argv: list[str]) -> None:
 
 
 def run(main) -> None:
-  """app.run(main) with the start and the error handling above; main takes no arguments."""
+  """app.run(main) with the start and the error handling above; main takes no arguments.
+
+  A KeyboardInterrupt that reaches here (a second Ctrl-C: the first asks the trainer to stop
+  cleanly) ends the process at once with status 130, after one line, without a traceback.
+  """
   def wrapped(argv):
     _start(argv)
-    with user_errors():
-      main()
-  app.run(wrapped)
+    try:
+      with user_errors():
+        main()
+    except KeyboardInterrupt:
+      print('error: interrupted (Ctrl-C).', file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      os._exit(130)  # pylint: disable=protected-access  (threads may be inside XLA: don't wait)
+  app.run(wrapped, flags_parser=_parse_flags)
+
+
+def _parse_flags(argv):
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:  # ml_collections: an override naming no field
+    _unknown_config_field(e)
+
+
+def _unknown_config_field(error: Exception):
+  """One error line for an override naming no field (the error only gives the unknown name)."""
+  text = str(error).strip('\'"').replace('\\n', '\n').replace('\\"', '"').replace("\\'", "'")
+  name, _, hint = text.partition('\n')
+  flags_given = [a.split('=')[0] for a in sys.argv[1:] if a.startswith('--config.')]
+  wrong = [f for f in flags_given if f.endswith('.' + name.strip("'"))] or flags_given
+  hint = f' ({hint})' if hint else ''
+  print(f'error: {", ".join(wrong) or "--config"}: no such config field{hint}; all fields and '
+        'their defaults are in jax_pretrain/config.py.', file=sys.stderr)
+  sys.exit(1)
+
+
+def define_config(default_preset: str, help_text: str, lock: bool = True):
+  """--config (a config file, default configs/DEFAULT_PRESET) and its --config.GROUP.FIELD
+  overrides. An override naming no field stops here with one error line (ml_collections reads
+  the overrides while the flag is defined)."""
+  try:
+    return config_flags.DEFINE_config_file(
+        'config', os.path.join(PRESETS_DIR, default_preset), help_text, lock_config=lock)
+  except (AttributeError, KeyError) as e:
+    _unknown_config_field(e)
+
+
+def config_value(holder):
+  """The config a --config flag loaded; a file that failed to load is a UserError."""
+  value = holder.value
+  try:
+    value.keys()  # ml_collections defers the error of a missing or broken file to a first use
+    return value
+  except OSError as e:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    raise UserError(f'--config: cannot load the config file ({"; ".join(lines[-2:])}). Presets '
+                    f'are in {PRESETS_DIR}.') from None
 
 
 def define_run_flags(workdir_help: str = 'Workdir of a training run (or of scripts/import_hf.py).'):

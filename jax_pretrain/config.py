@@ -310,5 +310,66 @@ def _resolve_rest(c: ml_collections.ConfigDict) -> None:
          'train.wandb_project empty).')
 
 
+# Resuming a run with a changed config. Every field is one of: safe to change (accepted, one line
+# each), or refused with the reason (the checkpoint's state or data position depends on it).
+_SHAPE = ('the checkpoint holds parameters and optimizer state of the old shape, layout or dtype')
+_TRAINED_WITH = 'the parameters were trained with the old value'
+_STREAM = ('the checkpoint\'s data position counts batches of the old data stream, and '
+           'train/tokens counts tokens of the old batch shape')
+RESUME_REFUSED = {
+    **{f'model.{f}': _SHAPE for f in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads',
+                                      'head_dim', 'mlp_dim', 'vocab_size', 'tie_embeddings',
+                                      'scan_layers', 'param_dtype')},
+    'model.rope_theta': _TRAINED_WITH, 'model.norm_eps': _TRAINED_WITH,
+    **{f'model.{f}': _TRAINED_WITH for f in ('rope_scaling', 'rope_factor', 'rope_low_freq_factor',
+                                             'rope_high_freq_factor', 'rope_original_max_len')},
+    'optim.mu_dtype': _SHAPE,
+    **{f: _STREAM for f in ('train.batch_size', 'train.seed', 'data.seq_len', 'data.train',
+                            'data.val', 'data.val_ratio', 'data.tokenizer', 'data.text_field')},
+}
+RESUME_SAFE = {
+    'model.init_std',  # used only at initialization
+    'model.max_position_embeddings',  # what a Hugging Face export states
+    'model.attention', 'model.remat', 'model.dtype',  # how the same function is computed
+    'data.tfds_data_dir', 'data.on_bad_record', 'data.num_workers', 'data.read_threads',
+    'data.prefetch',
+    'train.steps', 'train.total_tokens', 'train.micro_batch_size', 'train.log_every',
+    'train.eval_every', 'train.eval_steps', 'train.eval_batch_size', 'train.peak_flops',
+    'train.on_nonfinite', 'train.max_consecutive_skips', 'train.sample_prompt',
+    'train.sample_tokens', 'train.wandb_project', 'train.wandb_entity', 'train.wandb_run_name',
+    'optim.learning_rate', 'optim.min_learning_rate', 'optim.warmup_steps', 'optim.warmup_tokens',
+    'optim.b1', 'optim.b2', 'optim.eps', 'optim.weight_decay',
+    'optim.grad_clip',  # its value; turning clipping on or off changes the optimizer state
+    'mesh.data', 'mesh.fsdp', 'mesh.tensor',  # checkpoints restore onto any mesh
+    'checkpoint.every_steps', 'checkpoint.keep', 'checkpoint.keep_best', 'checkpoint.async_save',
+    'checkpoint.save_final',
+    'checkpoint.restore_from',  # used only when the workdir has no checkpoint
+}
+
+
+def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> dict[str, tuple]:
+  """{'group.field': (checkpoint's value, this config's)} of every resolved field that differs
+  from the checkpoint's config (saved: its dict). Raises ConfigError listing the refused ones."""
+  old = from_dict(saved)
+  changes, refused = {}, []
+  for group in config:
+    for name in config[group]:
+      field, before, after = f'{group}.{name}', old[group][name], config[group][name]
+      if before == after:
+        continue
+      changes[field] = (before, after)
+      reason = RESUME_REFUSED.get(field)
+      if field == 'optim.grad_clip' and (before > 0) != (after > 0):
+        reason = _SHAPE  # clipping on or off: another optimizer state
+      if reason:
+        refused.append(f'{field} {before!r} -> {after!r} ({reason})')
+  if refused:
+    raise ConfigError(
+        'cannot resume with this config: ' + '; '.join(refused) + '. Resume with the old '
+        'value, or start a new run from these params: --config.checkpoint.restore_from=WORKDIR '
+        '--workdir=NEW (fresh optimizer and data order).')
+  return changes
+
+
 def model_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:
   return model_lib.ModelConfig.from_config(config.model)

@@ -8,14 +8,11 @@ import os
 
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
 from jax_pretrain import cli
 
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', os.path.join(cli.PRESETS_DIR, 'default.py'),
-    'Config file (configs/*.py); fields are overridden with --config.group.field=value.',
-    lock_config=True)
+_CONFIG = cli.define_config(
+    'default.py', 'Config file (configs/*.py); fields are overridden with --config.group.field=value.')
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
                                'Directory for config, logs, TensorBoard and checkpoints.')
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None,
@@ -48,7 +45,7 @@ def initialize_distributed() -> None:
 def main():
   initialize_distributed()
   from jax_pretrain import train  # pylint: disable=g-import-not-at-top  (after distributed init)
-  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  train.train_and_evaluate(cli.config_value(_CONFIG), _WORKDIR.value)
 
 
 if __name__ == '__main__':

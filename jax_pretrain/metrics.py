@@ -10,6 +10,8 @@ import json
 import math
 import os
 import secrets
+import socket
+import time
 
 from absl import logging
 
@@ -63,7 +65,7 @@ class _LogWriter:
     pass
 
 
-def _tensorboard_writer(workdir: str):
+def _tensorboard_writer(workdir: str, start_step: int):
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's start-up banner, not ours
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
   try:
@@ -72,7 +74,13 @@ def _tensorboard_writer(workdir: str):
     logging.warning('TensorBoard event files are not written: %s. metrics.jsonl still is. '
                     'Install tensorflow-cpu and tensorboard to get them.', e)
     return _LogWriter()
-  return metric_writers.SummaryWriter(os.path.join(workdir, 'tensorboard'))
+  _mark_session_start(os.path.join(workdir, TENSORBOARD), start_step)
+  return metric_writers.SummaryWriter(os.path.join(workdir, TENSORBOARD))
+
+
+JSONL = 'metrics.jsonl'
+DISCARDED_JSONL = 'metrics.discarded.jsonl'
+TENSORBOARD = 'tensorboard'
 
 
 WANDB_ID_FILE = 'wandb_run_id'  # in the workdir: the wandb run that a resumed run continues
@@ -108,32 +116,103 @@ class _WandbWriter:
 
 class MetricWriter:
   """TensorBoard + metrics.jsonl (+ wandb when config's train.wandb_project is set) on process 0;
-  does nothing on other processes. config: the resolved config as a dict (config.as_dict)."""
+  does nothing on other processes. config: the resolved config as a dict (config.as_dict).
 
-  def __init__(self, workdir: str, enabled: bool = True, config: dict | None = None):
+  metrics.jsonl holds one line per step, in step order: scalars written for the same step (train,
+  then eval) are merged into its line. A run that starts at step S (a resume) first moves the lines
+  of later steps, written before a crash, to metrics.discarded.jsonl, and tells TensorBoard to drop
+  its points after S (each segment starts with a SessionLog START event at S + 1, by which
+  TensorBoard's loader purges). (wandb keeps them: it ignores points at steps below its last.)
+  A failing write (a full disk) is warned about once and training goes on: the checkpoint saves
+  check the free space and stop the run cleanly if it is short.
+  """
+
+  def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0,
+               config: dict | None = None):
     self._enabled = enabled
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._writers = [_tensorboard_writer(workdir)]
+    self._path = os.path.join(workdir, JSONL)
+    _truncate_jsonl(self._path, os.path.join(workdir, DISCARDED_JSONL), start_step)
+    self._writers = [_tensorboard_writer(workdir, start_step)]
     if config and config['train'].get('wandb_project'):
       self._writers.append(_WandbWriter(workdir, config['train'], config))
-    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+    self._jsonl = open(self._path, 'ab')  # pylint: disable=consider-using-with
+    self._last: tuple[int, dict] | None = None  # (file offset, row) of the last line
+    self._failures = 0
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self._enabled:
       return
     scalars = {k: float(v) for k, v in scalars.items() if v is not None}
-    for writer in self._writers:
-      writer.write_scalars(step, scalars)
-    self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
-    self._jsonl.flush()
+    try:
+      for writer in self._writers:
+        writer.write_scalars(step, scalars)
+      if self._last is not None and self._last[1]['step'] == step:  # merge into the step's line
+        offset, row = self._last[0], {**self._last[1], **scalars}
+        self._jsonl.seek(offset)
+        self._jsonl.truncate()
+      else:
+        offset, row = self._jsonl.tell(), {'step': step, **scalars}
+      self._jsonl.write((json.dumps(row) + '\n').encode('utf-8'))
+      self._jsonl.flush()
+      self._last = (offset, row)
+    except OSError as e:
+      self._failures += 1
+      if self._failures == 1:
+        logging.warning('writing the metrics of step %d to %s failed (%s); training goes on, and '
+                        'later writes are tried again.', step, self._path, e)
 
   def close(self) -> None:
     if self._enabled:
       for writer in self._writers:
         writer.close()
       self._jsonl.close()
+
+
+def _truncate_jsonl(path: str, discarded: str, start_step: int) -> None:
+  """Keeps one line per step up to start_step, in order; moves later lines to `discarded`."""
+  if not os.path.isfile(path):
+    return
+  kept: dict[int, dict] = {}
+  later = []
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # a line cut short by a crash
+      if row.get('step', 0) <= start_step:
+        kept[row['step']] = {**kept.get(row['step'], {}), **row}
+      else:
+        later.append(line if line.endswith('\n') else line + '\n')
+  if later:
+    with open(discarded, 'a', encoding='utf-8') as f:
+      f.writelines(later)
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    f.writelines(json.dumps(kept[step]) + '\n' for step in sorted(kept))
+  os.replace(path + '.tmp', path)
+
+
+def _mark_session_start(directory: str, step: int) -> None:
+  """An event file holding a SessionLog START at step + 1, the first event of this run segment:
+  TensorBoard takes every START after a run's first as a restart and drops the points of steps
+  after `step` that earlier files hold. Named to sort after those files and before the new
+  writer's (TensorBoard reads a directory's files in name order)."""
+  from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  from tensorboard.summary.writer import record_writer  # pylint: disable=g-import-not-at-top
+  os.makedirs(directory, exist_ok=True)
+  now = time.time()
+  # One second earlier than the writer about to be made; after every earlier file (they were
+  # made when an earlier segment of the run started, at least a compile before its checkpoint).
+  name = f'events.out.tfevents.{int(now) - 1:010d}.{socket.gethostname()}.start-{step}'
+  with open(os.path.join(directory, name), 'wb') as f:
+    writer = record_writer.RecordWriter(f)
+    writer.write(event_pb2.Event(wall_time=now, file_version='brain.Event:2').SerializeToString())
+    writer.write(event_pb2.Event(wall_time=now, step=step + 1, session_log=event_pb2.SessionLog(
+        status=event_pb2.SessionLog.START)).SerializeToString())
+    writer.flush()
 
 
 def perplexity(loss: float) -> float:

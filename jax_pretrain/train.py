@@ -4,7 +4,7 @@ Flow: data.open_sources -> state.build (config, mesh, model, optimizer, sharding
 init the state -> AOT-compile the step -> loop { prefetched batch -> step -> log step N-1 -> eval,
 save, stop signals } -> final sample.
 """
-import os
+import contextlib
 import queue
 import threading
 import time
@@ -12,6 +12,7 @@ import time
 import jax
 from jax.experimental import multihost_utils
 import ml_collections
+import numpy as np
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
@@ -34,8 +35,7 @@ class NonFiniteError(UserError):
 class Prefetcher:
   """Reads host batches in a background thread and puts them on the devices ahead of use.
 
-  Yields (global device batch, the data iterator's state after that batch), so a checkpoint
-  records the state of what was consumed, not of what was prefetched.
+  Yields global device batches, in order.
   """
 
   def __init__(self, iterator, batch_sharding, depth: int = 2):
@@ -49,10 +49,8 @@ class Prefetcher:
     try:
       while not self._stop.is_set():
         host = next(self._iterator)
-        state = self._iterator.get_state()
-        device = {k: jax.make_array_from_process_local_data(self._sharding, v)
-                  for k, v in host.items()}
-        self._queue.put((device, state))
+        self._queue.put({k: jax.make_array_from_process_local_data(self._sharding, v)
+                         for k, v in host.items()})
     except Exception as e:  # pylint: disable=broad-except  (re-raised in the consumer)
       self._queue.put(e)
 
@@ -174,15 +172,39 @@ def _check_finite(m: dict | None, t: ml_collections.ConfigDict, last_checkpoint:
         f'train.max_consecutive_skips={t.max_consecutive_skips}). {kept}')
 
 
-def _initial_state(s: Setup, checkpointer, data, is_main: bool) -> TrainState:
-  """This workdir's latest checkpoint, else restore_from's params, else fresh parameters."""
-  restored = checkpointer.restore_latest(s.abstract_state)
-  if restored is not None:
-    step, state, data_state = restored
-    data.train.set_state(data_state)
-    if is_main:
-      print(f'resuming from step {step} ({checkpointer.directory})', flush=True)
-    return state
+def _claim(workdir: str):
+  """Process 0 takes the workdir's lock (see workdir.claim); every process learns whether it did,
+  so that all stop together. Returns what to close at the end."""
+  lock, error = contextlib.nullcontext(), None
+  if jax.process_index() == 0:
+    try:
+      lock = workdir_lib.claim(workdir)
+    except workdir_lib.WorkdirError as e:
+      error = e
+  if jax.process_count() > 1:
+    ok = bool(multihost_utils.broadcast_one_to_all(np.array(error is None)))
+    if not ok and error is None:
+      error = workdir_lib.WorkdirError(f'process 0 could not claim {workdir}: see its message.')
+  if error is not None:
+    raise error
+  return lock
+
+
+def _initial_state(s: Setup, checkpointer, is_main: bool) -> tuple[TrainState, dict]:
+  """(state, config changes) from this workdir's latest checkpoint (the config checked against
+  it), else restore_from's params, else fresh parameters."""
+  latest = checkpointer.latest_step()
+  if latest is not None:
+    saved = checkpointer.saved_config(latest)
+    changes = config_lib.resume_changes(saved, s.config) if saved else {}
+    restored = checkpointer.restore_latest(s.abstract_state)
+    if restored is not None:
+      step, state = restored
+      if is_main:
+        print(f'resuming from step {step} ({checkpointer.directory})', flush=True)
+        for field, (before, after) in changes.items():
+          print(f'config change on resume: {field} {before!r} -> {after!r}', flush=True)
+      return state, changes
   source = s.config.checkpoint.restore_from
   if source:
     other = checkpoint_lib.Checkpointer(source, read_only=True)
@@ -193,8 +215,17 @@ def _initial_state(s: Setup, checkpointer, data, is_main: bool) -> TrainState:
     if is_main:
       print(f'starting from the params of {other.directory} step {step} (fresh optimizer and '
             'data order)', flush=True)
-    return state_lib.state_from_params(s, params)
-  return state_lib.init_state(s)
+    return state_lib.state_from_params(s, params), {}
+  return state_lib.init_state(s), {}
+
+
+def _compile(s: Setup, pad_id: int):
+  t0 = time.perf_counter()
+  train_step = state_lib.jit_train_step(s, pad_id).lower(
+      s.abstract_state, state_lib.abstract_batch(s, s.config.train.batch_size)).compile()
+  if jax.process_index() == 0:
+    print(f'compiled train step in {time.perf_counter() - t0:.1f}s', flush=True)
+  return train_step
 
 
 def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -> dict:
@@ -209,43 +240,78 @@ def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        devices=None) -> dict[str, float]:
-  """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics."""
+  """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics.
+
+  Cheap checks come first (config, data sources, the workdir's lock, the config against the
+  checkpoint's); then the state is restored, the data loaded and the step compiled, each
+  interruptible by a stop signal; then the loop, and a sample from the final model.
+  """
   sources = data_lib.open_sources(config)
   s = state_lib.build(config, devices, sources.tokenizer.vocab_size)
   config, t, ck = s.config, s.config.train, s.config.checkpoint
   is_main = jax.process_index() == 0
-  data = data_lib.build(config, sources, jax.process_index(), jax.process_count())
-  pad_id = data.tokenizer.pad_id
-  if is_main:
-    os.makedirs(workdir, exist_ok=True)
-    workdir_lib.write_config(workdir, config)
-    workdir_lib.save_tokenizer(workdir, data.tokenizer)
-    print(describe(s, model_lib.count_params(s.abstract_state.params)), flush=True)
+  with _claim(workdir):
+    stop = signals.StopSignal(check_every=t.log_every)
+    checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
+                                               async_save=ck.async_save)
+    try:
+      if is_main:
+        print(describe(s, model_lib.count_params(s.abstract_state.params)), flush=True)
+      state, changes = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
+      step = int(jax.device_get(state.step))
+      if is_main:  # only once the restore succeeded
+        workdir_lib.write_config(workdir, config)
+        workdir_lib.save_tokenizer(workdir, sources.tokenizer)
+        workdir_lib.record_launch(workdir, step, changes)
+      data = stop.wait('loading the data', data_lib.build, config, sources, jax.process_index(),
+                       jax.process_count(), step)
+      try:
+        train_step = stop.wait('compiling', _compile, s, sources.tokenizer.pad_id)
+        writer = metrics_lib.MetricWriter(workdir, enabled=is_main, start_step=step,
+                                          config=config_lib.as_dict(config))
+        try:
+          logger = StepLogger(s, writer, step)
+          state = _loop(s, state, step, data, train_step, checkpointer, stop, logger)
+        finally:
+          writer.close()
+      finally:
+        data.train.close()  # stops grain's worker processes, if any
+    except signals.Stopped as e:
+      if is_main:
+        print(f'{e}; nothing new to save. {checkpointer.last_complete()}', flush=True)
+      return {}
+    finally:
+      stop.restore()
+      checkpointer.close()
 
-  checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
-                                             async_save=ck.async_save)
-  state = _initial_state(s, checkpointer, data, is_main)
-  step, skips_at_start = (int(x) for x in jax.device_get((state.step, state.nonfinite_count)))
+  if state is not None and t.sample_prompt and t.sample_tokens > 0:
+    params = state.params
+    if jax.process_count() > 1:  # a collective: every process takes part, process 0 samples
+      params = multihost_utils.process_allgather(params, tiled=True)
+    if is_main:
+      text = sample_lib.generate_text(config_lib.model_config(config), params, sources.tokenizer,
+                                      t.sample_prompt, t.sample_tokens, seed=t.seed)
+      print(f'sample: {t.sample_prompt!r} -> {text!r}', flush=True)
+  return logger.latest
 
-  t0 = time.perf_counter()
-  train_step = state_lib.jit_train_step(s, pad_id).lower(
-      s.abstract_state, state_lib.abstract_batch(s, t.batch_size)).compile()
-  eval_step = state_lib.jit_eval_step(s, pad_id)
-  if is_main:
-    print(f'compiled train step in {time.perf_counter() - t0:.1f}s', flush=True)
 
-  writer = metrics_lib.MetricWriter(workdir, enabled=is_main, config=config_lib.as_dict(config))
-  logger = StepLogger(s, writer, step)
-  stop = signals.StopSignal(check_every=t.log_every)
-  data_state = data.train.get_state()  # before the prefetch thread starts moving the iterator
-  prefetcher = Prefetcher(data.train, s.batch_sharding)
-  config_json = config_lib.as_dict(config)
+def _loop(s: Setup, state, step: int, data, train_step, checkpointer, stop,
+          logger: StepLogger):
+  """Steps from `step` to train.steps, with evals, saves and stop signals; returns the final
+  state, or None when a stop signal ended the run (its state saved)."""
+  t, ck = s.config.train, s.config.checkpoint
+  is_main = jax.process_index() == 0
+  eval_step = state_lib.jit_eval_step(s, data.tokenizer.pad_id)
+  config_json = config_lib.as_dict(s.config)
   last_saved = checkpointer.latest_step()
+  skips_at_start = int(jax.device_get(state.nonfinite_count))
+  stop.step = step + 1
+  prefetcher = Prefetcher(data.train, s.batch_sharding)
   try:
     while step < t.steps:
-      batch, data_state = next(prefetcher)
-      state, metrics = train_step(state, batch)
+      state, metrics = train_step(state, next(prefetcher))
       step += 1
+      checkpointer.check()  # a background save that failed: reported within a step
       # Step - 1's metrics, read while this step runs.
       _check_finite(logger.flush(), t, last_saved, skips_at_start)
       if step % t.log_every == 0 or step == t.steps:
@@ -260,7 +326,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         _check_finite(logger.flush(), t, last_saved, skips_at_start)
         eval_metrics = run_eval(eval_step, state.params, data, s, logger, step) if eval_due else {}
         if save_due or (stopping and last_saved != step):
-          checkpointer.save(step, state, data_state, config_json,
+          checkpointer.save(step, state, {'next_batch': step}, config_json,
                             checkpoint_lib.scalars_for_ranking(eval_metrics))
           last_saved = step
         logger.pause()
@@ -269,21 +335,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if is_main:
           print(f'received {stop.name}: saved step {step} to {checkpointer.directory}; run the '
                 'same command to resume.', flush=True)
-        return logger.latest
+        return None
     _check_finite(logger.flush(), t, last_saved, skips_at_start)
-  finally:
-    stop.restore()
-    prefetcher.close()
-    data.train.close()  # stops grain's worker processes, if any
-    checkpointer.close()
-    writer.close()
-
-  if t.sample_prompt and t.sample_tokens > 0:
-    params = state.params
-    if jax.process_count() > 1:  # a collective: every process takes part, process 0 samples
-      params = multihost_utils.process_allgather(params, tiled=True)
+    checkpointer.wait()  # the final save is complete (or its failure reported) before returning
+    return state
+  except KeyboardInterrupt:
     if is_main:
-      text = sample_lib.generate_text(config_lib.model_config(config), params, data.tokenizer,
-                                      t.sample_prompt, t.sample_tokens, seed=t.seed)
-      print(f'sample: {t.sample_prompt!r} -> {text!r}', flush=True)
-  return logger.latest
+      print(f'aborted by a second Ctrl-C after step {step}, without saving. '
+            f'{checkpointer.last_complete()}', flush=True)
+    raise
+  finally:
+    prefetcher.close()

@@ -1,8 +1,10 @@
 """A run's directory, and a trained run loaded from it: what training writes and what sampling,
 evaluation, export and import read.
 
-  WORKDIR/config.json    the resolved config (config.as_dict)
+  WORKDIR/config.json    the resolved config (config.as_dict), written once a launch has restored
+  WORKDIR/config_history.jsonl   one line per launch: when, where, from which step, what changed
   WORKDIR/tokenizer/     the run's tokenizer (data.tokenizer.save: its file and record)
+  WORKDIR/.lock          held (flock) by the process that trains in the workdir
   WORKDIR/checkpoints/   orbax checkpoints (checkpoint.py)
   WORKDIR/metrics.jsonl, WORKDIR/tensorboard/   scalars (metrics.py)
 
@@ -12,9 +14,12 @@ imported Hugging Face model), which training can continue from.
 """
 import copy
 import dataclasses
+import datetime
+import fcntl
 import json
 import math
 import os
+import socket
 from typing import Any
 
 import jax
@@ -27,11 +32,52 @@ from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.errors import UserError
 
 CONFIG_FILE = 'config.json'
+HISTORY_FILE = 'config_history.jsonl'
+LOCK_FILE = '.lock'
 TOKENIZER_DIR = 'tokenizer'
 
 
 class WorkdirError(UserError):
   """A workdir that is not what the command needs (missing, not a run, already used)."""
+
+
+def claim(workdir: str):
+  """Creates the workdir if needed and takes its exclusive lock; returns the open lock file, which
+  holds the lock until it is closed or the process ends (the OS releases it, even on SIGKILL).
+
+  Raises WorkdirError, changing nothing, when the workdir cannot be written or another process
+  (on any host sharing the filesystem) holds the lock; the message names the holder.
+  """
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise WorkdirError(f'--workdir={workdir}: is a file, not a directory.')
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    f = open(os.path.join(workdir, LOCK_FILE), 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
+  except OSError as e:
+    raise WorkdirError(f'--workdir={workdir}: cannot write there ({e.strerror or e}).') from None
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    f.seek(0)
+    holder = f.read().strip() or 'another process'
+    f.close()
+    raise WorkdirError(f'{workdir} is in use by {holder} (lock file {f.name}). Wait for that run '
+                       'to end, stop it, or give another --workdir.') from None
+  f.seek(0)
+  f.truncate()
+  f.write(f'{socket.gethostname()} pid {os.getpid()}, since '
+          f'{datetime.datetime.now().isoformat(timespec="seconds")}\n')
+  f.flush()
+  return f
+
+
+def record_launch(workdir: str, step: int, changes: dict[str, tuple]) -> None:
+  """Appends this launch to config_history.jsonl: time, host, pid, start step, changed fields."""
+  entry = {'time': datetime.datetime.now().isoformat(timespec='seconds'),
+           'host': socket.gethostname(), 'pid': os.getpid(), 'start_step': step,
+           'changes': {k: list(v) for k, v in changes.items()}}
+  with open(os.path.join(workdir, HISTORY_FILE), 'a', encoding='utf-8') as f:
+    f.write(json.dumps(entry) + '\n')
 
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
@@ -119,17 +165,17 @@ def create(workdir: str, config: ml_collections.ConfigDict, params, tokenizer) -
   check_new(workdir)
   devices = jax.devices('cpu')[:1]
   s = state_lib.build(_for_devices(copy.deepcopy(config), devices), devices, tokenizer.vocab_size)
-  os.makedirs(workdir, exist_ok=True)
-  save_tokenizer(workdir, tokenizer)
-  write_config(workdir, config)
   state = state_lib.state_from_host_params(s, params)
   # As few arrays in flight as orbax allows (its limit must hold the largest): the save then adds
   # about the largest array to memory, not the whole state (the largest model 2 GB, not 100%).
   largest_gb = max(x.nbytes for x in jax.tree.leaves(state)) / 1e9
-  checkpointer = checkpoint_lib.Checkpointer(workdir, async_save=False,
-                                             save_concurrent_gb=math.ceil(largest_gb))
-  try:
-    checkpointer.save(0, state, {}, config_lib.as_dict(config))
-  finally:
-    checkpointer.close()
+  with claim(workdir):
+    save_tokenizer(workdir, tokenizer)
+    write_config(workdir, config)
+    checkpointer = checkpoint_lib.Checkpointer(workdir, async_save=False,
+                                               save_concurrent_gb=math.ceil(largest_gb))
+    try:
+      checkpointer.save(0, state, {}, config_lib.as_dict(config))
+    finally:
+      checkpointer.close()
   return Trained(s.config, params, tokenizer, s, 0)

@@ -8,18 +8,15 @@ time. --sweep tries micro-batch × remat policy × attention implementation and 
 best first; a setting that fails (out of memory, unsupported) is listed with its error.
 """
 import itertools
-import os
 import statistics
 import time
 
 
 from absl import flags
-from ml_collections import config_flags
 
 from jax_pretrain import cli
 
-_CONFIG = config_flags.DEFINE_config_file('config', os.path.join(cli.PRESETS_DIR, 'xlarge.py'),
-                                          'Config file to benchmark.', lock_config=True)
+_CONFIG = cli.define_config('xlarge.py', 'Config file to benchmark.')
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps (after warm-up).')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps after compiling.')
 _SWEEP = flags.DEFINE_bool('sweep', False, 'Try micro-batch × remat × attention.')
@@ -84,7 +81,7 @@ HEADER = (f'{"micro":>5} {"remat":>14} {"attn":>7} {"step_s":>8} {"tokens/s":>12
 
 def main():
   import jax  # pylint: disable=g-import-not-at-top
-  config = _CONFIG.value
+  config = cli.config_value(_CONFIG)
   if not _SWEEP.value:
     results = [benchmark(config, _STEPS.value, _WARMUP.value)]
   else:

@@ -8,7 +8,6 @@ Builds the preset's real train state (fresh parameters, in its shardings), then 
   write:   time until the checkpoint is complete on disk (the background part);
   restore: time to restore the latest checkpoint into the same shardings.
 """
-import os
 import shutil
 import statistics
 import tempfile
@@ -16,12 +15,10 @@ import time
 
 
 from absl import flags
-from ml_collections import config_flags
 
 from jax_pretrain import cli
 
-_CONFIG = config_flags.DEFINE_config_file('config', os.path.join(cli.PRESETS_DIR, 'small.py'),
-                                          'Preset whose state is saved.', lock_config=True)
+_CONFIG = cli.define_config('small.py', 'Preset whose state is saved.')
 _SAVES = flags.DEFINE_integer('saves', 3, 'Saves to time.')
 _DIR = flags.DEFINE_string('dir', None, 'Where to write (default: a temporary directory).')
 
@@ -33,7 +30,7 @@ def main():
   from jax_pretrain import model as model_lib
   from jax_pretrain import state as state_lib
 
-  s = state_lib.build(_CONFIG.value)
+  s = state_lib.build(cli.config_value(_CONFIG))
   state = jax.block_until_ready(state_lib.init_state(s))
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   directory = _DIR.value or tempfile.mkdtemp(prefix='ckpt_bench_')
@@ -46,7 +43,7 @@ def main():
     checkpointer.wait()
     writes.append(time.perf_counter() - t0)
   t0 = time.perf_counter()
-  step, restored, _ = checkpointer.restore_latest(s.abstract_state)
+  step, restored = checkpointer.restore_latest(s.abstract_state)
   jax.block_until_ready(restored)
   restore_s = time.perf_counter() - t0
   checkpointer.close()

@@ -19,16 +19,14 @@ shapes); then the tensors are streamed, one at a time. The mapping is jax_pretra
 import os
 
 from absl import flags
-from ml_collections import config_flags
 
 from jax_pretrain import cli
 
 _HF = flags.DEFINE_string('hf', None, 'Local Hugging Face model directory.', required=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory to create.', required=True)
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', os.path.join(cli.PRESETS_DIR, 'default.py'),
-    'Config for everything but the model (which comes from the checkpoint); overridable with '
-    '--config.group.field=value.', lock_config=False)
+_CONFIG = cli.define_config(
+    'default.py', 'Config for everything but the model (which comes from the checkpoint); '
+    'overridable with --config.group.field=value.', lock=False)
 
 _CONFIG_PY = '''"""The run config of a model imported by scripts/import_hf.py: training with it starts
 from the imported params. Override fields as usual: --config.data.train=... --config.train.steps=...
@@ -45,7 +43,7 @@ def get_config():
 
 def main():
   from jax_pretrain import hf  # pylint: disable=g-import-not-at-top
-  run = hf.import_run(_HF.value, _WORKDIR.value, _CONFIG.value)
+  run = hf.import_run(_HF.value, _WORKDIR.value, cli.config_value(_CONFIG))
   with open(os.path.join(_WORKDIR.value, 'config.py'), 'w', encoding='utf-8') as f:
     f.write(_CONFIG_PY)
   m = run.config.model

@@ -1,4 +1,5 @@
 """Test set-up: 8 simulated CPU devices (meshes are tested without GPUs), quiet TensorFlow."""
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ except ImportError:
   pass
 
 import jax  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
 
 jax.config.update('jax_num_cpu_devices', 8)
 
@@ -52,3 +54,50 @@ def build_data(config, process_index: int = 0, process_count: int = 1):
   resolved, _ = config_lib.resolve(config, num_devices=1, backend='cpu',
                                    tokenizer_vocab_size=sources.tokenizer.vocab_size)
   return data_lib.build(resolved, sources, process_index, process_count)
+
+
+# A trainer run in a subprocess, as users run it: the test preset, a loss logged every step.
+STEPS = 40
+
+
+def command(workdir, *overrides):
+  return [sys.executable, '-m', 'jax_pretrain.main', f'--config={ROOT}/configs/test.py',
+          f'--workdir={workdir}', f'--config.train.steps={STEPS}', '--config.train.log_every=1',
+          '--config.train.eval_every=1000', *overrides]
+
+
+def logged_losses(workdir) -> dict[int, float]:
+  """step -> train loss, from every run that wrote to this workdir (each step at most once)."""
+  losses = {}
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    for record in map(json.loads, f):
+      if 'train/loss' in record:
+        assert record['step'] not in losses, f'step {record["step"]} logged twice'
+        losses[record['step']] = record['train/loss']
+  return losses
+
+
+def run_and_signal(workdir, sig, at_step, *overrides, times: int = 1) -> tuple[str, int]:
+  """Runs training and sends sig `times` times once the log shows at_step; returns the output
+  (stdout and stderr) and the exit status."""
+  proc = subprocess.Popen(command(workdir, *overrides), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=ROOT)
+  out = []
+  for line in proc.stdout:
+    out.append(line)
+    if line.startswith(f'step {at_step}/'):
+      for _ in range(times):
+        proc.send_signal(sig)
+  proc.wait(timeout=300)
+  return ''.join(out), proc.returncode
+
+
+@pytest.fixture(scope='session')
+def uninterrupted(tmp_path_factory):
+  """step -> loss of an uninterrupted subprocess run of `command`."""
+  workdir = tmp_path_factory.mktemp('uninterrupted')
+  subprocess.run(command(workdir), check=True, env=subprocess_env(), cwd=ROOT,
+                 capture_output=True)
+  losses = logged_losses(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  return losses

@@ -17,52 +17,12 @@ from jax_pretrain import config as config_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain import train
 from jax_pretrain import workdir as workdir_lib
-from tests.conftest import ROOT
+from tests.conftest import STEPS
+from tests.conftest import command
+from tests.conftest import logged_losses
+from tests.conftest import run_and_signal
 from tests.conftest import subprocess_env
-
-STEPS = 40
-
-
-def command(workdir, *overrides):
-  return [sys.executable, '-m', 'jax_pretrain.main', f'--config={ROOT}/configs/test.py',
-          f'--workdir={workdir}', f'--config.train.steps={STEPS}', '--config.train.log_every=1',
-          '--config.train.eval_every=1000', *overrides]
-
-
-
-def logged_losses(workdir) -> dict[int, float]:
-  """step -> train loss, from every run that wrote to this workdir."""
-  losses = {}
-  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
-    for record in map(json.loads, f):
-      if 'train/loss' in record:
-        assert record['step'] not in losses, f'step {record["step"]} logged twice'
-        losses[record['step']] = record['train/loss']
-  return losses
-
-
-def run_and_signal(workdir, sig, at_step, *overrides) -> str:
-  """Runs training and sends sig once the log shows at_step; returns the output."""
-  proc = subprocess.Popen(command(workdir, *overrides), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=ROOT)
-  out = []
-  for line in proc.stdout:
-    out.append(line)
-    if line.startswith(f'step {at_step}/'):
-      proc.send_signal(sig)
-  proc.wait(timeout=300)
-  return ''.join(out), proc.returncode
-
-
-@pytest.fixture(scope='module')
-def uninterrupted(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('uninterrupted')
-  subprocess.run(command(workdir), check=True, env=subprocess_env(), cwd=ROOT,
-                 capture_output=True)
-  losses = logged_losses(workdir)
-  assert sorted(losses) == list(range(1, STEPS + 1))
-  return losses
-
+from tests.conftest import ROOT
 
 def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_exact(tmp_path, uninterrupted):
   out, rc = run_and_signal(tmp_path, signal.SIGTERM, 10)
@@ -117,9 +77,9 @@ def test_damaged_and_partial_checkpoints_are_skipped(tmp_path, caplog):
   (ckpt / '15.orbax-checkpoint-tmp-1234').mkdir()
   s = state_lib.build(small_config(), devices=jax.devices()[:1])
   checkpointer = checkpoint_lib.Checkpointer(tmp_path)
-  step, state, data_state = checkpointer.restore_latest(s.abstract_state)
+  step, state = checkpointer.restore_latest(s.abstract_state)
   checkpointer.close()
-  assert step == 5 and int(state.step) == 5 and data_state
+  assert step == 5 and int(state.step) == 5
   assert 'checkpoint' in caplog.text and 'damaged' in caplog.text
   assert os.path.isdir(ckpt / '10.damaged')  # kept for inspection, out of the way
   # The resumed run trains through step 10 again and saves it.
@@ -128,13 +88,19 @@ def test_damaged_and_partial_checkpoints_are_skipped(tmp_path, caplog):
 
 
 def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
-  train.train_and_evaluate(small_config(steps=5), str(tmp_path), devices=jax.devices()[:1])
+  train.train_and_evaluate(small_config(steps=5), str(tmp_path / 'a'), devices=jax.devices()[:1])
   c = small_config(steps=10)
   c.model.mlp_dim = 256
+  # Resuming: the config is compared with the checkpoint's before anything is read.
+  with pytest.raises(config_lib.ConfigError, match=r'model.mlp_dim 128 -> 256 \(the checkpoint '
+                     r'holds parameters'):
+    train.train_and_evaluate(c, str(tmp_path / 'a'), devices=jax.devices()[:1])
+  # Starting from another run's params: their shapes are checked.
+  c.checkpoint.restore_from = str(tmp_path / 'a')
   with pytest.raises(checkpoint_lib.CheckpointError,
-                     match=r"'params/layers/mlp/w_down' has shape \(2, 128, 64\) in the "
+                     match=r"'layers/mlp/w_down' has shape \(2, 128, 64\) in the "
                            r'checkpoint but \(2, 256, 64\) in the config'):
-    train.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
+    train.train_and_evaluate(c, str(tmp_path / 'b'), devices=jax.devices()[:1])
 
 
 @pytest.mark.parametrize('save_mesh, restore_mesh', [((1, 8, 1), (1, 1, 1)),
@@ -149,9 +115,9 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, save_mesh, restore_mesh
   train.train_and_evaluate(c, str(tmp_path), devices=devices)
   saved = checkpoint_lib.Checkpointer(tmp_path)
   s = state_lib.build(*setup(save_mesh))
-  _, state_a, _ = saved.restore_latest(s.abstract_state)
+  _, state_a = saved.restore_latest(s.abstract_state)
   s_b = state_lib.build(*setup(restore_mesh))
-  _, state_b, _ = saved.restore_latest(s_b.abstract_state)
+  _, state_b = saved.restore_latest(s_b.abstract_state)
   saved.close()
   for a, b, sharding in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b),
                             jax.tree.leaves(s_b.state_shardings)):
@@ -176,7 +142,7 @@ def test_restore_from_starts_a_new_run_from_another_runs_params(tmp_path):
   c.optim.grad_clip = 0.0  # another optimizer structure: only the params carry over
   s = state_lib.build(c, devices=jax.devices()[:1])
   empty = checkpoint_lib.Checkpointer(tmp_path / 'b')
-  state = train._initial_state(s, empty, data=None, is_main=False)  # pylint: disable=protected-access
+  state, _ = train._initial_state(s, empty, is_main=False)  # pylint: disable=protected-access
   empty.close()
   assert int(state.step) == 0
   for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(state.params)):

@@ -150,3 +150,41 @@ def test_prepare_refuses_to_replace_a_directory_it_did_not_write(tmp_path):
   (tmp_path / 'mine' / 'notes.txt').write_text('keep me')
   with pytest.raises(DataError, match='not prepared data'):
     run_prepare(src, str(tmp_path / 'mine'))
+
+
+def test_compressed_corpora_and_a_byte_order_mark_read_like_plain_files(tmp_path):
+  import gzip  # pylint: disable=g-import-not-at-top
+  import zstandard  # pylint: disable=g-import-not-at-top
+  docs = corpus.embedded_documents()[:40]
+  plain = ''.join(json.dumps({'text': t}) + '\n' for t in docs).encode('utf-8')
+  bom = b'\xef\xbb\xbf'
+  (tmp_path / 'plain.jsonl').write_bytes(plain)
+  (tmp_path / 'bom.jsonl').write_bytes(bom + plain)
+  (tmp_path / 'a.jsonl.gz').write_bytes(gzip.compress(bom + plain))
+  (tmp_path / 'a.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(plain))
+  (tmp_path / 'a.txt').write_text(docs[0], encoding='utf-8')
+  (tmp_path / 'a.txt.gz').write_bytes(gzip.compress(bom + docs[0].encode('utf-8')))
+  (tmp_path / 'a.txt.zst').write_bytes(zstandard.ZstdCompressor().compress(
+      docs[0].encode('utf-8')))
+
+  def tokens(name):
+    out = str(tmp_path / f'prepared-{name}')
+    meta, _ = run_prepare(str(tmp_path / name), out)
+    return np.fromfile(os.path.join(out, 'train', meta['train'][0]['name'] + '.bin'), np.uint16)
+
+  for name in ('bom.jsonl', 'a.jsonl.gz', 'a.jsonl.zst'):
+    np.testing.assert_array_equal(tokens(name), tokens('plain.jsonl'))
+  for name in ('a.txt.gz', 'a.txt.zst'):
+    np.testing.assert_array_equal(tokens(name), tokens('a.txt'))
+  data = build_data(make_config(f'{tmp_path}/a.jsonl.gz,{tmp_path}/a.jsonl.zst', val_ratio=0.1))
+  assert next(data.train)['tokens'].shape == (16, 33)
+
+
+def test_bad_compressed_input_names_the_file_and_line(tmp_path):
+  import gzip  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'bad.jsonl.gz').write_bytes(gzip.compress(b'{"text": "ok"}\n{"text": oops}\n'))
+  with pytest.raises(DataError, match=rf'{tmp_path}/bad.jsonl.gz:2: invalid JSON'):
+    run_prepare(str(tmp_path / 'bad.jsonl.gz'), str(tmp_path / 'p1'))
+  (tmp_path / 'cut.jsonl.gz').write_bytes(gzip.compress(b'{"text": "ok"}\n' * 100)[:-12])
+  with pytest.raises(DataError, match=rf'{tmp_path}/cut.jsonl.gz: cannot decompress it'):
+    run_prepare(str(tmp_path / 'cut.jsonl.gz'), str(tmp_path / 'p2'))

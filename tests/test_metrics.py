@@ -13,10 +13,10 @@ import pytest
 from jax_pretrain import config as config_lib
 from jax_pretrain import metrics
 from tests.conftest import ROOT
+from tests.conftest import STEPS
+from tests.conftest import command
+from tests.conftest import run_and_signal
 from tests.conftest import subprocess_env
-from tests.test_checkpoint import STEPS
-from tests.test_checkpoint import command
-from tests.test_checkpoint import run_and_signal
 
 
 def test_mfu_uses_the_device_table_and_the_override():
@@ -62,6 +62,38 @@ def test_other_processes_write_nothing(tmp_path):
   writer.write(1, {'train/loss': 2.5})
   writer.close()
   assert not os.path.exists(tmp_path / 'w')
+
+
+def test_resumed_writer_keeps_each_step_once_in_order(tmp_path):
+  writer = metrics.MetricWriter(str(tmp_path))
+  for step in range(1, 9):
+    writer.write(step, {'train/loss': float(step)})
+    if step % 4 == 0:
+      writer.write(step, {'eval/loss': step + 0.5})  # the same step: merged into its line
+  writer.close()
+  writer = metrics.MetricWriter(str(tmp_path), start_step=5)  # resumed from step 5
+  writer.write(6, {'train/loss': 60.0})
+  writer.close()
+  with open(tmp_path / 'metrics.jsonl', encoding='utf-8') as f:
+    rows = [json.loads(line) for line in f]
+  assert [r['step'] for r in rows] == [1, 2, 3, 4, 5, 6]
+  assert rows[3] == {'step': 4, 'train/loss': 4.0, 'eval/loss': 4.5}
+  assert rows[5]['train/loss'] == 60.0
+  with open(tmp_path / 'metrics.discarded.jsonl', encoding='utf-8') as f:
+    assert [json.loads(line)['step'] for line in f] == [6, 7, 8]
+
+
+def test_a_failing_metrics_write_warns_once_and_training_goes_on(tmp_path, caplog):
+  writer = metrics.MetricWriter(str(tmp_path))
+
+  def full_disk(data):
+    raise OSError(28, 'No space left on device')
+
+  writer._jsonl.write = full_disk  # pylint: disable=protected-access
+  writer.write(1, {'train/loss': 1.0})
+  writer.write(2, {'train/loss': 2.0})
+  warnings = [r for r in caplog.records if 'No space left on device' in r.getMessage()]
+  assert len(warnings) == 1 and 'training goes on' in warnings[0].getMessage()
 
 
 def wandb_history(path: str) -> dict[int, dict]:

@@ -64,7 +64,7 @@ def test_create_saves_the_state_a_fresh_optimizer_would_start_from(run, tmp_path
                                trained.tokenizer)
   checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / 'new'), read_only=True)
   try:
-    step, restored, _ = checkpointer.restore_latest(created.setup.abstract_state)
+    step, restored = checkpointer.restore_latest(created.setup.abstract_state)
   finally:
     checkpointer.close()
   fresh = state_lib.state_from_params(created.setup, params)

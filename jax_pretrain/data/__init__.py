@@ -6,7 +6,8 @@
 `build` returns a `Data` with
   tokenizer      encode/decode, vocab_size, bos_id, eos_id, pad_id
   train          an endless iterator of {'tokens': int32 [local_batch, seq_len + 1]} with
-                 get_state()/set_state() so a checkpoint can resume it exactly
+                 starting at a given global batch, so a resumed run draws exactly what an
+                 uninterrupted one would
   eval_batches() a fresh pass over the fixed held-out set, the same batches every call; rows past
                  the end of the data are filled with pad_id (the loss ignores them)
 Each process gets only its own rows: local_batch = batch_size // process_count.

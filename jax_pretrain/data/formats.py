@@ -16,6 +16,8 @@ A new format is one class with a `register` decorator, e.g. for gzip-compressed 
     def read(self, item): ...
 """
 import dataclasses
+import gzip
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -158,9 +160,18 @@ class Jsonl(TextFormat):
     with open(item.path, 'rb') as f:
       f.seek(item.start)
       data = f.read(item.stop - item.start)
-    for n, raw in enumerate(data.split(b'\n'), item.first):
-      if raw.strip():
-        yield (n, *_json_text(raw, item.field))
+    if item.start == 0:
+      data = data.removeprefix(_BOM)
+    yield from _jsonl_records(data.split(b'\n'), item)
+
+
+_BOM = b'\xef\xbb\xbf'  # a UTF-8 byte order mark, which some editors put first
+
+
+def _jsonl_records(lines, item: WorkItem) -> Iterator[Record]:
+  for n, raw in enumerate(lines, item.first):
+    if raw.strip():
+      yield (n, *_json_text(raw, item.field))
 
 
 def _json_text(raw: bytes, field: str) -> tuple[str | None, str | None]:
@@ -190,12 +201,69 @@ class Txt(TextFormat):
   @classmethod
   def read(cls, item: WorkItem) -> Iterator[Record]:
     with open(item.path, 'rb') as f:
-      raw = f.read()
+      yield _text_record(f.read())
+
+
+def _text_record(raw: bytes) -> Record:
+  """A whole text file as one record (its first bad line named if it is not UTF-8)."""
+  raw = raw.removeprefix(_BOM)
+  try:
+    return 1, raw.decode('utf-8'), None
+  except UnicodeDecodeError as e:  # name the line of the first bad byte
+    bad = raw[e.start:e.start + 4]
+    return raw.count(b'\n', 0, e.start) + 1, None, f'bytes that are not UTF-8 ({bad!r})'
+
+
+def _decompressed(path: str):
+  """A binary file object streaming the decompressed content (gzip or zstd, by the file name)."""
+  if path.lower().endswith('.gz'):
+    return gzip.open(path, 'rb')
+  import zstandard  # pylint: disable=g-import-not-at-top
+  return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, 'rb'),
+                                                                      closefd=True))
+
+
+class _Compressed(TextFormat):
+  """A gzip or zstd compressed text file, streamed: one work item per file (a compressed stream
+  cannot be cut into byte ranges); prepare_data.py spreads files over cores. Corrupt or truncated
+  data is a DataError naming the file."""
+
+  @classmethod
+  def plan(cls, path: str, field: str) -> list[WorkItem]:
+    return [WorkItem(cls.name, path, 0, 0, 1, field)]
+
+  @classmethod
+  def read(cls, item: WorkItem) -> Iterator[Record]:
+    import zstandard  # pylint: disable=g-import-not-at-top
     try:
-      yield 1, raw.decode('utf-8'), None
-    except UnicodeDecodeError as e:  # name the line of the first bad byte
-      bad = raw[e.start:e.start + 4]
-      yield raw.count(b'\n', 0, e.start) + 1, None, f'bytes that are not UTF-8 ({bad!r})'
+      with _decompressed(item.path) as f:
+        yield from cls.records(f, item)
+    except (OSError, EOFError, zstandard.ZstdError) as e:  # corrupt or truncated
+      raise DataError(f'{item.path}: cannot decompress it ({type(e).__name__}: {e}).') from None
+
+  @classmethod
+  def records(cls, f, item: WorkItem) -> Iterator[Record]:
+    raise NotImplementedError
+
+
+@register
+class CompressedJsonl(_Compressed):
+  name, endings = 'jsonl-compressed', ('.jsonl.gz', '.jsonl.zst', '.jsonl.zstd')
+
+  @classmethod
+  def records(cls, f, item: WorkItem) -> Iterator[Record]:
+    if f.peek(len(_BOM)).startswith(_BOM):
+      f.read(len(_BOM))
+    yield from _jsonl_records((line.rstrip(b'\n') for line in f), item)
+
+
+@register
+class CompressedTxt(_Compressed):
+  name, endings = 'txt-compressed', ('.txt.gz', '.txt.zst', '.txt.zstd')
+
+  @classmethod
+  def records(cls, f, item: WorkItem) -> Iterator[Record]:
+    yield _text_record(f.read())
 
 
 @register

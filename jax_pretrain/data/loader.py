@@ -23,7 +23,7 @@ Batch = dict[str, np.ndarray]
 @dataclasses.dataclass
 class Data:
   tokenizer: object  # ByteTokenizer | SentencePieceTokenizer | IdTokenizer
-  train: Iterator[Batch]  # pipeline.LockedIterator over grain's: get_state() / set_state()
+  train: Iterator[Batch]  # pipeline.LockedIterator over grain's
   eval_batches: Callable[[], Iterator[Batch]]
 
 
@@ -106,8 +106,9 @@ def split_components(s: Sources, val_ratio: float) -> tuple[list[Component], lis
 
 
 def build(config: ml_collections.ConfigDict, sources: Sources, process_index: int = 0,
-          process_count: int = 1) -> Data:
-  """config: resolved (config.resolve); sources: open_sources(config)."""
+          process_count: int = 1, start_batch: int = 0) -> Data:
+  """config: resolved (config.resolve); sources: open_sources(config); start_batch: the first
+  global batch to draw (a run resumed after step N draws batch N next)."""
   from jax_pretrain.data import pipeline  # pylint: disable=g-import-not-at-top
   # (grain, and the jax it imports, load here: prepare's worker processes start without them)
   d, t, tokenizer = config.data, config.train, sources.tokenizer
@@ -127,7 +128,7 @@ def build(config: ml_collections.ConfigDict, sources: Sources, process_index: in
     train_sources.append(windows)
     logging.info('train source %s: weight %.3f, %d windows', c.name, c.weight, len(windows))
   ds = pipeline.train_dataset(train_sources, [c.weight for c in train], t.batch_size, t.seed,
-                              process_index, process_count)
+                              process_index, process_count, start_batch)
   train_it = pipeline.iterator(ds, d.read_threads, d.prefetch, d.num_workers)
 
   eval_sources, eval_weights = [], []

@@ -5,9 +5,9 @@ Each source's stream is cut into windows of seq_len + 1 tokens that start every 
 Per source, windows are shuffled with a seed derived from the run's seed (reshuffled each epoch)
 and repeated forever, so small sources repeat by epochs. Sources are interleaved by weight with
 grain's deterministic mixture and cut into global batches; each process reads only its own rows
-of each (sharding by process_index). Everything is a function of the batch index, so the
-iterator's state is one number ({'next_index': n}, with data.num_workers = 0) and a restored
-iterator draws exactly the batches an uninterrupted one would, on any number of processes.
+of each (sharding by process_index). Everything is a function of the batch index, so a run that
+resumes after step N starts the dataset at global batch N (`start_batch`) and draws exactly the
+batches an uninterrupted run would, on any number of processes and with any data.num_workers.
 """
 from collections.abc import Iterator
 import threading
@@ -78,19 +78,21 @@ def _as_batch(tokens_BxT1: np.ndarray) -> Batch:
 
 
 def train_dataset(sources: list, weights: list[float], batch_size: int, seed: int,
-                  process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
+                  process_index: int = 0, process_count: int = 1,
+                  start_batch: int = 0) -> grain.MapDataset:
   """Endless batches {'tokens': int32 [batch_size // process_count, seq_len + 1]}: this process's
-  rows of the global batches.
+  rows of the global batches start_batch, start_batch + 1, ...
 
   Global batch b is windows [b * batch_size, (b + 1) * batch_size) of the mixture, whatever the
   number of processes; process p reads only its rows p * local ... (p + 1) * local - 1 of it. So
-  a checkpoint's state (the batch index) resumes the same batches on any number of hosts.
+  the step a checkpoint was saved at resumes the same batches on any number of hosts.
   """
   parts = [grain.MapDataset.source(s).shuffle(seed=source_seed(seed, k)).repeat()
            for k, s in enumerate(sources)]
   ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
   local = batch_size // process_count
-  return ds.batch(local, drop_remainder=True)[process_index::process_count].map(_as_batch)
+  first = start_batch * process_count + process_index
+  return ds.batch(local, drop_remainder=True)[first::process_count].map(_as_batch)
 
 
 class LockedIterator:
