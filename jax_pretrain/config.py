@@ -77,6 +77,11 @@ def defaults() -> ml_collections.ConfigDict:
   t.max_consecutive_skips = 10  # with 'skip': halt after this many non-finite steps in a row
   t.sample_prompt = 'The '     # prompt of the continuation printed at the end ('' disables)
   t.sample_tokens = 64         # tokens generated for that continuation
+  # Downstream evals during training through lm-evaluation-harness (jax_pretrain/lm_eval.py).
+  t.lm_eval_tasks = ''         # tasks, comma-separated ('' : none), logged as lm_eval/TASK/METRIC
+  t.lm_eval_every = 0          # steps between them; 0: at every eval (eval_every) and the end
+  t.lm_eval_include_path = ''  # a folder of extra task YAMLs (lm_eval's --include_path)
+  t.lm_eval_limit = 0          # examples per task at most; 0: all
   t.wandb_project = ''         # Weights & Biases project: the scalars go there too ('': off)
   t.wandb_entity = ''          # its team or user ('': your default entity)
   t.wandb_run_name = ''        # the run's name there ('': the workdir's name)
@@ -303,6 +308,8 @@ def _resolve_rest(c: ml_collections.ConfigDict) -> None:
   _choice(t, 'train', 'on_nonfinite', ('halt', 'skip'))
   for field in ('log_every', 'eval_every'):
     _check(t[field] > 0, f'train.{field} must be positive, got {t[field]}.')
+  for field in ('lm_eval_every', 'lm_eval_limit'):
+    _check(t[field] >= 0, f'train.{field} must be >= 0, got {t[field]}.')
   _check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
   _choice(c.data, 'data', 'on_bad_record', ('error', 'skip'))
   _check(not t.wandb_project or importlib.util.find_spec('wandb') is not None,
@@ -336,7 +343,9 @@ RESUME_SAFE = {
     'train.steps', 'train.total_tokens', 'train.micro_batch_size', 'train.log_every',
     'train.eval_every', 'train.eval_steps', 'train.eval_batch_size', 'train.peak_flops',
     'train.on_nonfinite', 'train.max_consecutive_skips', 'train.sample_prompt',
-    'train.sample_tokens', 'train.wandb_project', 'train.wandb_entity', 'train.wandb_run_name',
+    'train.sample_tokens', 'train.lm_eval_tasks', 'train.lm_eval_every',
+    'train.lm_eval_include_path', 'train.lm_eval_limit', 'train.wandb_project',
+    'train.wandb_entity', 'train.wandb_run_name',
     'optim.learning_rate', 'optim.min_learning_rate', 'optim.warmup_steps', 'optim.warmup_tokens',
     'optim.b1', 'optim.b2', 'optim.eps', 'optim.weight_decay',
     'optim.grad_clip',  # its value; turning clipping on or off changes the optimizer state

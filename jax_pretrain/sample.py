@@ -38,23 +38,54 @@ class Sampling:
   top_p: float = 1.0  # 1.0: no nucleus cut
 
 
+def filter_logits(logits_BxV: jax.Array, temperature, top_k, top_p) -> jax.Array:
+  """Logits divided by the temperature, with the tokens outside the top_k and then outside the
+  top_p set to -inf, float32.
+
+  The settings are numbers (one for the whole batch) or arrays [B] (one per row: the server decodes
+  requests with different settings together). top_k 0 and top_p 1.0 cut nothing.
+  """
+  temperature_Bx1, top_k_Bx1, top_p_Bx1 = (jnp.reshape(jnp.asarray(x), (-1, 1))
+                                           for x in (temperature, top_k, top_p))
+  logits_BxV = logits_BxV.astype(jnp.float32) / temperature_Bx1
+  V = logits_BxV.shape[-1]
+
+  def threshold():
+    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+    k_Bx1 = jnp.where((top_k_Bx1 > 0) & (top_k_Bx1 < V), top_k_Bx1, V)
+    kth_Bx1 = jnp.take_along_axis(sorted_BxV, k_Bx1 - 1, axis=-1)
+    sorted_BxV = jnp.where(sorted_BxV < kth_Bx1, -jnp.inf, sorted_BxV)
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    # Keep a token while the tokens more likely than it hold less than top_p: always >= 1 kept.
+    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    n_kept_Bx1 = jnp.sum(before_BxV < top_p_Bx1, axis=-1, keepdims=True)
+    n_kept_Bx1 = jnp.where(top_p_Bx1 < 1.0, n_kept_Bx1, V)
+    return jnp.maximum(kth_Bx1, jnp.take_along_axis(sorted_BxV, n_kept_Bx1 - 1, axis=-1))
+
+  # The sort is the costly part of a decoding step on the CPU: skipped when nothing is cut.
+  cuts = jnp.any((top_k_Bx1 > 0) & (top_k_Bx1 < V)) | jnp.any(top_p_Bx1 < 1.0)
+  threshold_Bx1 = jax.lax.cond(cuts, threshold,
+                               lambda: jnp.full((logits_BxV.shape[0], 1), -jnp.inf))
+  return jnp.where(logits_BxV < threshold_Bx1, -jnp.inf, logits_BxV)
+
+
 def sample_logits(logits_BxV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
   """Next token per row, int32 [B]."""
   if s.temperature == 0:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  logits_BxV = logits_BxV.astype(jnp.float32) / s.temperature
-  if 0 < s.top_k < logits_BxV.shape[-1]:
-    kth_Bx1 = jax.lax.top_k(logits_BxV, s.top_k)[0][:, -1:]
-    logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
-  if s.top_p < 1.0:
-    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-    # Keep a token while the tokens more likely than it hold less than top_p: always >= 1 kept.
-    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-    n_kept_Bx1 = jnp.sum(before_BxV < s.top_p, axis=-1, keepdims=True)
-    threshold_Bx1 = jnp.take_along_axis(sorted_BxV, n_kept_Bx1 - 1, axis=-1)
-    logits_BxV = jnp.where(logits_BxV < threshold_Bx1, -jnp.inf, logits_BxV)
+  logits_BxV = filter_logits(logits_BxV, s.temperature, s.top_k, s.top_p)
   return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+def sample_rows(logits_BxV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array,
+                top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+  """Next token per row, int32 [B], each row with its own settings and its own key, so that a
+  request's tokens do not depend on the other requests decoded beside it. Temperature 0: greedy."""
+  sampled_B = jax.vmap(lambda key, logits_V: jax.random.categorical(key, logits_V))(
+      keys_B, filter_logits(logits_BxV, jnp.where(temperature_B > 0, temperature_B, 1.0),
+                            top_k_B, top_p_B))
+  greedy_B = jnp.argmax(logits_BxV, axis=-1)
+  return jnp.where(temperature_B > 0, sampled_B, greedy_B).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=('model', 'max_new_tokens', 'sampling'))

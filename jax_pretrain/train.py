@@ -238,6 +238,19 @@ def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -
   return scalars
 
 
+def run_lm_eval(params, tokenizer, s: Setup, logger: StepLogger, step: int) -> None:
+  """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC."""
+  from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
+  if jax.process_count() > 1:  # a collective: every process takes part, process 0 evaluates
+    params = multihost_utils.process_allgather(params, tiled=True)
+  if jax.process_index() == 0:
+    t0 = time.perf_counter()
+    scalars = lm_eval_lib.evaluate_during_training(s.config, params, tokenizer)
+    logger.write(step, scalars)
+    shown = ' | '.join(f'{k[len("lm_eval/"):]} {v:.4f}' for k, v in scalars.items())
+    print(f'lm_eval at step {step} | {shown} ({time.perf_counter() - t0:.1f}s)', flush=True)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        devices=None) -> dict[str, float]:
   """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics.
@@ -250,6 +263,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   s = state_lib.build(config, devices, sources.tokenizer.vocab_size)
   config, t, ck = s.config, s.config.train, s.config.checkpoint
   is_main = jax.process_index() == 0
+  if t.lm_eval_tasks:  # a misspelt task fails now, not after the first steps
+    from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
+    lm_eval_lib.check_tasks(t)
   with _claim(workdir):
     stop = signals.StopSignal(check_every=t.log_every)
     checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
@@ -320,11 +336,15 @@ def _loop(s: Setup, state, step: int, data, train_step, checkpointer, stop,
       save_due = bool(ck.every_steps and step % ck.every_steps == 0) or (
           step == t.steps and ck.save_final)
       stopping = stop.requested(step)
-      if eval_due or save_due or stopping:
+      lm_eval_due = bool(t.lm_eval_tasks) and (
+          step % t.lm_eval_every == 0 or step == t.steps if t.lm_eval_every else eval_due)
+      if eval_due or save_due or stopping or lm_eval_due:
         # Never evaluate or save a state before checking the steps that led to it.
         logger.record(step, metrics)
         _check_finite(logger.flush(), t, last_saved, skips_at_start)
         eval_metrics = run_eval(eval_step, state.params, data, s, logger, step) if eval_due else {}
+        if lm_eval_due:
+          run_lm_eval(state.params, data.tokenizer, s, logger, step)
         if save_due or (stopping and last_saved != step):
           checkpointer.save(step, state, {'next_batch': step}, config_json,
                             checkpoint_lib.scalars_for_ranking(eval_metrics))

@@ -130,6 +130,8 @@ def test_continued_pretraining_of_a_hugging_face_checkpoint(tmp_path, shape):
   assert run.config.model.num_kv_heads == shape.config['num_key_value_heads']
   ids = tok.encode(SENTENCE)
   assert (ids[0] == 0) == shape.bos_template and ids.max() >= 259  # BPE ids, not bytes
+  text_alone = tokenizer_lib.text_ids(tok, SENTENCE)  # what lm_eval scores: no BOS
+  assert text_alone.tolist() == ids[int(shape.bos_template):].tolist()
   tokens_BxT = np.stack([ids[:24], tok.encode(docs[75])[:24]])
   imported = relative(our_logits(run_dir, tokens_BxT)[..., :vocab_size],
                       their_logits(hf_dir, tokens_BxT))

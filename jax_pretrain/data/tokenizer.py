@@ -152,8 +152,8 @@ class HfTokenizer:
     eos = ids['eos_token']
     return ids.get('bos_token', eos), eos, ids.get('pad_token', -1)
 
-  def encode(self, text: str) -> np.ndarray:
-    return np.asarray(self._tok.encode(text).ids, np.int32)
+  def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+    return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, np.int32)
 
   def encode_batch(self, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in self._tok.encode_batch(texts)] if texts else []
@@ -161,6 +161,15 @@ class HfTokenizer:
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self.num_pieces],
                             skip_special_tokens=True)
+
+
+def text_ids(tokenizer, text: str) -> np.ndarray:
+  """The ids of text alone, without the special tokens a tokenizer.json's post-processor adds
+  (Llama 3's BOS), for callers that frame text themselves (lm-evaluation-harness adds its own
+  prefix token); our other tokenizers add none."""
+  if isinstance(tokenizer, HfTokenizer):
+    return tokenizer.encode(text, add_special_tokens=False)
+  return tokenizer.encode(text)
 
 
 class IdTokenizer:

@@ -1,0 +1,402 @@
+"""An OpenAI-compatible completions server for a trained run.
+
+  python -m jax_pretrain.serve --workdir=runs/x [--step=N] [--port=8000] [--host=127.0.0.1]
+      [--slots=16] [--context=0] [--chunk=8] [--model_name=NAME]
+
+Endpoints (FastAPI, served by uvicorn):
+- POST /v1/completions: OpenAI's completions API. `prompt` (a string, a list of strings, a list
+  of token ids or a list of such lists), `max_tokens` (default 16), `temperature` (default 1; 0 is
+  greedy), `top_p`, `top_k` (an extension; 0: off), `n` choices per prompt, `stop` (up to 4
+  strings), `seed`, `stream` (server-sent events, `stream_options.include_usage`), `echo`,
+  `logprobs` (0..5 alternatives per token). Penalties, logit_bias, suffix and best_of != n are
+  refused with 400 rather than ignored.
+- GET /v1/models, GET /health (with the engine's slots, queue and compiled shapes).
+
+Requests are decoded by one engine.Engine in a thread of its own: whatever arrives while others
+decode joins them at the next chunk of tokens (continuous batching over a KV cache of --slots rows
+of --context tokens, allocated once). An empty prompt starts a new document (EOS). A request with
+a seed gets the same text whatever else is being decoded; choice i of n uses the seed's stream i.
+
+Bad requests get OpenAI's error JSON ({"error": {"message", "type", "param", "code"}}) with status
+400 (404 for an unknown model or path), and the server goes on serving.
+"""
+import asyncio
+import contextlib
+import json
+import secrets
+import threading
+import time
+import uuid
+
+import fastapi
+from fastapi import exceptions as fastapi_exceptions
+from fastapi import responses
+import jax
+import numpy as np
+import pydantic
+from starlette import exceptions as starlette_exceptions
+
+from jax_pretrain import cli
+from jax_pretrain import config as config_lib
+from jax_pretrain import engine as engine_lib
+from jax_pretrain import sample as sample_lib
+from jax_pretrain import workdir as workdir_lib
+
+MAX_STOP = 4  # stop strings per request, as OpenAI
+MAX_N = 128  # choices per request
+
+
+class CompletionRequest(pydantic.BaseModel):
+  """The body of POST /v1/completions: strict types, no unknown fields."""
+  model_config = pydantic.ConfigDict(extra='forbid', strict=True)
+  model: str | None = None
+  prompt: str | list[str] | list[int] | list[list[int]]
+  max_tokens: int | None = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  n: int = 1
+  stream: bool = False
+  stream_options: dict | None = None
+  stop: str | list[str] | None = None
+  seed: int | None = None
+  echo: bool = False
+  logprobs: int | None = None
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: dict | None = None
+  best_of: int | None = None
+  suffix: str | None = None
+  user: str | None = None
+
+
+class APIError(Exception):
+  """A request the server refuses: answered as OpenAI's error JSON."""
+
+  def __init__(self, message: str, param: str | None = None, status: int = 400,
+               code: str | None = None, kind: str = 'invalid_request_error'):
+    super().__init__(message)
+    self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+
+  def response(self) -> responses.JSONResponse:
+    return responses.JSONResponse(status_code=self.status, content={'error': {
+        'message': self.message, 'type': self.kind, 'param': self.param, 'code': self.code}})
+
+
+class Server:
+  """The engine, its thread, and what a request needs: the tokenizer, the model's name."""
+
+  def __init__(self, engine: engine_lib.Engine, name: str):
+    self.engine, self.name = engine, name
+    self.tokenizer = engine.tokenizer
+    self.created = int(time.time())
+    self._thread = threading.Thread(target=engine.run_forever, name='engine', daemon=True)
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self.engine.stop()
+    self._thread.join(timeout=10)
+
+  def prompts(self, r: CompletionRequest) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of each prompt of the request."""
+    p = r.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+      p = [p]
+    if not p:
+      raise APIError('prompt must not be empty', 'prompt')
+    out = []
+    for item in p:
+      if isinstance(item, str):
+        out.append((item, [int(t) for t in sample_lib.encode_prompt(self.tokenizer, item)]))
+      elif not item or not all(0 <= t < self.tokenizer.vocab_size for t in item):
+        raise APIError(f'token prompts need ids in [0, {self.tokenizer.vocab_size})', 'prompt')
+      else:
+        out.append((self.tokenizer.decode(item), list(item)))
+    return out
+
+  def check(self, r: CompletionRequest, prompts) -> int:
+    """Refuses what cannot be served; returns max_tokens."""
+    if r.model is not None and r.model != self.name:
+      raise APIError(f'The model `{r.model}` does not exist: this server serves `{self.name}`.',
+                     'model', status=404, code='model_not_found')
+    max_tokens = 16 if r.max_tokens is None else r.max_tokens
+    stops = _stops(r)
+    for ok, param, message in [
+        (max_tokens >= 0, 'max_tokens', 'max_tokens must be >= 0'),
+        (1 <= r.n <= MAX_N, 'n', f'n must be between 1 and {MAX_N}'),
+        (0 <= r.temperature <= 2, 'temperature', 'temperature must be between 0 and 2'),
+        (0 < r.top_p <= 1, 'top_p', 'top_p must be in (0, 1]'),
+        (r.top_k >= 0, 'top_k', 'top_k must be >= 0 (0: off)'),
+        (r.logprobs is None or 0 <= r.logprobs <= engine_lib.TOP_N, 'logprobs',
+         f'logprobs must be between 0 and {engine_lib.TOP_N}'),
+        (len(stops) <= MAX_STOP and all(stops), 'stop',
+         f'stop takes at most {MAX_STOP} non-empty strings'),
+        (r.presence_penalty == r.frequency_penalty == 0, 'presence_penalty',
+         'presence and frequency penalties are not supported'),
+        (not r.logit_bias, 'logit_bias', 'logit_bias is not supported'),
+        (r.suffix is None, 'suffix', 'suffix is not supported'),
+        (r.best_of is None or r.best_of == r.n, 'best_of', 'best_of other than n is not supported'),
+    ]:
+      if not ok:
+        raise APIError(message, param)
+    context = self.engine.context
+    for _, ids in prompts:
+      if len(ids) + max_tokens > context:
+        raise APIError(
+            f"This model's maximum context length is {context} tokens, however you requested "
+            f'{len(ids) + max_tokens} tokens ({len(ids)} in your prompt; {max_tokens} for the '
+            'completion). Please reduce your prompt; or completion length.', 'max_tokens',
+            code='context_length_exceeded')
+    return max_tokens
+
+  async def complete(self, r: CompletionRequest):
+    prompts = self.prompts(r)
+    max_tokens = self.check(r, prompts)
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue = asyncio.Queue()
+    seed = secrets.randbits(32) if r.seed is None else r.seed
+
+    def on_update(seq):  # in the engine thread; without a stream only the end matters
+      if r.stream or seq.done:
+        loop.call_soon_threadsafe(updates.put_nowait, _Update(seq))
+
+    sequences = [engine_lib.Sequence(
+        ids, max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=seed,
+        stream=j, stop=_stops(r), on_update=on_update) for _, ids in prompts for j in range(r.n)]
+    prompt_logprobs = [None] * len(prompts)
+    if r.echo and r.logprobs is not None:
+      prompt_logprobs = [await asyncio.to_thread(self._prompt_logprobs, ids) for _, ids in prompts]
+    choices = [_Choice(i, prompts[i // r.n], prompt_logprobs[i // r.n], r)
+               for i in range(len(sequences))]
+    header = {'id': f'cmpl-{uuid.uuid4().hex}', 'object': 'text_completion',
+              'created': int(time.time()), 'model': self.name}
+    for seq in sequences:
+      self.engine.submit(seq)
+    if r.stream:
+      return responses.StreamingResponse(
+          self._events(r, header, sequences, choices, updates, prompts),
+          media_type='text/event-stream')
+    try:
+      while not all(seq.done for seq in sequences):
+        await updates.get()
+    finally:
+      _cancel(sequences)
+    for seq in sequences:
+      if seq.finish_reason == 'error':
+        raise APIError(f'the engine failed: {seq.error}', status=500, kind='server_error')
+    return {**header, 'choices': [c.final(seq, self.tokenizer) for c, seq in
+                                  zip(choices, sequences)],
+            'usage': _usage(prompts, sequences)}
+
+  async def _events(self, r, header, sequences, choices, updates, prompts):
+    """Server-sent events: a chunk per choice as its text grows, then the usage if asked, then
+    [DONE]. A client that goes away cancels its sequences."""
+    try:
+      pending = {id(seq): i for i, seq in enumerate(sequences)}
+      while pending:
+        update = await updates.get()
+        if id(update.seq) not in pending:
+          continue
+        if update.finish == 'error':
+          yield _event({'error': {'message': f'the engine failed: {update.seq.error}',
+                                  'type': 'server_error', 'param': None, 'code': None}})
+          return
+        chunk = choices[pending[id(update.seq)]].delta(update, self.tokenizer)
+        if chunk['text'] or chunk['finish_reason']:
+          yield _event({**header, 'choices': [chunk]})
+        if chunk['finish_reason']:
+          del pending[id(update.seq)]
+      if (r.stream_options or {}).get('include_usage'):
+        yield _event({**header, 'choices': [], 'usage': _usage(prompts, sequences)})
+      yield 'data: [DONE]\n\n'
+    finally:
+      _cancel(sequences)
+
+  def _prompt_logprobs(self, ids: list[int]):
+    """(logprob, top alternatives) of each prompt token after the first, by one scoring pass."""
+    T = engine_lib.bucket(len(ids), self.engine.context, engine_lib.MIN_BUCKET)
+    tokens_1xT1 = np.full((1, T + 1), self.tokenizer.pad_id, np.int32)
+    tokens_1xT1[0, :len(ids)] = ids
+    logprob_1xT, _, (top_lp_1xTxN, top_ids_1xTxN) = jax.device_get(engine_lib.token_logprobs(
+        self.engine.model, self.engine.params, tokens_1xT1, top_n=engine_lib.TOP_N))
+    n = len(ids) - 1
+    return (logprob_1xT[0, :n].tolist(),
+            [list(zip(i, lp)) for i, lp in zip(top_ids_1xTxN[0, :n].tolist(),
+                                                top_lp_1xTxN[0, :n].tolist())])
+
+
+class _Choice:
+  """One choice of a response: its text (after the prompt when echoed) and logprobs, whole or as
+  the deltas of a stream."""
+
+  def __init__(self, index: int, prompt: tuple[str, list[int]], prompt_logprobs, r):
+    self.index, (self.prompt_text, self.prompt_ids) = index, prompt
+    self.prompt_logprobs, self.echo, self.logprobs = prompt_logprobs, r.echo, r.logprobs
+    self.started, self.sent_text, self.sent_tokens = False, 0, 0
+
+  def final(self, seq: engine_lib.Sequence, tokenizer) -> dict:
+    return {'index': self.index, 'text': (self.prompt_text if self.echo else '') + seq.text,
+            'logprobs': self._logprobs(tokenizer, seq, 0, len(seq.tokens), self.echo),
+            'finish_reason': seq.finish_reason}
+
+  def delta(self, update: '_Update', tokenizer) -> dict:
+    """What was not sent yet: the echoed prompt first, then the text that is final so far and
+    the tokens it covers; finish_reason at the end."""
+    seq, text = update.seq, update.text
+    end = (update.n_tokens if update.finish else
+           _tokens_in(tokenizer, seq.tokens[:update.n_tokens], self.sent_tokens, text))
+    echo = self.echo and not self.started
+    out = {'index': self.index,
+           'text': (self.prompt_text if echo else '') + text[self.sent_text:],
+           'logprobs': self._logprobs(tokenizer, seq, self.sent_tokens, end, echo),
+           'finish_reason': update.finish}
+    self.started, self.sent_text, self.sent_tokens = True, len(text), end
+    return out
+
+  def _logprobs(self, tokenizer, seq, start: int, end: int, with_prompt: bool) -> dict | None:
+    """OpenAI's logprobs object for new tokens [start, end), after the prompt's when asked."""
+    if self.logprobs is None:
+      return None
+    ids, logprobs, tops = seq.tokens, seq.logprobs, seq.top_logprobs
+    out = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+
+    def add(token, logprob, top, offset):
+      out['tokens'].append(tokenizer.decode([token]))
+      out['token_logprobs'].append(logprob)
+      out['top_logprobs'].append(
+          None if top is None else {tokenizer.decode([t]): lp for t, lp in top[:self.logprobs]})
+      out['text_offset'].append(offset)
+
+    if with_prompt:
+      lps, prompt_tops = self.prompt_logprobs
+      for k, token in enumerate(self.prompt_ids):
+        add(token, lps[k - 1] if k else None, prompt_tops[k - 1] if k else None,
+            len(tokenizer.decode(self.prompt_ids[:k])))
+    offset = (len(self.prompt_text) if self.echo else 0) + len(tokenizer.decode(ids[:start]))
+    for k in range(start, end):
+      add(ids[k], logprobs[k], tops[k], offset)
+      offset += len(out['tokens'][-1])
+    return out
+
+
+class _Update:
+  """A sequence's state when the engine reported it (in the engine thread, which goes on
+  appending): its final-so-far text, its finish reason, its token count. A stream sends one
+  chunk per update, so the text arrives as it is decoded."""
+
+  def __init__(self, seq: engine_lib.Sequence):
+    self.seq, self.finish = seq, seq.finish_reason
+    self.text, self.n_tokens = seq.stable_text(), len(seq.tokens)
+
+
+def _tokens_in(tokenizer, tokens: list[int], start: int, text: str) -> int:
+  """The end of the tokens after `start` that the streamed text covers."""
+  n = start
+  while n < len(tokens) and len(tokenizer.decode(tokens[:n + 1])) <= len(text):
+    n += 1
+  return n
+
+
+def _stops(r: CompletionRequest) -> tuple[str, ...]:
+  return (r.stop,) if isinstance(r.stop, str) else tuple(r.stop or ())
+
+
+def _usage(prompts, sequences) -> dict:
+  prompt_tokens = sum(len(ids) for _, ids in prompts)
+  completion_tokens = sum(len(seq.tokens) for seq in sequences)
+  return {'prompt_tokens': prompt_tokens, 'completion_tokens': completion_tokens,
+          'total_tokens': prompt_tokens + completion_tokens}
+
+
+def _cancel(sequences) -> None:
+  for seq in sequences:
+    if not seq.done:
+      seq.cancelled = True
+
+
+def _event(data: dict) -> str:
+  return f'data: {json.dumps(data)}\n\n'
+
+
+def create_app(server: Server) -> fastapi.FastAPI:
+  @contextlib.asynccontextmanager
+  async def lifespan(_):
+    server.start()
+    yield
+    server.stop()
+
+  app = fastapi.FastAPI(title='jax_pretrain', lifespan=lifespan)
+
+  @app.exception_handler(APIError)
+  async def api_error(_, e: APIError):
+    return e.response()
+
+  @app.exception_handler(fastapi_exceptions.RequestValidationError)
+  async def invalid(_, e: fastapi_exceptions.RequestValidationError):
+    first = e.errors()[0]
+    if first.get('type') == 'json_invalid':
+      return APIError('the body is not valid JSON').response()
+    loc = [str(x) for x in first.get('loc', ()) if x != 'body']
+    return APIError(f'{".".join(loc) or "body"}: {first.get("msg", "invalid")}',
+                    loc[0] if loc else None).response()
+
+  @app.exception_handler(starlette_exceptions.HTTPException)
+  async def http_error(_, e: starlette_exceptions.HTTPException):
+    return APIError(str(e.detail), status=e.status_code,
+                    code='not_found' if e.status_code == 404 else None).response()
+
+  @app.exception_handler(Exception)
+  async def unexpected(_, e: Exception):
+    return APIError(f'{type(e).__name__}: {e}', status=500, kind='server_error').response()
+
+  @app.get('/health')
+  async def health():
+    return {'status': 'ok', 'model': server.name, **server.engine.stats()}
+
+  @app.get('/v1/models')
+  async def models():
+    return {'object': 'list', 'data': [{'id': server.name, 'object': 'model',
+                                        'created': server.created, 'owned_by': 'jax_pretrain',
+                                        'max_model_len': server.engine.context}]}
+
+  @app.post('/v1/completions')
+  async def completions(request: CompletionRequest):
+    return await server.complete(request)
+
+  return app
+
+
+def main():
+  import os  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  import uvicorn  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
+  context = f.context or run.config.data.seq_len
+  engine = engine_lib.Engine(config_lib.model_config(run.config), run.params, run.tokenizer,
+                             slots=f.slots, context=context, chunk=f.chunk)
+  name = f.model_name or os.path.basename(os.path.normpath(f.workdir))
+  if f.warmup:
+    t0 = time.perf_counter()
+    engine.warmup()
+    print(f'compiled {len(engine.shapes)} shapes in {time.perf_counter() - t0:.1f}s', flush=True)
+  print(f'serving {name} on http://{f.host}:{f.port}/v1 ({f.slots} slots of {context} tokens)',
+        flush=True)
+  uvicorn.run(create_app(Server(engine, name)), host=f.host, port=f.port, log_level='warning')
+
+
+if __name__ == '__main__':
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  cli.define_run_flags()
+  flags.DEFINE_string('host', '127.0.0.1', 'Address to listen on (0.0.0.0: every interface).')
+  flags.DEFINE_integer('port', 8000, 'Port to listen on.')
+  flags.DEFINE_string('model_name', '', 'Name in /v1/models and responses (default: the '
+                      "workdir's last component).")
+  flags.DEFINE_integer('slots', 16, 'Sequences decoded together at most (KV cache rows).')
+  flags.DEFINE_integer('context', 0, "Tokens per sequence, prompt included; 0: the run's seq_len.")
+  flags.DEFINE_integer('chunk', 8, 'Tokens decoded per compiled call (requests join between).')
+  flags.DEFINE_bool('warmup', False, 'Compile every bucketed shape before serving (no request '
+                    'then waits for a compile; takes a while for a large model).')
+  cli.run(main)

@@ -1,0 +1,232 @@
+"""The OpenAI-compatible server on a tiny trained run, started by the test on a free port and
+queried with the official openai client: completions, batches of prompts with n choices,
+streaming, stop sequences, seeds, echo and logprobs, temperature 0 equal to `jax_pretrain.sample
+--temperature 0`, 16 concurrent clients, bucketed shapes, and bad requests answered with 400 while
+the server goes on serving."""
+import concurrent.futures
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import openai
+import pytest
+
+from jax_pretrain import config as config_lib
+from jax_pretrain import engine
+from jax_pretrain import workdir as workdir_lib
+from tests import tiny_run
+from tests.conftest import ROOT
+from tests.conftest import run_cli
+from tests.conftest import subprocess_env
+
+NAME = 'tiny'
+
+
+@pytest.fixture(scope='session')
+def run(tmp_path_factory):
+  return tiny_run.train_once(tmp_path_factory)
+
+
+@pytest.fixture(scope='session')
+def server(run):
+  """The server's base URL: one server per pytest-xdist worker (session scope: a worker may run
+  other modules' tests between these), stopped at the end."""
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'jax_pretrain.serve', f'--workdir={run}', f'--port={port}',
+       f'--model_name={NAME}', '--slots=8', '--chunk=4'],
+      cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  url = f'http://127.0.0.1:{port}'
+  deadline = time.monotonic() + 180
+  while True:
+    try:
+      urllib.request.urlopen(f'{url}/health', timeout=5)
+      break
+    except (urllib.error.URLError, ConnectionError):
+      assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+      time.sleep(0.5)
+  yield url
+  proc.terminate()
+  _, stderr = proc.communicate(timeout=60)
+  assert 'Traceback' not in stderr, stderr[-3000:]
+
+
+@pytest.fixture
+def client(server):
+  return openai.OpenAI(base_url=f'{server}/v1', api_key='unused', max_retries=0, timeout=120)
+
+
+def _get(url: str) -> dict:
+  with urllib.request.urlopen(url, timeout=30) as r:
+    return json.load(r)
+
+
+def _post(url: str, body: bytes, path: str = '/v1/completions') -> tuple[int, dict]:
+  request = urllib.request.Request(url + path, data=body,
+                                   headers={'Content-Type': 'application/json'})
+  try:
+    with urllib.request.urlopen(request, timeout=120) as r:
+      return r.status, json.load(r)
+  except urllib.error.HTTPError as e:
+    return e.code, json.load(e)
+
+
+def greedy(client, prompt, max_tokens=24, **kw):
+  return client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens,
+                                   temperature=0, **kw)
+
+
+def test_models_completion_and_a_batch_of_prompts(client, server):
+  assert [m.id for m in client.models.list().data] == [NAME]
+  assert _get(f'{server}/health')['status'] == 'ok'
+  one = greedy(client, 'The for statement ')
+  assert one.model == NAME and one.object == 'text_completion'
+  [choice] = one.choices
+  assert choice.finish_reason in ('length', 'stop') and choice.text
+  assert one.usage.prompt_tokens == len('The for statement ')  # bytes
+  assert one.usage.completion_tokens == len(choice.text.encode()) <= 24
+
+  prompts = ['The for statement ', 'A class', 'x']
+  batch = client.completions.create(model=NAME, prompt=prompts, max_tokens=24, temperature=0, n=2)
+  assert [c.index for c in batch.choices] == list(range(6))  # prompt i, choice j: 2 i + j
+  for i, prompt in enumerate(prompts):
+    alone = greedy(client, prompt).choices[0].text
+    assert batch.choices[2 * i].text == batch.choices[2 * i + 1].text == alone
+  assert batch.usage.prompt_tokens == sum(len(p) for p in prompts)
+
+
+def test_temperature_0_equals_the_sample_command(client, run):
+  prompt = 'The for statement '
+  out = run_cli('-m', 'jax_pretrain.sample', f'--workdir={run}', f'--prompt={prompt}',
+                '--temperature=0', '--max_new_tokens=40', '--noecho')
+  assert greedy(client, prompt, max_tokens=40).choices[0].text == out[:-1]  # print's newline
+
+
+def test_streaming_gives_the_same_text_in_pieces(client):
+  kw = dict(model=NAME, prompt='The ', max_tokens=40, temperature=1.0, seed=11)
+  whole = client.completions.create(**kw).choices[0]
+  events = list(client.completions.create(**kw, stream=True,
+                                          stream_options={'include_usage': True}))
+  pieces = [e.choices[0] for e in events if e.choices]
+  assert len(pieces) >= 3  # the text arrives as it is decoded (chunks of 4 tokens)
+  assert ''.join(p.text for p in pieces) == whole.text
+  assert [p.finish_reason for p in pieces][-1] == whole.finish_reason
+  assert all(p.finish_reason is None for p in pieces[:-1])
+  assert events[-1].usage.completion_tokens == len(whole.text.encode())
+
+
+def test_stop_sequences(client):
+  text = greedy(client, 'The for statement ', max_tokens=40).choices[0].text
+  stop = text[10:13]
+  cut = greedy(client, 'The for statement ', max_tokens=40, stop=[stop, 'never there'])
+  assert cut.choices[0].text == text[:text.index(stop)]
+  assert cut.choices[0].finish_reason == 'stop'
+  streamed = greedy(client, 'The for statement ', max_tokens=40, stop=stop, stream=True)
+  assert ''.join(e.choices[0].text for e in streamed) == text[:text.index(stop)]
+
+
+def test_a_seed_gives_the_same_text_whatever_is_decoded_beside_it(client):
+  def sample(seed, prompt='The '):
+    return client.completions.create(model=NAME, prompt=prompt, max_tokens=32, temperature=1.0,
+                                     seed=seed).choices[0].text
+
+  first = sample(5)
+  assert sample(5) == first and sample(6) != first
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    crowd = list(pool.map(sample, [5, 7, 8, 9], ['The ', 'A', 'if x', 'The ']))
+  assert crowd[0] == first and crowd[3] != first
+  two = client.completions.create(model=NAME, prompt='The ', max_tokens=32, temperature=1.0,
+                                  seed=5, n=2)
+  assert two.choices[0].text == first and two.choices[1].text != first
+
+
+def test_echo_and_logprobs(client):
+  r = greedy(client, 'The for', max_tokens=6, echo=True, logprobs=3)
+  [c] = r.choices
+  lp = c.logprobs
+  assert c.text.startswith('The for') and len(lp.tokens) == len('The for') + 6
+  assert ''.join(lp.tokens) == c.text and lp.text_offset == list(range(len(c.text)))
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+    assert len(top) == 3 and logprob <= 0 and max(top.values()) >= logprob
+  for token, logprob, top in zip(lp.tokens[7:], lp.token_logprobs[7:], lp.top_logprobs[7:]):
+    assert top[token] == pytest.approx(logprob, abs=1e-5) == max(top.values())  # greedy
+
+
+def test_16_concurrent_clients_all_answered_with_few_compiled_shapes(client, server):
+  prompts = [('The for statement ' * 3)[:n] for n in range(3, 51, 3)]  # 16 different lengths
+
+  def ask(prompt):
+    c = openai.OpenAI(base_url=f'{server}/v1', api_key='unused', max_retries=0, timeout=300)
+    return c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0.7,
+                                seed=len(prompt))
+
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    answers = list(pool.map(ask, prompts))
+  assert len(answers) == 16
+  assert all(0 < a.usage.completion_tokens <= 12 and a.choices[0].finish_reason for a in answers)
+  # Prompt lengths 3 .. 48 pad to 16, 32 or 64 tokens; rows to 1, 2, 4 or 8 (8 slots).
+  before = _get(f'{server}/health')
+  assert before['busy'] == before['waiting'] == 0 and before['compiled_shapes'] <= 4 * 3 + 4
+  for n in (4, 5, 7, 9, 11, 13):  # new lengths in a bucket already compiled
+    greedy(client, 'y' * n, max_tokens=2)
+  assert _get(f'{server}/health')['compiled_shapes'] == before['compiled_shapes']
+
+
+@pytest.mark.parametrize('body, param', [
+    (b'{"model": "tiny", "max_tokens": 5}', 'prompt'),  # missing prompt
+    (b'{"prompt": 5}', 'prompt'),  # wrong types
+    (b'{"prompt": "a", "max_tokens": "10"}', 'max_tokens'),
+    (b'{"prompt": "a", "temperature": "hot"}', 'temperature'),
+    (b'{"prompt": "a", "stream": "yes"}', 'stream'),
+    (b'{"prompt": "a", "max_tokens": 64}', 'max_tokens'),  # 1 + 64 tokens: past the context
+    (b'{"prompt": "a", "n": 0}', 'n'),
+    (b'{"prompt": "a", "logprobs": 9}', 'logprobs'),
+    (b'{"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}', 'stop'),
+    (b'{"prompt": [], "max_tokens": 5}', 'prompt'),
+    (b'{"prompt": [1, 99999]}', 'prompt'),
+    (b'{"prompt": "a", "frequency_penalty": 1.0}', 'presence_penalty'),
+    (b'{"prompt": "a", "temprature": 0}', 'temprature'),  # unknown field
+    (b'{"prompt": "a", ', None),  # not JSON
+    (b'[1, 2]', None),
+])
+def test_bad_requests_get_400_and_the_server_keeps_serving(server, client, body, param):
+  status, answer = _post(server, body)
+  assert status == 400, answer
+  assert answer['error']['type'] == 'invalid_request_error' and answer['error']['message']
+  assert answer['error']['param'] == param
+  assert greedy(client, 'The ', max_tokens=3).choices[0].text
+
+
+def test_client_errors_unknown_model_and_path(client, server):
+  with pytest.raises(openai.BadRequestError, match='maximum context length is 64 tokens'):
+    client.completions.create(model=NAME, prompt='The ', max_tokens=100)
+  with pytest.raises(openai.NotFoundError, match='does not exist'):
+    client.completions.create(model='gpt-4', prompt='The ', max_tokens=3)
+  status, answer = _post(server, b'{}', '/v1/nowhere')
+  assert status == 404 and answer['error']['code'] == 'not_found'
+  assert greedy(client, 'The ', max_tokens=3).choices[0].text
+
+
+def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
+  trained = workdir_lib.load(run, devices=jax.devices()[:1])
+  eng = engine.Engine(config_lib.model_config(trained.config), trained.params, trained.tokenizer,
+                      slots=8, context=tiny_run.SEQ_LEN, chunk=4)
+  eng.warmup()
+  # Prompts pad to 16, 32 or 64 tokens, 1, 2, 4 or 8 of them per prefill; decodes cover 1, 2, 4
+  # or 8 slots.
+  assert len(eng.shapes) == 3 * 4 + 4
+  warm = set(eng.shapes)
+  rng = random.Random(0)
+  sequences = [engine.Sequence([rng.randrange(256) for _ in range(rng.randrange(1, 50))], 10,
+                               temperature=1.0, seed=i) for i in range(20)]
+  eng.generate(sequences)
+  assert all(seq.done and seq.tokens for seq in sequences) and eng.shapes == warm
