@@ -62,30 +62,33 @@ def check_shapes(saved, wanted, where: str) -> None:
                             f'but {tuple(x.shape)} in the config.')
 
 
+@jax.jit
 def _digest_one(x: jax.Array) -> jax.Array:
-  """Two 32-bit sums of an array's bits, uint32 [2]: plain, and weighted by 2i + 1 (odd weights,
-  so any change to a single 32-bit word changes it). Integer sums wrap, so the result does not
-  depend on how the array is sharded or summed."""
+  """Two 32-bit sums of an array's bits, uint32 [2]: plain, and weighted by 2i + 1 for the flat
+  index i (odd weights, so any change to a single 32-bit word changes it). Integer sums wrap, so
+  the result does not depend on how the array is sharded or summed. The weighted sum is taken
+  axis by axis, sum_i(b_i * i) = sum over axes of stride * sum_k(k * (b summed over the other
+  axes)[k]), without reshaping a sharded array or making an index array: the only temporary as
+  large as x is its bits (on the CPU, where XLA does not fuse the bit cast into the sums)."""
   bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{x.dtype.itemsize * 8}'))
   bits = bits.astype(jnp.uint32)  # (8-, 16- and 32-bit arrays: the state has no 64-bit ones)
-  index = jnp.zeros(x.shape, jnp.uint32)
-  for axis in range(x.ndim):  # the flat index, without reshaping a sharded array
+  total = jnp.sum(bits, dtype=jnp.uint32)
+  weighted = total
+  for axis in range(x.ndim):
     stride = int(np.prod(x.shape[axis + 1:], dtype=np.int64))
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride)
-  return jnp.stack([jnp.sum(bits, dtype=jnp.uint32),
-                    jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)])
-
-
-@jax.jit
-def _digests_on_device(tree):
-  return jax.tree.map(_digest_one, tree)
+    others = tuple(a for a in range(x.ndim) if a != axis)
+    per_k = jnp.sum(bits, axis=others, dtype=jnp.uint32)
+    k = jnp.arange(x.shape[axis], dtype=jnp.uint32)
+    weighted += jnp.uint32(2 * stride % 2**32) * jnp.sum(per_k * k, dtype=jnp.uint32)
+  return jnp.stack([total, weighted])
 
 
 def digests(tree) -> dict[str, list[int]]:
-  """{path: [plain sum, weighted sum]} of every array, computed on the devices (one small
-  transfer)."""
-  sums = jax.device_get(_digests_on_device(tree))
-  return {_path_str(p): [int(v) for v in x] for p, x in jax.tree_util.tree_leaves_with_path(sums)}
+  """{path: [plain sum, weighted sum]} of every array, computed on the devices one array at a
+  time: the temporaries are one array's bits, not the whole state's (a 1.2B-parameter state on
+  the CPU needed 30 GB computed at once)."""
+  return {_path_str(p): [int(v) for v in jax.device_get(_digest_one(x))]
+          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _verify(tree, saved: dict[str, list[int]] | None, prefix: str = '') -> None:
@@ -114,7 +117,10 @@ class Checkpointer:
   """Saves and restores train state, data position and config under workdir/checkpoints."""
 
   def __init__(self, workdir: str, *, keep: int = 2, keep_best: int = 0, async_save: bool = True,
-               read_only: bool = False):
+               read_only: bool = False, save_concurrent_gb: int = 0):
+    """save_concurrent_gb: GB of arrays written at once (0: orbax's default); each array being
+    written takes about its size again in host memory (compression buffers)."""
+    limit = {'save_concurrent_gb': save_concurrent_gb} if save_concurrent_gb else {}
     self.directory = os.path.join(os.path.abspath(workdir), DIRECTORY)
     keep_policies = [policies.LatestN(n=max(keep, 1))]
     if keep_best > 0:
@@ -122,7 +128,7 @@ class Checkpointer:
                                           n=keep_best, keep_checkpoints_without_metrics=False))
     self._manager = ocp.CheckpointManager(
         self.directory,
-        item_handlers={'state': ocp.StandardCheckpointHandler(),
+        item_handlers={'state': ocp.StandardCheckpointHandler(**limit),
                        'data': ocp.JsonCheckpointHandler(), 'config': ocp.JsonCheckpointHandler(),
                        'digests': ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(

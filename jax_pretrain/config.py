@@ -33,6 +33,13 @@ def defaults() -> ml_collections.ConfigDict:
   m.vocab_size = 32768         # embedding rows; >= the tokenizer's vocabulary
   m.tie_embeddings = True      # share the input embedding with the output projection
   m.rope_theta = 10000.0       # rotary embedding base
+  m.rope_scaling = 'none'      # 'none' | 'linear' | 'llama3': rescaled rotary frequencies
+  m.rope_factor = 1.0          # linear, llama3: low frequencies (all, for linear) divided by this
+  m.rope_low_freq_factor = 1.0   # llama3: wavelengths > original_max_len / this are scaled
+  m.rope_high_freq_factor = 4.0  # llama3: wavelengths < original_max_len / this are kept
+  m.rope_original_max_len = 8192  # llama3: the context length the model was pretrained at
+  m.max_position_embeddings = 0  # context length a Hugging Face export states (0: data.seq_len);
+                               # an import keeps its checkpoint's
   m.norm_eps = 1e-5            # RMSNorm epsilon
   m.init_std = 0.02            # normal init std (output projections scaled by 1/sqrt(2*layers))
   m.attention = 'auto'         # 'auto' (cuDNN where it runs, else XLA) | 'xla' | 'cudnn' | 'pallas'
@@ -47,7 +54,8 @@ def defaults() -> ml_collections.ConfigDict:
   d.train = ''                 # required: 'SOURCE[#field][:weight],...' (docs/data.md)
   d.val = ''                   # eval sources; '' carves val_ratio from the training data
   d.val_ratio = 0.05           # share of the training data held out for eval when val is ''
-  d.tokenizer = ''             # '': from the data (else bytes); 'byte'; or a sentencepiece .model
+  d.tokenizer = ''             # '': from the data (else bytes); 'byte'; a sentencepiece .model;
+                               # a tokenizer.json, or a directory with one (docs/data.md)
   d.text_field = 'text'        # JSONL key, Parquet column or TFDS feature that holds the text
   d.tfds_data_dir = ''         # TFDS data_dir for tfds:NAME sources ('' : ~/tensorflow_datasets)
   d.on_bad_record = 'error'    # bad raw-text lines: 'error' | 'skip' (counted, reported per file)
@@ -77,6 +85,9 @@ def defaults() -> ml_collections.ConfigDict:
   t.lm_eval_every = 0          # steps between them; 0: at every eval (eval_every) and the end
   t.lm_eval_include_path = ''  # a folder of extra task YAMLs (lm_eval's --include_path)
   t.lm_eval_limit = 0          # examples per task at most; 0: all
+  t.wandb_project = ''         # Weights & Biases project: the scalars go there too ('': off)
+  t.wandb_entity = ''          # its team or user ('': your default entity)
+  t.wandb_run_name = ''        # the run's name there ('': the workdir's name)
 
   c.optim = o = ml_collections.ConfigDict()
   o.learning_rate = 3e-4       # peak learning rate
@@ -236,6 +247,15 @@ def _resolve_model(m: ml_collections.ConfigDict, backend: str | None, tokenizer_
     # there 'full' recomputes each layer instead (1.25× the matmul FLOPs).
     m.remat = 'full' if m.attention == 'xla' else 'dots'
     choices.append(f'remat {m.remat} (auto: attention {m.attention})')
+  _choice(m, 'model', 'rope_scaling', model_lib.ROPE_SCALINGS)
+  if m.rope_scaling != 'none':
+    _check(m.rope_factor > 0, f'model.rope_factor={m.rope_factor} must be positive.')
+  if m.rope_scaling == 'llama3':
+    _check(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+           f'model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor='
+           f'{m.rope_high_freq_factor} must satisfy 0 < low < high.')
+    _check(m.rope_original_max_len > 0,
+           f'model.rope_original_max_len={m.rope_original_max_len} must be positive.')
   _check(m.vocab_size >= tokenizer_vocab_size,
          f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary "
          f'({tokenizer_vocab_size}); set model.vocab_size to at least that (a multiple of '
@@ -321,6 +341,9 @@ def _resolve_rest(c: ml_collections.ConfigDict) -> None:
     _check(t[field] >= 0, f'train.{field} must be >= 0, got {t[field]}.')
   _check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
   _choice(c.data, 'data', 'on_bad_record', ('error', 'skip'))
+  _check(not t.wandb_project or importlib.util.find_spec('wandb') is not None,
+         f'train.wandb_project={t.wandb_project!r} needs wandb: `pip install wandb` (or leave '
+         'train.wandb_project empty).')
 
 
 # Resuming a run with a changed config. Every field is one of: safe to change (accepted, one line
@@ -334,12 +357,15 @@ RESUME_REFUSED = {
                                       'head_dim', 'mlp_dim', 'vocab_size', 'tie_embeddings',
                                       'scan_layers', 'param_dtype')},
     'model.rope_theta': _TRAINED_WITH, 'model.norm_eps': _TRAINED_WITH,
+    **{f'model.{f}': _TRAINED_WITH for f in ('rope_scaling', 'rope_factor', 'rope_low_freq_factor',
+                                             'rope_high_freq_factor', 'rope_original_max_len')},
     'optim.mu_dtype': _SHAPE,
     **{f: _STREAM for f in ('train.batch_size', 'train.seed', 'data.seq_len', 'data.train',
                             'data.val', 'data.val_ratio', 'data.tokenizer', 'data.text_field')},
 }
 RESUME_SAFE = {
     'model.init_std',  # used only at initialization
+    'model.max_position_embeddings',  # what a Hugging Face export states
     'model.attention', 'model.remat', 'model.dtype',  # how the same function is computed
     'data.tfds_data_dir', 'data.on_bad_record', 'data.num_workers', 'data.read_threads',
     'data.prefetch',
@@ -347,7 +373,8 @@ RESUME_SAFE = {
     'train.eval_every', 'train.eval_steps', 'train.eval_batch_size', 'train.peak_flops',
     'train.on_nonfinite', 'train.max_consecutive_skips', 'train.sample_prompt',
     'train.sample_tokens', 'train.lm_eval_tasks', 'train.lm_eval_every',
-    'train.lm_eval_include_path', 'train.lm_eval_limit',
+    'train.lm_eval_include_path', 'train.lm_eval_limit', 'train.wandb_project',
+    'train.wandb_entity', 'train.wandb_run_name',
     'optim.learning_rate', 'optim.min_learning_rate', 'optim.warmup_steps', 'optim.warmup_tokens',
     'optim.b1', 'optim.b2', 'optim.eps', 'optim.weight_decay',
     'optim.grad_clip',  # its value; turning clipping on or off changes the optimizer state

@@ -6,23 +6,34 @@ heads flattened: q_proj [N·H, D]. So every linear weight maps by flattening our
 output axes and transposing. RoPE needs no permutation: model.apply_rope rotates the pairs
 (i, i + H/2), the rotate_half convention of transformers' Llama, so q_proj/k_proj rows are in the
 same order as ours. RMSNorm, SwiGLU (down(silu(gate(x)) · up(x))), no biases and the 1/sqrt(H)
-attention scale are the same equations. A tied model has no lm_head.weight (transformers ties it).
+attention scale are the same equations; rotary scaling 'linear' and 'llama3' are
+model.rope_frequencies. A tied model has no lm_head.weight (transformers ties it).
 
-`export(workdir, out_dir)` and `import_run(hf_dir, workdir, config)` are what scripts/export_hf.py
-and scripts/import_hf.py run. Needs safetensors; transformers only to write
-the tokenizer files (skipped, with a note, when it is not installed); never torch.
+`import_run(hf_dir, workdir, config)` (scripts/import_hf.py) checks everything it can before it
+reads a weight: config.json (`model_fields` refuses what our model cannot compute, naming the
+field and value), the tokenizer, the run config, and every tensor's name, shape and dtype from the
+safetensors headers. Then it streams: tensors are read one at a time in their stored dtype and
+converted into their place in float32 params allocated once, so peak host memory is about one
+float32 copy of the params. `export(workdir, out_dir)` (scripts/export_hf.py) writes config.json,
+model.safetensors and the tokenizer as tokenizer.json + tokenizer_config.json, which
+AutoTokenizer loads and which encode text to our ids. Needs safetensors and tokenizers; never
+transformers or torch.
 """
+from collections.abc import Callable, Iterable
 import dataclasses
 import json
 import os
-import shutil
 
 from flax.linen import meta
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # pylint: disable=unused-import  (numpy's bfloat16, which safetensors reads)
 import numpy as np
+import tokenizers
 
 from jax_pretrain import model as model_lib
+from jax_pretrain import state as state_lib
+from jax_pretrain.checkpoint import CheckpointError
 from jax_pretrain.data import tokenizer as tokenizer_lib
 
 # (HF name, our path under the layer (or root), number of leading input axes; 0: copied as is)
@@ -54,17 +65,17 @@ def _entries(c: model_lib.ModelConfig):
       yield f'model.layers.{i}.{name}', path, n_in, i
 
 
-def _ours_to_hf(x: np.ndarray, n_in: int) -> np.ndarray:
-  if n_in == 0:
-    return x
-  return np.ascontiguousarray(x.reshape(int(np.prod(x.shape[:n_in])), -1).T)
+_VOCAB_ROWS = (('embedding',), ('lm_head',))  # their HF tensors are [V, D]: V may be < ours
+_FLOAT_DTYPES = {'F32': 'float32', 'F16': 'float16', 'BF16': 'bfloat16', 'F64': 'float64'}
 
 
-def _hf_to_ours(name: str, w: np.ndarray, n_in: int, shape: tuple[int, ...]) -> np.ndarray:
-  hf_shape = shape if n_in == 0 else (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
-  if w.shape != hf_shape:
-    raise ValueError(f'{name} has shape {w.shape}; config.json implies {hf_shape}.')
-  return w if n_in == 0 else w.T.reshape(shape)
+def _hf_view(x: np.ndarray, n_in: int) -> np.ndarray:
+  """Our array x seen in the HF layout, as a view: a linear weight is [out, in]."""
+  return x if n_in == 0 else x.reshape(int(np.prod(x.shape[:n_in])), -1).T
+
+
+def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
+  return shape if n_in == 0 else (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
 
 
 def _layer_root(params, i: int):
@@ -78,49 +89,26 @@ def _get(tree, path):
   return tree
 
 
-def to_hf(params, c: model_lib.ModelConfig) -> dict[str, np.ndarray]:
-  """Our params (scanned or not) -> {HF name: float32 array}."""
-  out = {}
-  for name, path, n_in, layer in _entries(c):
-    if layer is None:
-      x = np.asarray(_get(params, path), np.float32)
-    else:
-      root, index = _layer_root(params, layer)
-      x = np.asarray(_get(root, path), np.float32)
-      x = x[index] if index is not None else x
-    out[name] = _ours_to_hf(x, n_in)
-  return out
-
-
-def from_hf(tensors, c: model_lib.ModelConfig) -> dict:
-  """{HF name: array} (any float dtype) -> our float32 params, in c.scan_layers' layout."""
-  shapes = _param_shapes(c)
-  missing = [name for name, *_ in _entries(c) if name not in tensors]
-  if missing:
-    raise KeyError(f'the checkpoint lacks {missing[:3]}{" ..." if len(missing) > 3 else ""}')
-  params: dict = {}
-  layers: dict = {}  # path -> [per-layer arrays]
-  for name, path, n_in, layer in _entries(c):
-    w = np.asarray(tensors[name], np.float32)
-    if layer is None:
-      x = _hf_to_ours(name, w, n_in, shapes[path])
-      _set(params, path, x)
-    else:
-      x = _hf_to_ours(name, w, n_in, shapes[('layers',) + path][1:])
-      layers.setdefault(path, []).append(x)
-  for path, per_layer in layers.items():
-    if c.scan_layers:
-      _set(params, ('layers',) + path, np.stack(per_layer))
-    else:
-      for i, x in enumerate(per_layer):
-        _set(params, (f'layers_{i}',) + path, x)
-  return params
-
-
 def _set(tree, path, value):
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
   tree[path[-1]] = value
+
+
+def _ours(params, path, layer) -> np.ndarray:
+  """Our array of one HF tensor: a root param, or one layer's slice of a layer param."""
+  if layer is None:
+    return _get(params, path)
+  root, index = _layer_root(params, layer)
+  x = _get(root, path)
+  return x if index is None else x[index]
+
+
+def to_hf(params, c: model_lib.ModelConfig) -> dict[str, np.ndarray]:
+  """Our params (scanned or not) -> {HF name: float32 array}."""
+  return {name: np.ascontiguousarray(_hf_view(np.asarray(_ours(params, path, layer), np.float32),
+                                              n_in))
+          for name, path, n_in, layer in _entries(c)}
 
 
 def _param_shapes(c: model_lib.ModelConfig) -> dict[tuple, tuple[int, ...]]:
@@ -136,7 +124,131 @@ def _param_shapes(c: model_lib.ModelConfig) -> dict[tuple, tuple[int, ...]]:
   return {tuple(k.key for k in path): tuple(x.shape) for path, x in leaves}
 
 
+def expected_tensors(c: model_lib.ModelConfig, hf_vocab: int) -> dict[str, tuple[int, ...]]:
+  """{HF name: shape} of every tensor c needs; hf_vocab: the checkpoint's rows of the embedding
+  (and lm_head), which may be fewer than ours (a pad appended after the tokenizer's ids)."""
+  shapes = _param_shapes(c)
+  out = {}
+  for name, path, n_in, layer in _entries(c):
+    shape = _hf_shape(shapes[path] if layer is None else shapes[('layers',) + path][1:], n_in)
+    out[name] = (hf_vocab,) + shape[1:] if path in _VOCAB_ROWS else shape
+  return out
+
+
+def _check_tensors(found: dict[str, tuple[tuple[int, ...], str]], c: model_lib.ModelConfig,
+                   hf_vocab: int, where: str) -> None:
+  """found: {name: (shape, dtype name)}, read from headers. Names the first thing that differs
+  from what c needs, before any weight is read."""
+  expected = expected_tensors(c, hf_vocab)
+  missing = [name for name in expected if name not in found]
+  if missing:
+    raise CheckpointError(f'{where}: lacks {_some(missing)} ({len(missing)} of the '
+                          f'{len(expected)} tensors config.json implies).')
+  for name, shape in expected.items():
+    if tuple(found[name][0]) != shape:
+      raise CheckpointError(f'{where}: {name} has shape {tuple(found[name][0])}; config.json '
+                            f'implies {shape}.')
+    if found[name][1] not in _FLOAT_DTYPES.values():
+      raise CheckpointError(f'{where}: {name} is {found[name][1]}; only float32, float16 and '
+                            'bfloat16 weights are read (not quantized ones).')
+  ignored = ('lm_head.weight',) if c.tie_embeddings else ()  # transformers ties it, as we do
+  extra = [name for name in found if name not in expected and name not in ignored
+           and not name.endswith('rotary_emb.inv_freq')]  # a buffer older checkpoints saved
+  if extra:
+    raise CheckpointError(f'{where}: holds {_some(extra)}, which a Llama model of this '
+                          'config.json does not have.')
+
+
+def _some(names: list[str]) -> str:
+  return ', '.join(names[:3]) + (' ...' if len(names) > 3 else '')
+
+
+def _fill(c: model_lib.ModelConfig, hf_vocab: int, names: Iterable[str],
+          read: Callable[[str], np.ndarray]) -> dict:
+  """Our float32 params, allocated once (zeros: embedding rows past hf_vocab stay 0), each tensor
+  of `names` read and converted straight into its place: one tensor in flight at a time."""
+  params: dict = {}
+  for path, shape in _param_shapes(c).items():
+    _set(params, path, state_lib.host_zeros(shape, np.float32))  # saved without a copy (create)
+  places = {name: (path, n_in, layer) for name, path, n_in, layer in _entries(c)}
+  for name in names:
+    if name in places:
+      path, n_in, layer = places[name]
+      target = _hf_view(_ours(params, path, layer), n_in)
+      if path in _VOCAB_ROWS:
+        target = target[:hf_vocab]
+      target[...] = read(name)  # cast to float32 on assignment, straight into the params
+  if not c.scan_layers:  # layers_0, layers_1, ...: views of the stacked arrays
+    layers = params.pop('layers')
+    for i in range(c.num_layers):
+      params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], layers)
+  return params
+
+
+def from_hf(tensors: dict[str, np.ndarray], c: model_lib.ModelConfig) -> dict:
+  """{HF name: array} (any float dtype) -> our float32 params, in c.scan_layers' layout."""
+  found = {name: (w.shape, str(w.dtype)) for name, w in tensors.items()}
+  _check_tensors(found, c, c.vocab_size, 'the tensors')
+  return _fill(c, c.vocab_size, tensors, tensors.__getitem__)
+
+
+def _tensor_files(hf_dir: str) -> list[str]:
+  """model.safetensors, or the shards that model.safetensors.index.json names."""
+  index = os.path.join(hf_dir, 'model.safetensors.index.json')
+  if os.path.isfile(index):
+    with open(index, encoding='utf-8') as f:
+      files = sorted(set(json.load(f)['weight_map'].values()))
+    return [os.path.join(hf_dir, name) for name in files]
+  if os.path.isfile(os.path.join(hf_dir, 'model.safetensors')):
+    return [os.path.join(hf_dir, 'model.safetensors')]
+  raise CheckpointError(f'{hf_dir}: no model.safetensors (or model.safetensors.index.json); '
+                        'convert a PyTorch .bin checkpoint to safetensors first.')
+
+
+def read_params(hf_dir: str, c: model_lib.ModelConfig, hf_vocab: int | None = None) -> dict:
+  """Our float32 params from a local checkpoint, streamed. Every tensor's name, shape and dtype
+  are checked from the safetensors headers first; then each tensor is read in its stored dtype
+  and converted into its place, shard by shard. hf_vocab: config.json's vocab_size (default:
+  c.vocab_size)."""
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  found, file_of = {}, {}
+  for path in _tensor_files(hf_dir):
+    with safe_open(path, framework='numpy') as f:
+      for name in f.keys():
+        info = f.get_slice(name)
+        found[name] = (tuple(info.get_shape()), _FLOAT_DTYPES.get(info.get_dtype(),
+                                                                   info.get_dtype()))
+        file_of[name] = path
+  hf_vocab = c.vocab_size if hf_vocab is None else hf_vocab
+  _check_tensors(found, c, hf_vocab, hf_dir)
+
+  def read(name: str) -> np.ndarray:
+    # Opened per tensor: safetensors memory-maps the file, and the pages read stay resident (the
+    # process's memory) until it is closed; a whole shard would stay on top of the params.
+    with safe_open(file_of[name], framework='numpy') as f:
+      return f.get_tensor(name)
+
+  return _fill(c, hf_vocab, found, read)
+
+
 # config.json
+
+# config.json's rope_type -> model.rope_scaling
+_ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
+
+
+def _rope_config(c: model_lib.ModelConfig) -> dict:
+  """config.json's rotary fields: rope_parameters (transformers >= 5), rope_scaling and rope_theta
+  (older versions)."""
+  scaling = {'rope_type': {ours: hf for hf, ours in _ROPE_TYPES.items()}[c.rope_scaling]}
+  if c.rope_scaling != 'none':
+    scaling['factor'] = c.rope_factor
+  if c.rope_scaling == 'llama3':
+    scaling.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
+                   original_max_position_embeddings=c.rope_original_max_len)
+  return {'rope_theta': c.rope_theta, 'rope_parameters': {**scaling, 'rope_theta': c.rope_theta},
+          'rope_scaling': scaling if c.rope_scaling != 'none' else None}
+
 
 def hf_config(c: model_lib.ModelConfig, *, max_position_embeddings: int, bos_id: int | None,
               eos_id: int | None, pad_id: int | None) -> dict:
@@ -153,9 +265,7 @@ def hf_config(c: model_lib.ModelConfig, *, max_position_embeddings: int, bos_id:
       'hidden_act': 'silu',
       'max_position_embeddings': max_position_embeddings,
       'rms_norm_eps': c.norm_eps,
-      'rope_theta': c.rope_theta,  # transformers < 5
-      'rope_parameters': {'rope_type': 'default', 'rope_theta': c.rope_theta},  # >= 5
-      'rope_scaling': None,
+      **_rope_config(c),
       'tie_word_embeddings': c.tie_embeddings,
       'attention_bias': False,
       'mlp_bias': False,
@@ -169,24 +279,56 @@ def hf_config(c: model_lib.ModelConfig, *, max_position_embeddings: int, bos_id:
   }
 
 
-def model_fields(hf: dict) -> dict:
-  """Our config.model fields from a Llama config.json; refuses what our model cannot compute."""
+def _rope_fields(hf: dict, where: str) -> dict:
+  """Our rotary fields from config.json's rope_parameters (transformers >= 5) or rope_scaling
+  (older: its kind under 'rope_type' or 'type')."""
+  field = 'rope_parameters' if hf.get('rope_parameters') else 'rope_scaling'
+  rope = hf.get(field) or {}
+  kind = rope.get('rope_type', rope.get('type', 'default'))
+  if kind not in _ROPE_TYPES:
+    raise CheckpointError(f'{where}: {field}.rope_type={kind!r} is not supported (supported: '
+                          f'{", ".join(_ROPE_TYPES)}).')
+  partial = rope.get('partial_rotary_factor', hf.get('partial_rotary_factor', 1.0))
+  if partial != 1.0:
+    raise CheckpointError(f'{where}: partial_rotary_factor={partial} is not supported (rotary '
+                          'embeddings on the whole head only).')
+  keys = {'linear': ('factor',),
+          'llama3': ('factor', 'low_freq_factor', 'high_freq_factor')}.get(kind, ())
+  if any(k not in rope for k in keys):
+    raise CheckpointError(f'{where}: {field} of rope_type {kind!r} needs {", ".join(keys)}.')
+  fields = {'rope_theta': float(rope.get('rope_theta', hf.get('rope_theta', 10000.0))),
+            'rope_scaling': _ROPE_TYPES[kind]}
+  if kind != 'default':
+    fields['rope_factor'] = float(rope['factor'])
+  if kind == 'llama3':
+    fields.update(rope_low_freq_factor=float(rope['low_freq_factor']),
+                  rope_high_freq_factor=float(rope['high_freq_factor']),
+                  rope_original_max_len=int(rope.get('original_max_position_embeddings',
+                                                     hf.get('max_position_embeddings', 8192))))
+  return fields
+
+
+def model_fields(hf: dict, where: str = 'config.json') -> dict:
+  """Our config.model fields from a Llama config.json. Refuses what our model cannot compute with
+  a CheckpointError that names each such field and its value."""
   kind = hf.get('model_type')
-  if kind not in ('llama', 'mistral'):
-    raise ValueError(f'model_type {kind!r}: only Llama-architecture checkpoints are supported '
-                     '(model_type llama, or mistral without sliding windows).')
-  rope = hf.get('rope_parameters') or {}
-  scaling = hf.get('rope_scaling') or {}
-  rope_type = rope.get('rope_type', scaling.get('rope_type', scaling.get('type', 'default')))
   problems = [
+      (kind not in ('llama', 'mistral'), f'model_type={kind!r} (only Llama-architecture '
+       'checkpoints: llama, or mistral without sliding windows)'),
       (hf.get('hidden_act', 'silu') != 'silu', f'hidden_act={hf.get("hidden_act")!r} (need silu)'),
-      (hf.get('attention_bias', False) or hf.get('mlp_bias', False), 'biases'),
-      (rope_type != 'default', f'rope scaling {rope_type!r}'),
-      (hf.get('sliding_window') is not None and kind == 'mistral', 'sliding-window attention'),
+      (bool(hf.get('attention_bias')), f'attention_bias={hf.get("attention_bias")!r} (no biases)'),
+      (bool(hf.get('mlp_bias')), f'mlp_bias={hf.get("mlp_bias")!r} (no biases)'),
+      (kind == 'mistral' and hf.get('sliding_window') is not None,
+       f'sliding_window={hf.get("sliding_window")!r} (no sliding-window attention)'),
+      ('quantization_config' in hf, 'quantization_config (quantized weights are not read)'),
   ]
   bad = [what for is_bad, what in problems if is_bad]
   if bad:
-    raise ValueError(f'unsupported in this checkpoint: {", ".join(bad)}.')
+    raise CheckpointError(f'{where}: unsupported: {"; ".join(bad)}.')
+  missing = [k for k in ('num_hidden_layers', 'hidden_size', 'num_attention_heads',
+                         'intermediate_size', 'vocab_size') if k not in hf]
+  if missing:
+    raise CheckpointError(f'{where}: lacks {", ".join(missing)}.')
   heads = hf['num_attention_heads']
   return {
       'num_layers': hf['num_hidden_layers'],
@@ -197,16 +339,29 @@ def model_fields(hf: dict) -> dict:
       'mlp_dim': hf['intermediate_size'],
       'vocab_size': hf['vocab_size'],
       'tie_embeddings': bool(hf.get('tie_word_embeddings', False)),
-      'rope_theta': float(rope.get('rope_theta', hf.get('rope_theta', 10000.0))),
       'norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
+      'max_position_embeddings': int(hf.get('max_position_embeddings', 0)),
+      **_rope_fields(hf, where),
   }
+
+
+def read_config(hf_dir: str) -> dict:
+  """A checkpoint's config.json."""
+  path = os.path.join(hf_dir, 'config.json')
+  if not os.path.isfile(path):
+    raise CheckpointError(f'{path} not found: is {hf_dir!r} a Hugging Face model directory?')
+  try:
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f'{path}: invalid JSON ({e}).') from None
 
 
 # Files
 
 def save(out_dir: str, params, c: model_lib.ModelConfig, *, max_position_embeddings: int,
          tokenizer=None) -> list[str]:
-  """Writes config.json, model.safetensors and, where it can, the tokenizer; returns notes."""
+  """Writes config.json, model.safetensors and the tokenizer (if given); returns notes."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   os.makedirs(out_dir, exist_ok=True)
   ids = {k: getattr(tokenizer, k, None) for k in ('bos_id', 'eos_id', 'pad_id')}
@@ -219,103 +374,96 @@ def save(out_dir: str, params, c: model_lib.ModelConfig, *, max_position_embeddi
   return [] if tokenizer is None else save_tokenizer(out_dir, tokenizer)
 
 
-def load(hf_dir: str) -> tuple[dict, dict]:
-  """(config.json as a dict, {name: array}) of a local checkpoint: model.safetensors or the shards
-  that model.safetensors.index.json names. bfloat16 tensors load through jax (numpy has none)."""
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(hf_dir, 'config.json'), encoding='utf-8') as f:
-    config = json.load(f)
-  index = os.path.join(hf_dir, 'model.safetensors.index.json')
-  if os.path.isfile(index):
-    with open(index, encoding='utf-8') as f:
-      files = sorted(set(json.load(f)['weight_map'].values()))
-  elif os.path.isfile(os.path.join(hf_dir, 'model.safetensors')):
-    files = ['model.safetensors']
-  else:
-    raise FileNotFoundError(f'{hf_dir}: no model.safetensors (or index); convert a PyTorch .bin '
-                            'checkpoint to safetensors first.')
-  tensors = {}
-  for name in files:
-    with safe_open(os.path.join(hf_dir, name), framework='flax') as f:
-      for key in f.keys():
-        tensors[key] = np.asarray(f.get_tensor(key).astype('float32'))
-  return config, tensors
+_PROBE = ' Two  spaces,\ttabs\nand ünïcödé 日本 🙂 3.14159 '
 
 
 def save_tokenizer(out_dir: str, tokenizer) -> list[str]:
-  """Tokenizer files that AutoTokenizer loads, encoding text to the same ids as ours; returns
-  notes. Needs transformers; without it, the model is exported alone (and a note says so)."""
-  try:
-    import transformers  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return ['transformers is not installed: exported the model without a tokenizer. '
-            '`pip install transformers` and export again for the tokenizer files.']
+  """tokenizer.json and tokenizer_config.json that AutoTokenizer loads, encoding text to the same
+  ids as ours (checked on a sample text with the tokenizers library); returns notes. Our special
+  tokens are special tokens there too, so a text that spells one out ('</s>') encodes to its id."""
   convert = {tokenizer_lib.ByteTokenizer: _byte_tokenizer,
-             tokenizer_lib.SentencePieceTokenizer: _sentencepiece_tokenizer}.get(type(tokenizer))
+             tokenizer_lib.SentencePieceTokenizer: _sentencepiece_tokenizer,
+             tokenizer_lib.HfTokenizer: lambda t: tokenizers.Tokenizer.from_file(t.path)
+             }.get(type(tokenizer))
   if convert is None:
     return [f'the run has no text tokenizer ({type(tokenizer).__name__}): exported the model '
             'without one.']
-  hf_tok = convert(transformers, tokenizer, out_dir)
-  hf_tok.save_pretrained(out_dir)
-  probe = ' Two  spaces,\ttabs\nand ünïcödé 日本 🙂 3.14159 '
-  if hf_tok(probe)['input_ids'] != [int(i) for i in tokenizer.encode(probe)]:
-    return [f'the exported tokenizer encodes {probe!r} differently from ours: check it.']
+  tok = convert(tokenizer)
+  specials = {}
+  for key, i in (('bos_token', tokenizer.bos_id), ('eos_token', tokenizer.eos_id),
+                 ('pad_token', tokenizer.pad_id)):
+    text = tok.id_to_token(i)
+    if text is None:  # an id we appended after the tokenizer's own (a pad it lacks)
+      text = next(t for t in (f'<{key[:-6]}>', f'<|{key[:-6]}|>', f'<|{key}_{i}|>')
+                  if tok.token_to_id(t) is None)
+    tok.add_special_tokens([tokenizers.AddedToken(text, special=True, normalized=False)])
+    if tok.token_to_id(text) != i:
+      return [f'could not give the {key} {text!r} its id {i}: exported the model without a '
+              'tokenizer.']
+    specials[key] = text
+  tokenizer_lib.write_hf_tokenizer(tok, out_dir, specials)
+  written = tokenizers.Tokenizer.from_file(os.path.join(out_dir,
+                                                       tokenizer_lib.HfTokenizer.file_name))
+  if written.encode(_PROBE).ids != [int(i) for i in tokenizer.encode(_PROBE)]:
+    return [f'the exported tokenizer encodes {_PROBE!r} differently from ours: check it.']
   return []
 
 
-def _sentencepiece_tokenizer(transformers, tokenizer, out_dir: str):
-  """transformers' conversion of the .model's pieces (BPE or unigram), with sentencepiece's own
-  normalization rebuilt from the model's spec: the converted tokenizer prepends no '▁' before a
-  leading space (sentencepiece's dummy prefix always does) and keeps repeated spaces that
-  remove_extra_whitespaces collapses."""
+def _sentencepiece_tokenizer(tokenizer):
+  """A sentencepiece model (BPE or unigram) as a tokenizers.Tokenizer: its pieces and scores (BPE
+  merges ranked by the merged piece's id, as transformers' own conversion ranks them), byte
+  fallback, and sentencepiece's normalization rebuilt from the model's spec: a '▁' prepended
+  (dummy prefix) and, where the model says so, whitespace stripped and collapsed."""
   from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
-  from tokenizers import Regex, decoders, normalizers  # pylint: disable=g-import-not-at-top
-  shutil.copyfile(tokenizer.path, os.path.join(out_dir, 'tokenizer.model'))
-  converted = transformers.AutoTokenizer.from_pretrained(out_dir)
-  backend = converted.backend_tokenizer
+  decoders, models, normalizers = tokenizers.decoders, tokenizers.models, tokenizers.normalizers
   proto = sentencepiece_model_pb2.ModelProto()
   with open(tokenizer.path, 'rb') as f:
     proto.ParseFromString(f.read())
-  spec = proto.normalizer_spec
+  trainer, spec = proto.trainer_spec, proto.normalizer_spec
+  if trainer.model_type == trainer.UNIGRAM:
+    model = models.Unigram([(p.piece, p.score) for p in proto.pieces], trainer.unk_id,
+                           byte_fallback=trainer.byte_fallback)
+  elif trainer.model_type == trainer.BPE:
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    merges = sorted((rank, i, piece[:i], piece[i:]) for piece, rank in vocab.items()
+                    for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab)
+    model = models.BPE(vocab, [(left, right) for _, _, left, right in merges],
+                       unk_token=trainer.unk_piece, fuse_unk=True,
+                       byte_fallback=trainer.byte_fallback)
+  else:
+    raise CheckpointError(f'{tokenizer.path}: a sentencepiece model of type '
+                          f'{trainer.model_type} (only BPE and unigram are exported).')
+  tok = tokenizers.Tokenizer(model)
+  # Control pieces (<s>, </s>) are special tokens; user-defined pieces are plain added tokens.
+  tok.add_special_tokens([tokenizers.AddedToken(p.piece, special=True, normalized=False)
+                          for p in proto.pieces if p.type == p.CONTROL])
+  tok.add_tokens([tokenizers.AddedToken(p.piece, normalized=False)
+                  for p in proto.pieces if p.type == p.USER_DEFINED])
   steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
   if spec.remove_extra_whitespaces:
-    steps += [normalizers.Strip(), normalizers.Replace(Regex(' {2,}'), ' ')]
+    steps += [normalizers.Strip(), normalizers.Replace(tokenizers.Regex(' {2,}'), ' ')]
   steps.append(normalizers.Replace(' ', '▁'))
   if spec.add_dummy_prefix:
     steps.append(normalizers.Prepend('▁'))
-  backend.normalizer = normalizers.Sequence(steps)
-  backend.pre_tokenizer = None
-  backend.decoder = decoders.Sequence(
+  tok.normalizer = normalizers.Sequence(steps)
+  tok.decoder = decoders.Sequence(
       [decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse()]
       + ([decoders.Strip(' ', 1, 0)] if spec.add_dummy_prefix else []))
-  name = converted.convert_ids_to_tokens
-  specials = {'bos_token': name(tokenizer.bos_id), 'eos_token': name(tokenizer.eos_id)}
-  if proto.trainer_spec.unk_id >= 0:
-    specials['unk_token'] = name(proto.trainer_spec.unk_id)
-  hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
-  # A pad the sentencepiece model lacks was appended after its pieces: append it likewise.
-  if tokenizer.pad_id < tokenizer.num_pieces:
-    hf_tok.pad_token = name(tokenizer.pad_id)
-  else:
-    hf_tok.add_special_tokens({'pad_token': '<pad>'})
-  assert hf_tok.pad_token_id == tokenizer.pad_id, (hf_tok.pad_token_id, tokenizer.pad_id)
-  return hf_tok
+  return tok
 
 
-def _byte_tokenizer(transformers, tokenizer, out_dir: str):
-  del out_dir  # nothing to copy
-  """Our UTF-8 byte tokenizer as a fast tokenizer: ids 0..255 are bytes, then <s>, </s>, <pad>."""
-  import tokenizers  # pylint: disable=g-import-not-at-top
-  byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+def _byte_tokenizer(tokenizer):
+  """Our UTF-8 byte tokenizer as a tokenizers.Tokenizer: ids 0..255 are bytes (as the printable
+  stand-ins of the ByteLevel pre-tokenizer), then <s>, </s>, <pad>; no merges."""
+  pre_tokenizers = tokenizers.pre_tokenizers
   to_char = _bytes_to_unicode()  # the printable stand-in of each byte that ByteLevel emits
-  assert set(to_char.values()) == set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  assert set(to_char.values()) == set(pre_tokenizers.ByteLevel.alphabet())
   vocab = {to_char[b]: b for b in range(256)}
   vocab.update({'<s>': tokenizer.bos_id, '</s>': tokenizer.eos_id, '<pad>': tokenizer.pad_id})
-  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))  # no merges: bytes
-  tok.pre_tokenizer = byte_level
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   tok.decoder = tokenizers.decoders.ByteLevel()
-  return transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tok, bos_token='<s>', eos_token='</s>', pad_token='<pad>')
+  return tok
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -338,44 +486,43 @@ def export(workdir: str, out_dir: str, step: int | None = None) -> list[str]:
   from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
   from jax_pretrain import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   run = workdir_lib.load(workdir, step, devices=jax.devices()[:1])
+  length = max(run.config.model.max_position_embeddings, run.config.data.seq_len)
   return save(out_dir, jax.device_get(run.params), config_lib.model_config(run.config),
-              max_position_embeddings=run.config.data.seq_len, tokenizer=run.tokenizer)
+              max_position_embeddings=length, tokenizer=run.tokenizer)
 
 
 def import_run(hf_dir: str, workdir: str, config):
   """A new run in workdir, at step 0, from a local Llama checkpoint; `config` gives everything but
   the model (which comes from the checkpoint) and is written as the run's config, with
-  checkpoint.restore_from=workdir so that training from it starts from these params."""
+  checkpoint.restore_from=workdir so that training from it starts from these params.
+
+  Everything that can be wrong is checked before a weight is read (see the module docstring).
+  The tokenizer is data.tokenizer if set, else the checkpoint's tokenizer.json (or
+  tokenizer.model); the run keeps it in WORKDIR/tokenizer/.
+  """
   from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
   from jax_pretrain import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  hf_config, tensors = load(hf_dir)
-  config.model.update(model_fields(hf_config))
-  sp_model = os.path.join(hf_dir, 'tokenizer.model')
-  if config.data.tokenizer:
-    tokenizer = tokenizer_lib.load(config.data.tokenizer)
-  elif os.path.isfile(sp_model):
-    tokenizer = tokenizer_lib.load(sp_model)
-  else:
-    tokenizer = tokenizer_lib.ByteTokenizer()
+  workdir_lib.check_new(workdir)
+  hf_config = read_config(hf_dir)
+  config.model.update(model_fields(hf_config, os.path.join(hf_dir, 'config.json')))
+  kinds = (tokenizer_lib.HfTokenizer, tokenizer_lib.SentencePieceTokenizer)
+  if not config.data.tokenizer and not any(
+      os.path.isfile(os.path.join(hf_dir, kind.file_name)) for kind in kinds):
+    raise CheckpointError(f'{hf_dir}: no tokenizer.json or tokenizer.model; give the tokenizer the '
+                          'model was trained with: --config.data.tokenizer=PATH (or byte).')
+  tokenizer = tokenizer_lib.load(config.data.tokenizer or hf_dir)
+  hf_vocab = config.model.vocab_size
+  if getattr(tokenizer, 'num_pieces', tokenizer.vocab_size) > hf_vocab:
+    raise CheckpointError(f'the tokenizer ({tokenizer.path}) has {tokenizer.vocab_size} ids but '
+                          f'{hf_dir} has vocab_size {hf_vocab}: is it the model\'s tokenizer?')
+  if tokenizer.vocab_size > hf_vocab:
+    # A pad id that the tokenizer lacks is appended after its ids: give the embedding room for it
+    # (zero rows: pad is only ever an ignored target; sampling never picks it).
+    config.model.vocab_size = -(-tokenizer.vocab_size // 128) * 128
   # The run's tokenizer is kept in the workdir (workdir.save_tokenizer); training from it reads it.
   config.data.tokenizer = os.path.join(os.path.abspath(workdir), workdir_lib.TOKENIZER_DIR)
   config.checkpoint.restore_from = os.path.abspath(workdir)
-  params = from_hf(tensors, config_lib.model_config(config))
-  if tokenizer.vocab_size > config.model.vocab_size:
-    # A pad id that the sentencepiece model lacks is appended after its pieces: give the embedding
-    # room for it (zero rows: pad is only ever an ignored target; sampling never picks it).
-    params = grow_vocab(params, -(-tokenizer.vocab_size // 128) * 128)
-    config.model.vocab_size = params['embedding'].shape[0]
+  resolved, _ = config_lib.resolve(config, num_devices=1, backend=jax.devices()[0].platform,
+                                   tokenizer_vocab_size=tokenizer.vocab_size)
+  params = read_params(hf_dir, config_lib.model_config(resolved), hf_vocab)
   return workdir_lib.create(workdir, config, params, tokenizer)
-
-
-def grow_vocab(params, vocab_size: int):
-  """The embedding (and untied lm_head) padded with zero rows up to vocab_size."""
-  def grow(x, axis):
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, vocab_size - x.shape[axis])
-    return np.pad(x, pad)
-  params = dict(params, embedding=grow(params['embedding'], 0))
-  if 'lm_head' in params:
-    params['lm_head'] = grow(params['lm_head'], 1)
-  return params

@@ -38,6 +38,7 @@ from jax_pretrain import config as config_lib
 from jax_pretrain import engine as engine_lib
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import workdir as workdir_lib
+from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.errors import UserError
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's default when a task does not say
@@ -93,8 +94,8 @@ class JaxLM(lm_eval_model.TemplateLM):
     return self.tokenizer_.identity
 
   def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-    del add_special_tokens, kwargs  # our tokenizers add no special tokens
-    return [int(t) for t in self.tokenizer_.encode(string)]
+    del add_special_tokens, kwargs  # text alone: lm_eval adds its own prefix token
+    return [int(t) for t in tokenizer_lib.text_ids(self.tokenizer_, string)]
 
   def tok_decode(self, tokens) -> str:
     return self.tokenizer_.decode(tokens)

@@ -1,16 +1,21 @@
-"""Scalars out: TensorBoard (through clu), metrics.jsonl, and the console; MFU.
+"""Scalars out: TensorBoard (through clu), metrics.jsonl, Weights & Biases, and the console; MFU.
 
 Only process 0 writes. clu's TensorBoard writer imports TensorFlow; where TensorFlow is missing
 (e.g. a GPU image without it) the scalars go only to the console and metrics.jsonl, after one warning.
 metrics.jsonl is always written: one JSON object per logged step, with the same scalar names.
+With train.wandb_project set, the same scalars also go to wandb (files under WORKDIR/wandb); the
+run's wandb id is kept in WORKDIR/wandb_run_id, so a resumed run continues the same wandb run.
 """
 import json
 import math
 import os
+import secrets
 import socket
 import time
 
 from absl import logging
+
+from jax_pretrain.errors import UserError
 
 # Peak dense bf16 FLOP/s per device (vendor datasheets, SXM parts, no sparsity). Matched as a
 # substring of jax's device_kind, first match wins; override with train.peak_flops.
@@ -78,26 +83,61 @@ DISCARDED_JSONL = 'metrics.discarded.jsonl'
 TENSORBOARD = 'tensorboard'
 
 
+WANDB_ID_FILE = 'wandb_run_id'  # in the workdir: the wandb run that a resumed run continues
+
+
+class _WandbWriter:
+  """The scalars to a wandb run whose id is kept in the workdir (made on the first start)."""
+
+  def __init__(self, workdir: str, train: dict, config: dict):
+    import wandb  # pylint: disable=g-import-not-at-top  (optional; config.py checks it is there)
+    path = os.path.join(workdir, WANDB_ID_FILE)
+    if os.path.isfile(path):
+      with open(path, encoding='utf-8') as f:
+        run_id = f.read().strip()
+    else:
+      run_id = secrets.token_hex(6)  # wandb run ids: letters and digits, unique in a project
+      with open(path, 'w', encoding='utf-8') as f:
+        f.write(run_id + '\n')
+    name = train['wandb_run_name'] or os.path.basename(os.path.abspath(workdir))
+    try:
+      self._run = wandb.init(project=train['wandb_project'], entity=train['wandb_entity'] or None,
+                             name=name, id=run_id, resume='allow', dir=workdir, config=config)
+    except wandb.errors.Error as e:
+      raise UserError(f'wandb: {e} (log in with `wandb login` or WANDB_API_KEY, or set '
+                      'WANDB_MODE=offline and `wandb sync` later).') from None
+
+  def write_scalars(self, step, scalars):
+    self._run.log(scalars, step=step)
+
+  def close(self):
+    self._run.finish()
+
+
 class MetricWriter:
-  """TensorBoard + metrics.jsonl on process 0; does nothing on other processes.
+  """TensorBoard + metrics.jsonl (+ wandb when config's train.wandb_project is set) on process 0;
+  does nothing on other processes. config: the resolved config as a dict (config.as_dict).
 
   metrics.jsonl holds one line per step, in step order: scalars written for the same step (train,
   then eval) are merged into its line. A run that starts at step S (a resume) first moves the lines
   of later steps, written before a crash, to metrics.discarded.jsonl, and tells TensorBoard to drop
   its points after S (each segment starts with a SessionLog START event at S + 1, by which
-  TensorBoard's loader purges).
+  TensorBoard's loader purges). (wandb keeps them: it ignores points at steps below its last.)
   A failing write (a full disk) is warned about once and training goes on: the checkpoint saves
   check the free space and stop the run cleanly if it is short.
   """
 
-  def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0):
+  def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0,
+               config: dict | None = None):
     self._enabled = enabled
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
     self._path = os.path.join(workdir, JSONL)
     _truncate_jsonl(self._path, os.path.join(workdir, DISCARDED_JSONL), start_step)
-    self._tb = _tensorboard_writer(workdir, start_step)
+    self._writers = [_tensorboard_writer(workdir, start_step)]
+    if config and config['train'].get('wandb_project'):
+      self._writers.append(_WandbWriter(workdir, config['train'], config))
     self._jsonl = open(self._path, 'ab')  # pylint: disable=consider-using-with
     self._last: tuple[int, dict] | None = None  # (file offset, row) of the last line
     self._failures = 0
@@ -107,7 +147,8 @@ class MetricWriter:
       return
     scalars = {k: float(v) for k, v in scalars.items() if v is not None}
     try:
-      self._tb.write_scalars(step, scalars)
+      for writer in self._writers:
+        writer.write_scalars(step, scalars)
       if self._last is not None and self._last[1]['step'] == step:  # merge into the step's line
         offset, row = self._last[0], {**self._last[1], **scalars}
         self._jsonl.seek(offset)
@@ -125,7 +166,8 @@ class MetricWriter:
 
   def close(self) -> None:
     if self._enabled:
-      self._tb.close()
+      for writer in self._writers:
+        writer.close()
       self._jsonl.close()
 
 

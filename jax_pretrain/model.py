@@ -50,6 +50,11 @@ class ModelConfig:
   vocab_size: int
   tie_embeddings: bool = True
   rope_theta: float = 10000.0
+  rope_scaling: str = 'none'  # 'none' | 'linear' | 'llama3' (see rope_frequencies)
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
   norm_eps: float = 1e-5
   init_std: float = 0.02
   attention: str = 'xla'
@@ -90,10 +95,38 @@ class KVCache:
     return cls(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float):
+ROPE_SCALINGS = ('none', 'linear', 'llama3')
+
+
+def rope_frequencies(c: ModelConfig) -> jax.Array:
+  """The rotary inverse frequencies, float32 [H/2], rescaled as Llama checkpoints state it.
+
+  'linear' divides every frequency by rope_factor (positions / factor). 'llama3' (Llama 3.1+)
+  divides only the low frequencies, whose wavelength exceeds rope_original_max_len /
+  rope_low_freq_factor, keeps the high ones (wavelength below rope_original_max_len /
+  rope_high_freq_factor) and interpolates in between: the equations of transformers'
+  _compute_llama3_parameters, in float32 as there, so imported models compute the same angles.
+  """
+  H = c.head_dim
+  inv_freq = 1.0 / (c.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+  if c.rope_scaling == 'linear':
+    return inv_freq / c.rope_factor
+  if c.rope_scaling == 'llama3':
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = c.rope_original_max_len / c.rope_low_freq_factor
+    high_freq_wavelen = c.rope_original_max_len / c.rope_high_freq_factor
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / c.rope_factor, inv_freq)
+    smooth = ((c.rope_original_max_len / wavelen - c.rope_low_freq_factor)
+              / (c.rope_high_freq_factor - c.rope_low_freq_factor))
+    smoothed = (1 - smooth) * scaled / c.rope_factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+  return inv_freq
+
+
+def rope_tables(positions: jax.Array, inv_freq_H2: jax.Array):
   """cos and sin of the rotary angles, float32 [..., H/2] for positions [...] ([T] or [B, T])."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq_H2
   return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -235,11 +268,12 @@ class Transformer(nn.Module):
     # partitioner aborts on a gather from a sharded table inside the train step's shard_map.
     table_VxD = sharding.constrain(embedding_VxD.astype(c.dtype), (None, None), self.mesh)
     x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
+    inv_freq_H2 = rope_frequencies(c)
     if cache is None:
-      cos_TxH2, sin_TxH2 = rope_tables(jnp.arange(tokens_BxT.shape[1]), c.head_dim, c.rope_theta)
+      cos_TxH2, sin_TxH2 = rope_tables(jnp.arange(tokens_BxT.shape[1]), inv_freq_H2)
       kv_args, kv_axes = (), ()
     else:  # per-row positions: tables [B, T, H/2]
-      cos_TxH2, sin_TxH2 = rope_tables(positions_BxT, c.head_dim, c.rope_theta)
+      cos_TxH2, sin_TxH2 = rope_tables(positions_BxT, inv_freq_H2)
       # The cache is scanned over layers (in as xs, out as ys); the positions are shared.
       kv_args = ((cache.k_LxBxSxKxH, cache.v_LxBxSxKxH), positions_BxT)
       kv_axes = (0, nn.broadcast)

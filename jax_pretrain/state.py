@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from jax_pretrain import checkpoint as checkpoint_lib
@@ -181,6 +182,26 @@ def init_state(s: Setup) -> TrainState:
 def state_from_params(s: Setup, params) -> TrainState:
   """A step-0 state with these params and a fresh optimizer, in the state's shardings."""
   return jax.jit(s.new_state_fn, out_shardings=s.state_shardings)(params)
+
+
+def host_zeros(shape, dtype) -> np.ndarray:
+  """np.zeros whose data is 64-byte aligned, which jax.device_put onto a CPU device aliases
+  instead of copying; like np.zeros, its pages take memory only once written."""
+  nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+  raw = np.zeros(nbytes + 64, np.uint8)
+  start = -raw.ctypes.data % 64
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def state_from_host_params(s: Setup, params) -> TrainState:
+  """state_from_params for host (numpy) params on a CPU setup, to save without a second copy:
+  the params (host_zeros filled in place: hf.read_params) and the fresh optimizer state (all
+  zeros for AdamW: count, mu, nu; tests check it against optimizer.init) are aliased by the CPU
+  device, and the untouched zeros take no memory. Elsewhere they are copied."""
+  fresh = jax.tree.map(lambda x: host_zeros(x.shape, x.dtype),
+                       s.abstract_state.replace(params=None)).replace(params=params)
+  return jax.tree.map(lambda x, sharding: jax.device_put(x, sharding, may_alias=True), fresh,
+                      s.state_shardings)
 
 
 def jit_train_step(s: Setup, pad_id: int):

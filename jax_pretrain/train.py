@@ -290,7 +290,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        jax.process_count(), step)
       try:
         train_step = stop.wait('compiling', _compile, s, sources.tokenizer.pad_id)
-        writer = metrics_lib.MetricWriter(workdir, enabled=is_main, start_step=step)
+        writer = metrics_lib.MetricWriter(workdir, enabled=is_main, start_step=step,
+                                          config=config_lib.as_dict(config))
         try:
           logger = StepLogger(s, writer, step)
           state = _loop(s, state, step, data, train_step, checkpointer, stop, logger)

@@ -12,10 +12,12 @@ evaluation, export and import read.
 tokenizer, on this machine's devices. `create(...)` writes a step-0 run from given params (an
 imported Hugging Face model), which training can continue from.
 """
+import copy
 import dataclasses
 import datetime
 import fcntl
 import json
+import math
 import os
 import socket
 from typing import Any
@@ -120,6 +122,16 @@ class Trained:
   step: int
 
 
+def _for_devices(config: ml_collections.ConfigDict, devices) -> ml_collections.ConfigDict:
+  """config (changed in place) for these devices: data-parallel over all of them, batch splits
+  re-derived, and 'xla' attention unless they are GPUs (the run may have used a GPU kernel)."""
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  config.train.micro_batch_size = config.train.eval_batch_size = 0
+  if devices[0].platform != 'gpu':
+    config.model.attention = 'xla'
+  return config
+
+
 def load(workdir: str, step: int | None = None, devices=None) -> Trained:
   """The run's latest (or given) checkpoint on these devices (default: all of this machine's).
 
@@ -129,12 +141,8 @@ def load(workdir: str, step: int | None = None, devices=None) -> Trained:
   """
   config = load_config(workdir)
   tokenizer = load_tokenizer(workdir, config)
-  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
-  config.train.micro_batch_size = config.train.eval_batch_size = 0  # re-derived for these devices
   devices = jax.devices() if devices is None else devices
-  if devices[0].platform != 'gpu':
-    config.model.attention = 'xla'
-  s = state_lib.build(config, devices, tokenizer.vocab_size)
+  s = state_lib.build(_for_devices(config, devices), devices, tokenizer.vocab_size)
   checkpointer = checkpoint_lib.Checkpointer(workdir, read_only=True)
   try:
     step, params = checkpointer.restore_params(s.abstract_state.params, step)
@@ -143,18 +151,31 @@ def load(workdir: str, step: int | None = None, devices=None) -> Trained:
   return Trained(s.config, params, tokenizer, s, step)
 
 
-def create(workdir: str, config: ml_collections.ConfigDict, params, tokenizer) -> Trained:
-  """A new run at step 0 with these params (host arrays) and a fresh optimizer. Its config.json
-  is `config` as given (unresolved: a new run from it resolves it for its own devices)."""
+def check_new(workdir: str) -> None:
+  """Refuses a workdir that already holds checkpoints: a new run there would mix with them."""
   if os.path.exists(os.path.join(workdir, checkpoint_lib.DIRECTORY)):
     raise WorkdirError(f'{workdir} already holds checkpoints; give a new workdir.')
-  s = state_lib.build(config, jax.devices()[:1], tokenizer.vocab_size)
+
+
+def create(workdir: str, config: ml_collections.ConfigDict, params, tokenizer) -> Trained:
+  """A new run at step 0 with these params (host numpy arrays) and a fresh optimizer. Its
+  config.json is `config` as given (unresolved: a new run from it resolves it for its own
+  devices). The state is built on the CPU and saved from host memory (state_from_host_params):
+  an imported model takes one copy of its params in memory, and no accelerator's."""
+  check_new(workdir)
+  devices = jax.devices('cpu')[:1]
+  s = state_lib.build(_for_devices(copy.deepcopy(config), devices), devices, tokenizer.vocab_size)
+  state = state_lib.state_from_host_params(s, params)
+  # As few arrays in flight as orbax allows (its limit must hold the largest): the save then adds
+  # about the largest array to memory, not the whole state (the largest model 2 GB, not 100%).
+  largest_gb = max(x.nbytes for x in jax.tree.leaves(state)) / 1e9
   with claim(workdir):
     save_tokenizer(workdir, tokenizer)
     write_config(workdir, config)
-    checkpointer = checkpoint_lib.Checkpointer(workdir, async_save=False)
+    checkpointer = checkpoint_lib.Checkpointer(workdir, async_save=False,
+                                               save_concurrent_gb=math.ceil(largest_gb))
     try:
-      checkpointer.save(0, state_lib.state_from_params(s, params), {}, config_lib.as_dict(config))
+      checkpointer.save(0, state, {}, config_lib.as_dict(config))
     finally:
       checkpointer.close()
   return Trained(s.config, params, tokenizer, s, 0)

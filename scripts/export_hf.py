@@ -2,8 +2,8 @@
 
   python scripts/export_hf.py --workdir=runs/x --out=hf/x [--step=N]
 
-Writes config.json (LlamaForCausalLM), model.safetensors (float32) and the tokenizer files
-(byte-level or sentencepiece; needs transformers installed). Load it with
+Writes config.json (LlamaForCausalLM), model.safetensors (float32), tokenizer.json and
+tokenizer_config.json (from any of our text tokenizers; transformers is not needed). Load it with
 transformers.AutoModelForCausalLM.from_pretrained('hf/x') and AutoTokenizer.from_pretrained('hf/x').
 The mapping is jax_pretrain/hf.py.
 """

@@ -6,13 +6,15 @@ pretraining.
 
 Reads config.json and model.safetensors (or its shards) from --hf, and writes into --workdir:
   checkpoints/0   the params (float32) in a step-0 train state with a fresh optimizer
-  tokenizer/      the checkpoint's sentencepiece tokenizer when it has one (else bytes)
+  tokenizer/      the checkpoint's tokenizer.json (special tokens from its tokenizer_config.json)
+                  or tokenizer.model, or --config.data.tokenizer
   config.json     the run config: --config (default configs/default.py, with overrides) with
                   config.model taken from the checkpoint
   config.py       that config as a config file, with checkpoint.restore_from=--workdir, so that
                   `python -m jax_pretrain.main --config=runs/y/config.py --workdir=runs/z`
                   continues pretraining from the imported params (fresh optimizer and data order)
-The mapping is jax_pretrain/hf.py.
+Everything is checked before a weight is read (config.json, tokenizer, config, tensor names and
+shapes); then the tensors are streamed, one at a time. The mapping is jax_pretrain/hf.py.
 """
 import os
 

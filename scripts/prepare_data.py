@@ -20,7 +20,9 @@ def main() -> None:
   p.add_argument('--val', default='', help='eval source list (or use --val-ratio)')
   p.add_argument('--val-ratio', type=float, default=0.0,
                  help='hold out this share of each train source (from a document start)')
-  p.add_argument('--tokenizer', default='byte', help="'byte' or a sentencepiece .model")
+  p.add_argument('--tokenizer', default='byte',
+                 help="'byte', a sentencepiece .model, a tokenizer.json, or a directory holding "
+                 "one (a Hugging Face model's, a run's tokenizer/)")
   p.add_argument('--output-dir', required=True)
   p.add_argument('--text-field', default='text', help='JSONL key / Parquet column / TFDS feature')
   p.add_argument('--on-bad-record', default='error', choices=('error', 'skip'))

@@ -17,6 +17,14 @@ os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', CACHE_DIR)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
+# torch's CUDA build (requirements-dev.txt: the transformers agreement tests) imports triton, whose
+# native library crashes the process (SIGSEGV) if TensorFlow (clu's TensorBoard writer, tfds) was
+# loaded before it; loaded first, both work. (A test worker runs metric tests before the HF ones.)
+try:
+  import triton  # pylint: disable=g-import-not-at-top,unused-import
+except ImportError:
+  pass
+
 import jax  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 

@@ -178,3 +178,20 @@ def test_nonfinite_run_halts_with_a_clear_message(tmp_path, mode, message):
   c.train.log_every = 1
   with pytest.raises(train.NonFiniteError, match=message):
     train.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
+
+
+def test_digests_are_the_weighted_sums_of_the_bits_and_need_no_array_of_the_whole_state():
+  """checkpoint._digest_one (axis by axis) equals the definition on the flat bits: [sum b_i,
+  sum b_i * (2i + 1)] mod 2**32, for the dtypes a state holds; its temporaries are one array's."""
+  digest_one = checkpoint_lib._digest_one  # pylint: disable=protected-access
+  rng = np.random.default_rng(0)
+  for shape, dtype in (((), np.int32), ((7,), np.float32), ((3, 5, 4), np.float32),
+                       ((4, 6), jnp.bfloat16), ((70000, 70), np.float32), ((2, 3, 4, 5), np.int8)):
+    x = np.asarray(jnp.asarray(rng.standard_normal(shape) * 1000).astype(dtype))
+    bits = x.view(f'uint{x.dtype.itemsize * 8}').astype(np.uint64).ravel()
+    weights = 2 * np.arange(bits.size, dtype=np.uint64) + 1
+    expected = [int(bits.sum() % 2**32), int((bits * weights % 2**32).sum() % 2**32)]
+    assert np.asarray(digest_one(x)).tolist() == expected, (shape, dtype)
+  big = jax.ShapeDtypeStruct((64, 1024, 1024), jnp.float32)  # 256 MiB
+  temp = digest_one.lower(big).compile().memory_analysis().temp_size_in_bytes
+  assert temp <= 1.05 * 2**28, temp

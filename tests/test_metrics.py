@@ -1,11 +1,22 @@
 """Metric writers and MFU."""
 import builtins
+import glob
+import importlib.util
 import json
 import os
+import signal
+import struct
+import subprocess
 
 import pytest
 
+from jax_pretrain import config as config_lib
 from jax_pretrain import metrics
+from tests.conftest import ROOT
+from tests.conftest import STEPS
+from tests.conftest import command
+from tests.conftest import run_and_signal
+from tests.conftest import subprocess_env
 
 
 def test_mfu_uses_the_device_table_and_the_override():
@@ -83,3 +94,67 @@ def test_a_failing_metrics_write_warns_once_and_training_goes_on(tmp_path, caplo
   writer.write(2, {'train/loss': 2.0})
   warnings = [r for r in caplog.records if 'No space left on device' in r.getMessage()]
   assert len(warnings) == 1 and 'training goes on' in warnings[0].getMessage()
+
+
+def wandb_history(path: str) -> dict[int, dict]:
+  """step -> the scalars logged at it, from an offline run file (run-ID.wandb).
+
+  wandb (>= 0.20, whose core is in Go) ships no Python reader of its files: this reads the format
+  (a LevelDB-style log of protobuf Records: 7-byte file header ':W&B' + magic + version, then in
+  32 KiB blocks, records framed by checksum (4 bytes), length (2), type (1: whole, 2: first,
+  3: middle, 4: last part)) and parses the records with wandb's own protobuf classes."""
+  from wandb.proto import wandb_internal_pb2  # pylint: disable=g-import-not-at-top
+  with open(path, 'rb') as f:
+    data = f.read()
+  assert data[:4] == b':W&B', data[:7]
+  rows, pos, parts = {}, 7, b''
+  while pos + 7 <= len(data):
+    if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+      pos += 32768 - pos % 32768
+      continue
+    _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
+    parts, pos = parts + data[pos + 7:pos + 7 + length], pos + 7 + length
+    if kind in (1, 4):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(parts)
+      parts = b''
+      if record.WhichOneof('record_type') == 'history':
+        row = {item.key or '/'.join(item.nested_key): json.loads(item.value_json)
+               for item in record.history.item}
+        rows[record.history.step.num] = {k: v for k, v in row.items() if not k.startswith('_')}
+  return rows
+
+
+def test_wandb_gets_the_same_scalars_and_a_resumed_run_continues_its_run(tmp_path, monkeypatch):
+  pytest.importorskip('wandb')
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  monkeypatch.setenv('WANDB_SILENT', 'true')
+  wandb_flags = ('--config.train.wandb_project=jax-pretrain-test', '--config.train.eval_every=4')
+  out, status = run_and_signal(tmp_path, signal.SIGTERM, 5, *wandb_flags)
+  assert status == 0 and 'received SIGTERM' in out, out
+  resumed = subprocess.run(command(tmp_path, *wandb_flags), env=subprocess_env(), cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0 and 'resuming from step' in resumed.stdout, resumed.stderr
+
+  with open(tmp_path / metrics.WANDB_ID_FILE, encoding='utf-8') as f:
+    run_id = f.read().strip()
+  runs = sorted(glob.glob(str(tmp_path / 'wandb' / 'offline-run-*')))
+  assert len(runs) == 2 and all(r.endswith(f'-{run_id}') for r in runs)  # one wandb run, resumed
+  first, second = (wandb_history(os.path.join(r, f'run-{run_id}.wandb')) for r in runs)
+  assert max(first) < min(second)  # the resumed run logged on from where the first stopped
+  expected = {}  # metrics.jsonl, the lines of one step merged (train and eval scalars)
+  with open(tmp_path / 'metrics.jsonl', encoding='utf-8') as f:
+    for record in map(json.loads, f):
+      expected.setdefault(record.pop('step'), {}).update(record)
+  assert len(expected) == STEPS and {**first, **second} == expected
+
+
+def test_a_wandb_project_without_wandb_installed_is_refused_at_start(monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, 'find_spec',
+                      lambda name, *args: None if name == 'wandb' else real(name, *args))
+  c = config_lib.preset('test')
+  c.train.wandb_project = 'p'
+  with pytest.raises(config_lib.ConfigError, match=r"train.wandb_project='p' needs wandb: `pip "
+                     'install wandb`'):
+    config_lib.resolve(c, num_devices=1, backend='cpu')

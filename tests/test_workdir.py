@@ -8,7 +8,9 @@ import jax
 import numpy as np
 import pytest
 
+from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
+from jax_pretrain import state as state_lib
 from jax_pretrain import train
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
@@ -51,3 +53,24 @@ def test_a_run_written_before_tokenizer_dir_and_optim_group_still_loads(run, tmp
 def test_a_directory_that_is_not_a_run_is_a_user_error(tmp_path):
   with pytest.raises(workdir_lib.WorkdirError, match='config.json not found'):
     workdir_lib.load(str(tmp_path))
+
+
+def test_create_saves_the_state_a_fresh_optimizer_would_start_from(run, tmp_path):
+  """create() writes the step-0 state from the host (np.zeros for the optimizer's moments): it
+  restores equal to state_from_params, i.e. to optimizer.init."""
+  trained = workdir_lib.load(run, devices=jax.devices()[:1])
+  params = jax.tree.map(np.asarray, jax.device_get(trained.params))
+  created = workdir_lib.create(str(tmp_path / 'new'), workdir_lib.load_config(run), params,
+                               trained.tokenizer)
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / 'new'), read_only=True)
+  try:
+    step, restored = checkpointer.restore_latest(created.setup.abstract_state)
+  finally:
+    checkpointer.close()
+  fresh = state_lib.state_from_params(created.setup, params)
+  assert step == 0
+  for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(fresh), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with pytest.raises(workdir_lib.WorkdirError, match='already holds checkpoints'):
+    workdir_lib.create(str(tmp_path / 'new'), workdir_lib.load_config(run), params,
+                       trained.tokenizer)

@@ -271,12 +271,20 @@ class Parquet(TextFormat):
   """A text (or UTF-8 binary) column; one work item per row group."""
   name, endings = 'parquet', ('.parquet',)
 
+  @staticmethod
+  def _open(path: str):
+    """A pyarrow ParquetFile of a path, or of a URL that fsspec opens (hf://, s3://, ...)."""
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    if '://' not in path:
+      return pq.ParquetFile(path)
+    import fsspec  # pylint: disable=g-import-not-at-top
+    return pq.ParquetFile(fsspec.open(path, 'rb').open())
+
   @classmethod
   def plan(cls, path: str, field: str) -> list[WorkItem]:
     import pyarrow  # pylint: disable=g-import-not-at-top
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
     try:
-      pf = pq.ParquetFile(path)
+      pf = cls._open(path)
     except (pyarrow.ArrowException, OSError) as e:
       raise DataError(f'{path}: not a readable Parquet file ({e}).') from None
     schema = pf.schema_arrow
@@ -297,8 +305,7 @@ class Parquet(TextFormat):
 
   @classmethod
   def read(cls, item: WorkItem) -> Iterator[Record]:
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-    column = pq.ParquetFile(item.path).read_row_group(item.start, columns=[item.field]).column(0)
+    column = cls._open(item.path).read_row_group(item.start, columns=[item.field]).column(0)
     for n, value in enumerate(column.to_pylist(), item.first):
       yield (n, *text_value(value, item.field))
 

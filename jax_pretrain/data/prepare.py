@@ -2,7 +2,7 @@
 
   OUTPUT/meta.json          what is inside: tokenizer record, sources with weights and counts,
                             and the fingerprint of the inputs (re-running on the same is a no-op)
-  OUTPUT/tokenizer.model    the sentencepiece model (absent for the byte tokenizer)
+  OUTPUT/tokenizer.model    the sentencepiece model, or tokenizer.json (none for the byte tokenizer)
   OUTPUT/train/K-NAME.bin   token ids of source K, documents each followed by EOS (tokens.py)
   OUTPUT/train/K-NAME.json  its sidecar; K-NAME.docs.npy its document index
   OUTPUT/val/...            the same for the eval split (--val sources, or carved by --val-ratio)
@@ -101,9 +101,9 @@ def prepare(train: str, output_dir: str, tokenizer: str = 'byte', val: str = '',
   pool = None
   if workers > 1:
     pool = multiprocessing.get_context('spawn').Pool(
-        workers, initializer=_init_worker, initargs=(tok.path, on_bad_record))
+        workers, initializer=_init_worker, initargs=(tokenizer, on_bad_record))
   else:
-    _init_worker(tok.path, on_bad_record)
+    _init_worker(tokenizer, on_bad_record)
   try:
     t0 = time.perf_counter()
     meta = dict(format=FORMAT, fingerprint=fingerprint, tokenizer=tokenizer_lib.save(tok, tmp),

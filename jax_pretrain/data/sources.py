@@ -3,7 +3,8 @@
 A source list is what `data.train`, `data.val` and `prepare_data.py --train/--val` take:
 comma-separated sources, each with an optional `:weight` and an optional `#field`:
 
-  data/fineweb/*.jsonl:0.45,data/pdfs.parquet#content:0.2,tfds:usmle_qa@train:0.1,embedded
+  data/fineweb/*.jsonl:0.45,data/pdfs.parquet#content:0.2,tfds:usmle_qa@train:0.1,embedded,
+  hf:data/my_dataset:0.1,hf://datasets/OWNER/NAME/data/*.parquet#content:0.1
 
 Each kind of source is a class registered in KINDS, tried in order: the first whose `claims(body)`
 is true parses the entry. A kind turns itself into token streams (`components`); text kinds also
@@ -21,6 +22,7 @@ from absl import logging
 import numpy as np
 
 from jax_pretrain.data import formats
+from jax_pretrain.data import hub
 from jax_pretrain.data import tokens as tokens_lib
 from jax_pretrain.data.errors import DataError
 
@@ -203,6 +205,49 @@ class Tfds(TextSource, formats.Reader):
   @classmethod
   def location(cls, item: formats.WorkItem, n: int) -> str:
     return f'{item.path}: record {n}'
+
+
+# Hugging Face datasets, and Parquet files on URLs (data/hub.py) ------------------------------
+
+@register
+class HfDataset(TextSource, formats.Reader):
+  """hf:NAME_OR_PATH[@SPLIT]: a Hugging Face dataset, saved (save_to_disk), local or on the Hub."""
+  name = 'hf'
+
+  def __init__(self, text: str, weight: float = 1.0, field: str = ''):
+    super().__init__(text, weight, field)
+    self.dataset, _, self.split = text[len('hf:'):].partition('@')
+
+  @staticmethod
+  def claims(body: str) -> bool:
+    return body.startswith('hf:') and not body.startswith('hf://')
+
+  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+    return hub.plan(self.name, self.dataset, self.split, self.field or options.text_field)
+
+  @classmethod
+  def read(cls, item: formats.WorkItem) -> Iterator[formats.Record]:
+    return hub.read(item)
+
+  @classmethod
+  def location(cls, item: formats.WorkItem, n: int) -> str:
+    return hub.location(item, n)
+
+
+@register
+class RemoteFiles(TextSource):
+  """Parquet files on a URL: hf://datasets/OWNER/NAME[@REVISION]/GLOB.parquet (huggingface_hub's
+  filesystem), or any URL fsspec opens (s3://, gs://, file://)."""
+
+  @staticmethod
+  def claims(body: str) -> bool:
+    return '://' in body
+
+  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+    field = self.field or options.text_field
+    return [item for url in hub.glob(self.text) for item in formats.Parquet.plan(url, field)]
+
+# ---------------------------------------------------------------------------------------------
 
 
 def read_meta(directory: str) -> dict:

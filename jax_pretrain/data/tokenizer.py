@@ -1,4 +1,5 @@
-"""Tokenizers: UTF-8 bytes (the embedded default), sentencepiece, and bare ids (pre-tokenized data).
+"""Tokenizers: UTF-8 bytes (the embedded default), sentencepiece, Hugging Face tokenizer.json, and
+bare ids (pre-tokenized data).
 
 All have encode(str) -> int32 [n], decode(ids) -> str, vocab_size, bos_id, eos_id, pad_id, and
 `identity`: equal for two tokenizers exactly when they map text to the same ids. Prepared data
@@ -76,6 +77,101 @@ class SentencePieceTokenizer:
     return self._sp.DecodeIds([int(i) for i in ids if 0 <= int(i) < self.num_pieces])
 
 
+HF_CONFIG_FILE = 'tokenizer_config.json'  # beside a tokenizer.json: its special tokens
+_HF_SPECIAL_FILES = ('special_tokens_map.json', HF_CONFIG_FILE)  # read in order; the last wins
+
+
+def hf_special_tokens(directory: str) -> dict[str, str]:
+  """{'bos_token': text, ...} that tokenizer_config.json / special_tokens_map.json in directory
+  name (a value may be a string or an AddedToken dict with its 'content')."""
+  found = {}
+  for name in _HF_SPECIAL_FILES:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+      continue
+    try:
+      with open(path, encoding='utf-8') as f:
+        config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise DataError(f'{path}: invalid JSON ({e}).') from None
+    for key in ('bos_token', 'eos_token', 'pad_token'):
+      value = config.get(key) if isinstance(config, dict) else None
+      value = value.get('content') if isinstance(value, dict) else value
+      if isinstance(value, str):
+        found[key] = value
+  return found
+
+
+class HfTokenizer:
+  """A Hugging Face `tokenizers` file, tokenizer.json (what SmolLM, Llama 3 and most current models
+  ship), read with the tokenizers library.
+
+  encode() applies the file's own post-processor, as AutoTokenizer does by default and as the
+  model was trained: Llama 3's prepends <|begin_of_text|>, so a document is BOS text EOS. BOS,
+  EOS and pad are the tokens that tokenizer_config.json (or special_tokens_map.json) beside the
+  file names, or ids given by a record; a missing BOS is EOS, and a missing pad is appended after
+  the vocabulary (as for sentencepiece), so pad never collides with a real token.
+  """
+  file_name = 'tokenizer.json'  # its name where a record keeps it (tokenizer.save)
+
+  def __init__(self, path: str, special_ids: tuple[int, int, int] | None = None):
+    try:
+      import tokenizers  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      raise DataError(f'{path}: reading a tokenizer.json needs the tokenizers package: '
+                      '`pip install tokenizers`.') from None
+    if not os.path.isfile(path):
+      raise DataError(f'{path}: tokenizer file not found.')
+    with open(path, 'rb') as f:
+      data = f.read()
+    try:
+      self._tok = tokenizers.Tokenizer.from_str(data.decode('utf-8'))
+    except Exception as e:  # pylint: disable=broad-except  (tokenizers raises Exception itself)
+      raise DataError(f'{path}: not a Hugging Face tokenizer.json ({str(e).strip()[:120]}).'
+                      ) from None
+    self.path = path
+    self.num_pieces = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+    if special_ids is None:
+      special_ids = self._special_ids_from_config()
+    (self.bos_id, self.eos_id, self.pad_id), self.vocab_size = _with_appended_specials(
+        self.num_pieces, list(special_ids))
+    digest = hashlib.sha256(data + json.dumps([self.bos_id, self.eos_id, self.pad_id]).encode())
+    self.identity = 'tokenizers:' + digest.hexdigest()[:16]
+
+  def _special_ids_from_config(self) -> tuple[int, int, int]:
+    tokens = hf_special_tokens(os.path.dirname(os.path.abspath(self.path)))
+    ids = {}
+    for key, text in tokens.items():
+      ids[key] = self._tok.token_to_id(text)
+      if ids[key] is None:
+        raise DataError(f'{self.path}: the {key} {text!r} of {HF_CONFIG_FILE} is not in its '
+                        'vocabulary.')
+    if 'eos_token' not in ids:
+      raise DataError(f'{self.path}: no eos_token: put a {HF_CONFIG_FILE} beside it that names '
+                      'one, e.g. {"eos_token": "<|endoftext|>"} (documents are separated by it).')
+    eos = ids['eos_token']
+    return ids.get('bos_token', eos), eos, ids.get('pad_token', -1)
+
+  def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+    return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, np.int32)
+
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in self._tok.encode_batch(texts)] if texts else []
+
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self.num_pieces],
+                            skip_special_tokens=True)
+
+
+def text_ids(tokenizer, text: str) -> np.ndarray:
+  """The ids of text alone, without the special tokens a tokenizer.json's post-processor adds
+  (Llama 3's BOS), for callers that frame text themselves (lm-evaluation-harness adds its own
+  prefix token); our other tokenizers add none."""
+  if isinstance(tokenizer, HfTokenizer):
+    return tokenizer.encode(text, add_special_tokens=False)
+  return tokenizer.encode(text)
+
+
 class IdTokenizer:
   """Pre-tokenized data with no tokenizer at hand: knows the ids, not the text.
 
@@ -108,15 +204,23 @@ RECORD_FILE = 'tokenizer_record.json'  # in a tokenizer directory written by sav
 
 
 def load(spec: str):
-  """'byte', a sentencepiece .model path, or a directory written by save() (a run's tokenizer/)."""
+  """'byte', a sentencepiece .model, a tokenizer.json (any name ending in .json), or a directory:
+  one written by save() (a run's tokenizer/), else one holding tokenizer.json or tokenizer.model
+  (a Hugging Face model directory)."""
   if spec == 'byte':
     return ByteTokenizer()
   if os.path.isdir(spec):
     path = os.path.join(spec, RECORD_FILE)
-    if not os.path.isfile(path):
-      raise DataError(f'{spec}: a directory without {RECORD_FILE}; give a tokenizer file.')
-    with open(path, encoding='utf-8') as f:
-      return from_record(json.load(f), spec, path)
+    if os.path.isfile(path):
+      with open(path, encoding='utf-8') as f:
+        return from_record(json.load(f), spec, path)
+    for kind in (HfTokenizer, SentencePieceTokenizer):
+      if os.path.isfile(os.path.join(spec, kind.file_name)):
+        return kind(os.path.join(spec, kind.file_name))
+    raise DataError(f'{spec}: a directory without {RECORD_FILE}, {HfTokenizer.file_name} or '
+                    f'{SentencePieceTokenizer.file_name}; give a tokenizer file.')
+  if spec.endswith('.json'):
+    return HfTokenizer(spec)
   return SentencePieceTokenizer(spec)
 
 
@@ -150,9 +254,12 @@ def from_record(rec: dict, directory: str, where: str):
   identity = rec.get('tokenizer', '')
   if identity == 'byte':
     return ByteTokenizer()
-  if identity.startswith('sentencepiece:'):
-    path = os.path.join(directory, rec.get('tokenizer_file', 'tokenizer.model'))
-    tok = SentencePieceTokenizer(path)
+  if identity.startswith(('sentencepiece:', 'tokenizers:')):
+    kind = HfTokenizer if identity.startswith('tokenizers:') else SentencePieceTokenizer
+    path = os.path.join(directory, rec.get('tokenizer_file', kind.file_name))
+    # A tokenizer.json's special ids are the record's (its tokenizer_config.json is not kept).
+    tok = (HfTokenizer(path, (rec['bos_id'], rec['eos_id'], rec['pad_id'])) if kind is HfTokenizer
+           else SentencePieceTokenizer(path))
     if tok.identity != identity:
       raise DataError(f'{where}: records tokenizer {identity}, but {path} is {tok.identity}.')
     return tok
@@ -199,3 +306,55 @@ def train_sentencepiece(texts, output: str, vocab_size: int, model_type: str = '
   os.replace(prefix + '.model', output)  # complete or absent: never half-written
   os.replace(prefix + '.vocab', output[:-len('.model')] + '.vocab')
   return SentencePieceTokenizer(output)
+
+
+def write_hf_tokenizer(tok, directory: str, specials: dict[str, str]) -> None:
+  """tok (a tokenizers.Tokenizer) as directory/tokenizer.json, and the tokenizer_config.json that
+  names its special tokens (specials: {'bos_token': text, ...}): the files that
+  AutoTokenizer.from_pretrained(directory) and HfTokenizer read. Needs no transformers."""
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, HfTokenizer.file_name)
+  tok.save(f'{path}.tmp-{os.getpid()}')
+  os.replace(f'{path}.tmp-{os.getpid()}', path)  # complete or absent: never half-written
+  config = dict(tokenizer_class='PreTrainedTokenizerFast', clean_up_tokenization_spaces=False,
+                **specials)
+  with open(os.path.join(directory, HF_CONFIG_FILE), 'w', encoding='utf-8') as f:
+    json.dump(config, f, indent=2, ensure_ascii=False)
+    f.write('\n')
+
+
+BYTE_LEVEL_EOS, BYTE_LEVEL_PAD = '<|endoftext|>', '<|pad|>'  # ids 0 and 1 of train_bytelevel_bpe
+
+
+def train_bytelevel_bpe(texts, output: str, vocab_size: int) -> HfTokenizer:
+  """Trains a byte-level BPE (the GPT-2 and Llama 3 kind) with the tokenizers library and writes
+  output (DIR/tokenizer.json) and DIR/tokenizer_config.json: a model directory's tokenizer.
+
+  Every string is encodable (the 256 bytes are the base vocabulary) and decodes back exactly: no
+  normalization; GPT-2's pre-tokenizer splits words (with their leading space) and digits are
+  split one by one. Ids: <|endoftext|> 0 (EOS, also BOS), <|pad|> 1, then bytes and merges.
+  """
+  try:
+    import tokenizers  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise DataError('training a byte-level BPE needs the tokenizers package: '
+                    '`pip install tokenizers`.') from None
+  if os.path.basename(output) != HfTokenizer.file_name:
+    raise DataError(f'{output}: the file name must be {HfTokenizer.file_name} (its directory is '
+                    'the tokenizer, with tokenizer_config.json beside it).')
+  models, pre_tokenizers = tokenizers.models, tokenizers.pre_tokenizers
+  alphabet = pre_tokenizers.ByteLevel.alphabet()
+  if vocab_size < len(alphabet) + 2:
+    raise DataError(f'vocab size {vocab_size}: a byte-level BPE needs at least '
+                    f'{len(alphabet) + 2} (256 bytes and 2 special tokens).')
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.ByteLevel(add_prefix_space=False)])
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=[BYTE_LEVEL_EOS, BYTE_LEVEL_PAD],
+      initial_alphabet=alphabet, show_progress=False))
+  write_hf_tokenizer(tok, os.path.dirname(os.path.abspath(output)), {
+      'bos_token': BYTE_LEVEL_EOS, 'eos_token': BYTE_LEVEL_EOS, 'pad_token': BYTE_LEVEL_PAD})
+  return HfTokenizer(output)
