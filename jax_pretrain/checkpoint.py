@@ -113,6 +113,24 @@ def _cause(error: Exception) -> str:
   return text.splitlines()[0][:300] if text else type(error).__name__
 
 
+def _options(read_only: bool, **kwargs) -> ocp.CheckpointManagerOptions:
+  """Options that a reader (read_only) needs no orbax warning to correct."""
+  if read_only:
+    kwargs.update(save_interval_steps=0, max_to_keep=None, preservation_policy=None)
+  return ocp.CheckpointManagerOptions(read_only=read_only, create=not read_only,
+                                      cleanup_tmp_directories=not read_only, **kwargs)
+
+
+def _manager(directory: str, **kwargs) -> ocp.CheckpointManager:
+  """A CheckpointManager, made without orbax's warning that a reader's directory is read only."""
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)
+  try:
+    return ocp.CheckpointManager(directory, **kwargs)
+  finally:
+    logging.set_verbosity(verbosity)
+
+
 class Checkpointer:
   """Saves and restores train state, data position and config under workdir/checkpoints."""
 
@@ -126,15 +144,13 @@ class Checkpointer:
     if keep_best > 0:
       keep_policies.append(policies.BestN(get_metric_fn=lambda m: m['eval/loss'], reverse=True,
                                           n=keep_best, keep_checkpoints_without_metrics=False))
-    self._manager = ocp.CheckpointManager(
+    self._manager = _manager(
         self.directory,
         item_handlers={'state': ocp.StandardCheckpointHandler(**limit),
                        'data': ocp.JsonCheckpointHandler(), 'config': ocp.JsonCheckpointHandler(),
                        'digests': ocp.JsonCheckpointHandler()},
-        options=ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save, create=not read_only, read_only=read_only,
-            cleanup_tmp_directories=not read_only,
-            preservation_policy=policies.AnyPreservationPolicy(keep_policies)))
+        options=_options(read_only, enable_async_checkpointing=async_save,
+                         preservation_policy=policies.AnyPreservationPolicy(keep_policies)))
     self._pending: int | None = None  # the step being saved in the background
 
   def all_steps(self) -> list[int]:
@@ -256,9 +272,8 @@ class Checkpointer:
     check_shapes(self._manager.item_metadata(step)['state']['params'], abstract_params, where)
     # The standard handler restores whole trees only; the PyTree handler reads the same files and
     # can skip the optimizer state (which may differ in structure between runs).
-    reader = ocp.CheckpointManager(self.directory,
-                                   item_handlers={'state': ocp.PyTreeCheckpointHandler()},
-                                   options=ocp.CheckpointManagerOptions(read_only=True))
+    reader = _manager(self.directory, item_handlers={'state': ocp.PyTreeCheckpointHandler()},
+                      options=_options(read_only=True))
     abstract = {'params': abstract_params}
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
                                 abstract)
