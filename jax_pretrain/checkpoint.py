@@ -103,6 +103,13 @@ def _verify(tree, saved: dict[str, list[int]] | None, prefix: str = '') -> None:
                               'changed or damaged after the save)')
 
 
+def _size(num_bytes: float) -> str:
+  for unit, scale in (('GB', 1e9), ('MB', 1e6), ('KB', 1e3)):
+    if num_bytes >= scale:
+      return f'{num_bytes / scale:.3g} {unit}'
+  return f'{num_bytes:.0f} bytes'
+
+
 def _cause(error: Exception) -> str:
   """The gist of an orbax/tensorstore error: the OS error when there is one (their messages
   repeat long paths), else the start of the message."""
@@ -168,9 +175,9 @@ class Checkpointer:
     free = shutil.disk_usage(self.directory).free
     if free < needed * _FREE_SPACE_MARGIN:
       raise CheckpointError(
-          f'saving step {step}: {self.directory} has {free / 2**30:.2f} GiB free, but the '
-          f'checkpoint needs about {needed / 2**30:.2f} GiB. {self.last_complete()} Free some '
-          'space (or lower checkpoint.keep) and run the same command to resume.')
+          f'saving step {step}: {self.directory} has {_size(free)} free, but the checkpoint '
+          f'needs about {_size(needed)}. {self.last_complete()} Free some space (or lower '
+          'checkpoint.keep) and run the same command to resume.')
     try:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),

@@ -389,7 +389,7 @@ def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> dict[str, 
   """{'group.field': (checkpoint's value, this config's)} of every resolved field that differs
   from the checkpoint's config (saved: its dict). Raises ConfigError listing the refused ones."""
   old = from_dict(saved)
-  changes, refused = {}, []
+  changes, refused = {}, {}  # reason -> the fields it refuses
   for group in config:
     for name in config[group]:
       field, before, after = f'{group}.{name}', old[group][name], config[group][name]
@@ -400,12 +400,13 @@ def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> dict[str, 
       if field == 'optim.grad_clip' and (before > 0) != (after > 0):
         reason = _SHAPE  # clipping on or off: another optimizer state
       if reason:
-        refused.append(f'{field} {before!r} -> {after!r} ({reason})')
+        refused.setdefault(reason, []).append(f'{field} {before!r} -> {after!r}')
   if refused:
     raise ConfigError(
-        'cannot resume with this config: ' + '; '.join(refused) + '. Resume with the old '
-        'value, or start a new run from these params: --config.checkpoint.restore_from=WORKDIR '
-        '--workdir=NEW (fresh optimizer and data order).')
+        'cannot resume with this config: ' + '; '.join(
+            f'{", ".join(fields)} ({reason})' for reason, fields in refused.items())
+        + '. Resume with the old values, or start a new run from these params: '
+        '--config.checkpoint.restore_from=WORKDIR --workdir=NEW (fresh optimizer and data order).')
   return changes
 
 

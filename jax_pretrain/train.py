@@ -193,21 +193,29 @@ def _claim(workdir: str):
   return lock
 
 
-def _initial_state(s: Setup, checkpointer, is_main: bool) -> tuple[TrainState, dict]:
-  """(state, config changes) from this workdir's latest checkpoint (the config checked against
-  it), else restore_from's params, else fresh parameters."""
+def _resume_changes(s: Setup, checkpointer, is_main: bool) -> dict:
+  """The config's changes against the checkpoint the run will resume from (printed), or {} for a
+  new run; raises ConfigError for changes that do not fit it. Reads only its config.json."""
   latest = checkpointer.latest_step()
-  if latest is not None:
-    saved = checkpointer.saved_config(latest)
-    changes = config_lib.resume_changes(saved, s.config) if saved else {}
-    restored = checkpointer.restore_latest(s.abstract_state)
-    if restored is not None:
-      step, state = restored
-      if is_main:
-        print(f'resuming from step {step} ({checkpointer.directory})', flush=True)
-        for field, (before, after) in changes.items():
-          print(f'config change on resume: {field} {before!r} -> {after!r}', flush=True)
-      return state, changes
+  saved = checkpointer.saved_config(latest) if latest is not None else None
+  if not saved:
+    return {}
+  changes = config_lib.resume_changes(saved, s.config)
+  if is_main:
+    for field, (before, after) in changes.items():
+      print(f'config change on resume: {field} {before!r} -> {after!r}', flush=True)
+  return changes
+
+
+def _initial_state(s: Setup, checkpointer, is_main: bool) -> TrainState:
+  """This workdir's latest checkpoint that restores, else restore_from's params, else fresh
+  parameters."""
+  restored = checkpointer.restore_latest(s.abstract_state)
+  if restored is not None:
+    step, state = restored
+    if is_main:
+      print(f'resuming from step {step} ({checkpointer.directory})', flush=True)
+    return state
   source = s.config.checkpoint.restore_from
   if source:
     other = checkpoint_lib.Checkpointer(source, read_only=True)
@@ -218,8 +226,8 @@ def _initial_state(s: Setup, checkpointer, is_main: bool) -> tuple[TrainState, d
     if is_main:
       print(f'starting from the params of {other.directory} step {step} (fresh optimizer and '
             'data order)', flush=True)
-    return state_lib.state_from_params(s, params), {}
-  return state_lib.init_state(s), {}
+    return state_lib.state_from_params(s, params)
+  return state_lib.init_state(s)
 
 
 def _compile(s: Setup, pad_id: int):
@@ -276,11 +284,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
                                                async_save=ck.async_save)
     try:
+      changes = _resume_changes(s, checkpointer, is_main)
       if is_main:
         print(describe(s, model_lib.count_params(s.abstract_state.params)), flush=True)
         if fitted:
           print(f'chosen            {fitted}', flush=True)
-      state, changes = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
+      state = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
       step = int(jax.device_get(state.step))
       if is_main:  # only once the restore succeeded
         workdir_lib.write_config(workdir, config)

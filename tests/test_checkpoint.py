@@ -142,7 +142,7 @@ def test_restore_from_starts_a_new_run_from_another_runs_params(tmp_path):
   c.optim.grad_clip = 0.0  # another optimizer structure: only the params carry over
   s = state_lib.build(c, devices=jax.devices()[:1])
   empty = checkpoint_lib.Checkpointer(tmp_path / 'b')
-  state, _ = train._initial_state(s, empty, is_main=False)  # pylint: disable=protected-access
+  state = train._initial_state(s, empty, is_main=False)  # pylint: disable=protected-access
   empty.close()
   assert int(state.step) == 0
   for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(state.params)):

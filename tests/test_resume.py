@@ -139,7 +139,7 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_stops_the_run_at_the_save_naming_it_and_the_last_checkpoint(small_disk):
   with pytest.raises(checkpoint_lib.CheckpointError,
-                     match=r'saving step 10: .* GiB free, but the checkpoint needs about .* The last '
+                     match=r'saving step 10: .* has .*B free, but the checkpoint needs about .*B\. The last '
                            r'complete checkpoint is step 5\.'):
     run(small_disk / 'run')
   assert sorted(os.listdir(small_disk / 'run' / 'checkpoints')) == ['5']
