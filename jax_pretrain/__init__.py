@@ -1,1 +1,7 @@
 """jax_pretrain: pretrain decoder-only language models with JAX/Flax on one GPU, one node or many."""
+
+import os as _os
+
+# The checkout's presets (configs/*.py), found by path: `--config=configs/xlarge.py`.
+PRESETS_DIR = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))),
+                            'configs')

@@ -1,7 +1,7 @@
 """Checkpoints with orbax: asynchronous saves, last K plus best N by eval loss, verified restores.
 
-A checkpoint holds the whole train state (params, optimizer state, step, non-finite counters), the
-data position, the resolved config, and a digest of every array. Arrays restore into whatever
+A checkpoint holds the whole train state (params, optimizer state, step, non-finite counters; the
+step is also the data position), the resolved config, and a digest of every array. Arrays restore into whatever
 shardings the caller's abstract state carries, so a checkpoint written on 8 devices restores on 1
 and the other way round.
 
@@ -13,6 +13,7 @@ What can go wrong, and what happens:
 - A complete-looking checkpoint whose files are damaged, or whose arrays do not match the digests
   computed on the device when it was saved, is moved to STEP.damaged and the previous one is used.
 """
+import logging as pylogging
 import os
 import re
 import shutil
@@ -138,8 +139,31 @@ def _manager(directory: str, **kwargs) -> ocp.CheckpointManager:
     logging.set_verbosity(verbosity)
 
 
+def _any_process(flag: bool) -> bool:
+  """Whether the flag is set on any process (a collective: every process must call it)."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
+def _all_processes(flag: bool) -> bool:
+  return not _any_process(not flag)
+
+
+class _OrbaxFailureTracebacks(pylogging.Filter):
+  """Drops the tracebacks orbax logs for a failed background save: the CheckpointError raised for
+  it says what failed in one line (and chains the exception)."""
+
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    return not (record.levelno >= pylogging.ERROR and record.exc_info
+                and f'{os.sep}orbax{os.sep}' in record.pathname)
+
+
+_ORBAX_FILTER = _OrbaxFailureTracebacks()
+
+
 class Checkpointer:
-  """Saves and restores train state, data position and config under workdir/checkpoints."""
+  """Saves and restores the train state and config under workdir/checkpoints."""
 
   def __init__(self, workdir: str, *, keep: int = 2, keep_best: int = 0, async_save: bool = True,
                read_only: bool = False, save_concurrent_gb: int = 0):
@@ -154,11 +178,13 @@ class Checkpointer:
     self._manager = _manager(
         self.directory,
         item_handlers={'state': ocp.StandardCheckpointHandler(**limit),
-                       'data': ocp.JsonCheckpointHandler(), 'config': ocp.JsonCheckpointHandler(),
-                       'digests': ocp.JsonCheckpointHandler()},
+                       'config': ocp.JsonCheckpointHandler(),
+                       'digests': ocp.JsonCheckpointHandler(),
+                       'data': ocp.JsonCheckpointHandler()},  # (written before 2026-11-23)
         options=_options(read_only, enable_async_checkpointing=async_save,
                          preservation_policy=policies.AnyPreservationPolicy(keep_policies)))
     self._pending: int | None = None  # the step being saved in the background
+    logging.get_absl_logger().addFilter(_ORBAX_FILTER)  # (once: a filter is added only once)
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -166,40 +192,46 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, step: int, state, data_state: dict, config: dict,
-           metrics: dict[str, float] | None = None) -> None:
+  def save(self, step: int, state, config: dict, metrics: dict[str, float] | None = None) -> None:
     """Starts an asynchronous save; raises CheckpointError if the disk lacks room for it, or if
-    it (or the previous save) failed."""
-    self.check()
+    it (or the previous save) failed. Every process calls it, at the same steps."""
+    if self._pending is not None:
+      self.wait()  # orbax would wait too; here a failure of that save is named by its own step
     needed = sum(x.nbytes for x in jax.tree.leaves(state))
     free = shutil.disk_usage(self.directory).free
-    if free < needed * _FREE_SPACE_MARGIN:
+    if _any_process(free < needed * _FREE_SPACE_MARGIN):
       raise CheckpointError(
           f'saving step {step}: {self.directory} has {_size(free)} free, but the checkpoint '
           f'needs about {_size(needed)}. {self.last_complete()} Free some space (or lower '
           'checkpoint.keep) and run the same command to resume.')
     try:
       self._manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-          config=ocp.args.JsonSave(config), digests=ocp.args.JsonSave(digests(state))),
-                         metrics=metrics, force=True)
+          state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config),
+          digests=ocp.args.JsonSave(digests(state))), metrics=metrics, force=True)
     except Exception as e:  # pylint: disable=broad-except  (disk full, permissions, ...)
       self._failed(step, e)
     self._pending = step
 
   def check(self) -> None:
-    """Raises CheckpointError if the background save has failed; cheap: call it every step."""
-    if self._pending is None or self._manager.is_saving_in_progress():
+    """Raises CheckpointError if the background save has failed; cheap: call it every step (with
+    several processes, at the same steps on all: they agree through an all-gather)."""
+    if self._pending is None:
       return
-    self.wait()  # finished: returns at once, or raises the failure orbax kept
+    if not _all_processes(not self._manager.is_saving_in_progress()):
+      return
+    self.wait()  # finished everywhere: returns at once, or raises the failure orbax kept
 
   def wait(self) -> None:
-    """Blocks until the background save is complete; raises CheckpointError if it failed."""
+    """Blocks until the background save is complete; raises CheckpointError if it failed on any
+    process."""
     step, self._pending = self._pending, None
+    error = None
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      self._failed(step, e)
+      error = e
+    if _any_process(error is not None):
+      self._failed(step, error or RuntimeError('the save failed on another process'))
 
   def _failed(self, step: int | None, error: Exception):
     """Removes the temporary directory the failed save left and raises a CheckpointError naming
@@ -275,6 +307,9 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f'no checkpoint in {self.directory}')
+    if step not in self.all_steps():
+      raise CheckpointError(f'no checkpoint of step {step} in {self.directory}; its steps are '
+                            f'{", ".join(map(str, self.all_steps()))}.')
     where = f'checkpoint {os.path.join(self.directory, str(step))}'
     check_shapes(self._manager.item_metadata(step)['state']['params'], abstract_params, where)
     # The standard handler restores whole trees only; the PyTree handler reads the same files and

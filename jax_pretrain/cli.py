@@ -13,10 +13,9 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from jax_pretrain import PRESETS_DIR
 from jax_pretrain.errors import UserError
 
-# The checkout's presets (configs/*.py), found by path: `--config=configs/xlarge.py`.
-PRESETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow (under clu, tfds) is noisy
 os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # (TF computes nothing here; silences its banner)
@@ -70,6 +69,11 @@ def _unknown_config_field(error: Exception):
   name, _, hint = text.partition('\n')
   flags_given = [a.split('=')[0] for a in sys.argv[1:] if a.startswith('--config.')]
   wrong = [f for f in flags_given if f.endswith('.' + name.strip("'"))] or flags_given
+  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top  (heavy)
+  moved = [config_lib.MOVED[(f.split('.')[1], f.split('.')[2])] for f in wrong
+           if f.count('.') == 2 and (f.split('.')[1], f.split('.')[2]) in config_lib.MOVED]
+  if moved:
+    hint = 'it moved to ' + ', '.join(f'{group}.{field}' for group, field in moved)
   hint = f' ({hint})' if hint else ''
   print(f'error: {", ".join(wrong) or "--config"}: no such config field{hint}; all fields and '
         'their defaults are in jax_pretrain/config.py.', file=sys.stderr)

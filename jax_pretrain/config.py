@@ -14,7 +14,7 @@ import os
 import jax
 import ml_collections
 
-from jax_pretrain import cli
+from jax_pretrain import PRESETS_DIR
 from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
 from jax_pretrain.errors import UserError
@@ -117,7 +117,7 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 # Fields that moved between groups: configs and config.json files written before still load.
-_MOVED = {('train', name): ('optim', name) for name in (
+MOVED = {('train', name): ('optim', name) for name in (
     'learning_rate', 'min_learning_rate', 'warmup_steps', 'warmup_tokens', 'b1', 'b2', 'eps',
     'weight_decay', 'grad_clip')}
 
@@ -129,7 +129,7 @@ def from_dict(saved: dict, strict: bool = False) -> ml_collections.ConfigDict:
   c = defaults()
   for group, fields in saved.items():
     for name, value in (fields.items() if isinstance(fields, dict) else [(None, fields)]):
-      new_group, new_name = _MOVED.get((group, name), (group, name))
+      new_group, new_name = MOVED.get((group, name), (group, name))
       if new_group in c and new_name in c[new_group]:
         c[new_group][new_name] = value
       elif strict:
@@ -141,7 +141,7 @@ def from_dict(saved: dict, strict: bool = False) -> ml_collections.ConfigDict:
 def load_file(path: str) -> ml_collections.ConfigDict:
   """get_config() of a config file (a preset, or a run's config.py), as --config loads it."""
   if not os.path.isfile(path):
-    raise ConfigError(f'{path}: no such config file (presets are in {cli.PRESETS_DIR}).')
+    raise ConfigError(f'{path}: no such config file (presets are in {PRESETS_DIR}).')
   spec = importlib.util.spec_from_file_location('_jax_pretrain_config_file', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -150,7 +150,7 @@ def load_file(path: str) -> ml_collections.ConfigDict:
 
 def preset(name: str) -> ml_collections.ConfigDict:
   """configs/NAME.py's config, e.g. preset('test')."""
-  return load_file(os.path.join(cli.PRESETS_DIR, f'{name}.py'))
+  return load_file(os.path.join(PRESETS_DIR, f'{name}.py'))
 
 
 def as_dict(config: ml_collections.ConfigDict) -> dict:

@@ -44,7 +44,7 @@ from jax_pretrain.errors import UserError
 DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's default when a task does not say
 
 
-class UsageError(UserError):
+class TaskError(UserError):
   """A task this model cannot run, or one that does not exist: one line for the user."""
 
 
@@ -165,7 +165,7 @@ class JaxLM(lm_eval_model.TemplateLM):
       kwargs = lm_eval_model_utils.normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
       max_new = kwargs['max_gen_toks']
       if max_new >= self._max_length:
-        raise UsageError(f'a task asks for {max_new} new tokens: the model has a context of '
+        raise TaskError(f'a task asks for {max_new} new tokens: the model has a context of '
                          f'{self._max_length} tokens (the run\'s seq_len).')
       prompt = [int(t) for t in sample_lib.encode_prompt(self.tokenizer_, context)]
       sequences.append(engine_lib.Sequence(
@@ -194,10 +194,10 @@ def evaluate(lm: JaxLM, tasks: list[str], *, include_path: str = '', limit: floa
 
 
 def check_known(tasks: list[str], task_manager) -> None:
-  """Fails (UsageError) on a task name that the task index does not have."""
+  """Fails (TaskError) on a task name that the task index does not have."""
   missing = [t for t in tasks if t not in task_manager.all_tasks]
   if missing:
-    raise UsageError(f'unknown lm_eval task(s) {", ".join(missing)}: see `lm_eval ls tasks`, or '
+    raise TaskError(f'unknown lm_eval task(s) {", ".join(missing)}: see `lm_eval ls tasks`, or '
                      'give --include_path a folder of task YAMLs.')
 
 
@@ -232,7 +232,7 @@ def check_tasks(t) -> None:
   """Fails (ConfigError) on a train.lm_eval_tasks name that lm_eval does not know."""
   try:
     check_known(*_training_tasks(t))
-  except UsageError as e:
+  except TaskError as e:
     raise config_lib.ConfigError(f'train.lm_eval_tasks: {e}') from None
 
 

@@ -154,9 +154,14 @@ def fit_micro_batch(config: ml_collections.ConfigDict, devices,
     return config, None
   resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
   per_device = resolved.train.batch_size // (run.mesh_shape[0] * run.mesh_shape[1])
-  # Each process asks one of its own devices (another process's cannot report its memory).
+  # Each process asks one of its own devices (another process's cannot report its memory); all
+  # take the smallest answer, so that every process compiles the same micro-batch.
   local = [d for d in devices if d.process_index == devices[0].client.process_index()]
   limit = usable_memory((local or devices)[0], target)
+  import jax  # pylint: disable=g-import-not-at-top
+  if target is None and jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    limit = float(min(multihost_utils.process_allgather(jax.numpy.float32(limit)).tolist()))
 
   def with_micro_batch(m):
     c = ml_collections.ConfigDict(config.to_dict())

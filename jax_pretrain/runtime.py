@@ -19,7 +19,7 @@ and their memory cost from `python -m jax_pretrain.plan` (xlarge, H100, remat do
       every scan by two and costs +2.2 GiB on one GPU, where there is nothing to overlap.
   the collective combine thresholds (30 MB by default): the per-layer FSDP gathers fit under
       them already, and the data-parallel gradient reduction is one all-reduce per parameter
-      array of 0.1-1 GB after the accumulation loop (train.make_train_step), too large to combine.
+      array of 0.1-1 GB after the accumulation loop (state.make_train_step), too large to combine.
 
 XLA_CLIENT_MEM_FRACTION=0.9, unless it or its deprecated name XLA_PYTHON_CLIENT_MEM_FRACTION is
   set (jaxlib refuses both): JAX preallocates 75% of GPU memory by default; training wants the most

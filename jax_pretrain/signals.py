@@ -1,15 +1,14 @@
 """SIGTERM / SIGINT (a preemption, Ctrl-C): finish the step, save, exit cleanly.
 
-The first signal sets a flag that the loop checks between steps, and says at once after which step
-the run will stop; a second SIGINT aborts without saving (KeyboardInterrupt). With several
+The first signal decides, in its handler, after which step the run stops, and says so at once; the
+loop stops there. A second SIGINT aborts without saving (KeyboardInterrupt). With several
 processes, each may see the signal at a different step, so the loop asks `requested(step)` at the
-same steps on every process and they agree through an all-gather.
+same steps on every process (every `check_every`) and they agree through an all-gather.
 
-Before training starts (loading data, restoring, compiling), `wait(fn)` runs the phase in a thread
-so that a signal is acknowledged at once; the run then stops when the phase returns, before
-training, with nothing new to save.
+Before training starts (restoring, loading data, compiling), `wait(phase, fn)` runs the phase in a
+thread so that a signal is acknowledged at once; the run then stops when the phase returns, before
+training, with nothing new to save (every process together).
 """
-import contextlib
 import signal
 import threading
 
@@ -18,30 +17,25 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 
-@contextlib.contextmanager
-def _signals_blocked():
-  """SIGINT and SIGTERM held back (delivered, and their handlers run, on leaving)."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-  try:
-    yield
-  finally:
-    signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 class Stopped(Exception):
   """A stop signal arrived before training started."""
+
+
+def _any_process(flag: bool) -> bool:
+  """Whether the flag is set on any process (a collective: every process must call it)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
 
 
 class StopSignal:
 
   def __init__(self, check_every: int):
     self._received: str | None = None
+    self._stop_after: int | None = None  # the step the first signal's handler announced
     self._check_every = check_every
     self._previous = {}
-    self.step = 0  # the step the loop is about to finish: a stop now stops after it
+    self.step = 0  # the step the loop computes now: a signal now stops the run after it
     self.phase = ''  # what runs before training ('compiling', ...), for the acknowledgement
     if threading.current_thread() is threading.main_thread():  # handlers only install there
       for sig in (signal.SIGTERM, signal.SIGINT):
@@ -50,14 +44,17 @@ class StopSignal:
   def _handle(self, signum, frame):
     if self._received and signum == signal.SIGINT:
       raise KeyboardInterrupt  # a second Ctrl-C: stop now
+    if self._received:
+      return
     self._received = signal.Signals(signum).name
+    self._stop_after = self.stop_step()
     if jax.process_index() == 0:
       again = ' (Ctrl-C again to abort without saving)' if signum == signal.SIGINT else ''
       if self.phase:
         print(f'received {self._received} while {self.phase}: stopping when it is done, before '
               f'training{again}', flush=True)
       else:
-        print(f'received {self._received}: stopping after step {self.stop_step()}{again}',
+        print(f'received {self._received}: stopping after step {self._stop_after}{again}',
               flush=True)
 
   def stop_step(self) -> int:
@@ -73,22 +70,19 @@ class StopSignal:
   def requested(self, step: int) -> bool:
     """Whether to stop after this step (just finished); the same answer on every process.
 
-    A signal that arrives after the flag is read stops the run after the next step, which is what
-    its acknowledgement says: the two are updated with the signals held back.
+    `step` moves on before the announced step is compared: a signal handled in between announces
+    the next step and stops there, as it says.
     """
-    with _signals_blocked():
-      received = self._received is not None
-      self.step = step + 1
-    if jax.process_count() == 1:
-      return received
-    if step % self._check_every:
+    self.step = step + 1
+    mine = self._stop_after is not None and step >= self._stop_after
+    if jax.process_count() > 1 and step % self._check_every:
       return False
-    flags = multihost_utils.process_allgather(np.array(received))
-    return bool(np.any(flags))
+    return _any_process(mine)
 
   def wait(self, phase: str, fn, *args):
     """fn(*args), run in a thread while this one stays responsive to signals; raises Stopped
-    after fn returns if a signal arrived meanwhile."""
+    after fn returns if a signal arrived meanwhile on any process (every process calls this at the
+    same phases, so they stop together)."""
     result, error = [], []
 
     def target():
@@ -107,8 +101,8 @@ class StopSignal:
       self.phase = ''
     if error:
       raise error[0]
-    if self._received is not None:
-      raise Stopped(f'received {self._received} while {phase}: stopped before training')
+    if _any_process(self._received is not None):
+      raise Stopped(f'received {self.name} while {phase}: stopped before training')
     return result[0]
 
   def restore(self):

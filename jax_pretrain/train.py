@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 
+from absl import logging
 import jax
 from jax.experimental import multihost_utils
 import ml_collections
@@ -193,18 +194,12 @@ def _claim(workdir: str):
   return lock
 
 
-def _resume_changes(s: Setup, checkpointer, is_main: bool) -> dict:
-  """The config's changes against the checkpoint the run will resume from (printed), or {} for a
-  new run; raises ConfigError for changes that do not fit it. Reads only its config.json."""
+def _resume_changes(config: ml_collections.ConfigDict, checkpointer) -> dict:
+  """The resolved config's changes against the checkpoint the run will resume from, or {} for a
+  new run; raises ConfigError for changes that do not fit it. Reads only its config."""
   latest = checkpointer.latest_step()
   saved = checkpointer.saved_config(latest) if latest is not None else None
-  if not saved:
-    return {}
-  changes = config_lib.resume_changes(saved, s.config)
-  if is_main:
-    for field, (before, after) in changes.items():
-      print(f'config change on resume: {field} {before!r} -> {after!r}', flush=True)
-  return changes
+  return config_lib.resume_changes(saved, config) if saved else {}
 
 
 def _initial_state(s: Setup, checkpointer, is_main: bool) -> TrainState:
@@ -250,13 +245,20 @@ def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -
 
 
 def run_lm_eval(params, tokenizer, s: Setup, logger: StepLogger, step: int) -> None:
-  """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC."""
+  """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC. A failure
+  (a task's download, a task the model cannot run) is a warning: training goes on."""
   from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
   if jax.process_count() > 1:  # a collective: every process takes part, process 0 evaluates
-    params = multihost_utils.process_allgather(params, tiled=True)
+    params = jax.device_put(multihost_utils.process_allgather(params, tiled=True),
+                            jax.local_devices()[0])
   if jax.process_index() == 0:
     t0 = time.perf_counter()
-    scalars = lm_eval_lib.evaluate_during_training(s.config, params, tokenizer)
+    try:
+      scalars = lm_eval_lib.evaluate_during_training(s.config, params, tokenizer)
+    except Exception as e:  # pylint: disable=broad-except  (the harness raises many kinds)
+      logging.warning('lm_eval at step %d failed, training goes on: %s: %s', step,
+                      type(e).__name__, str(e).splitlines()[0] if str(e) else '')
+      return
     logger.write(step, scalars)
     shown = ' | '.join(f'{k[len("lm_eval/"):]} {v:.4f}' for k, v in scalars.items())
     print(f'lm_eval at step {step} | {shown} ({time.perf_counter() - t0:.1f}s)', flush=True)
@@ -267,25 +269,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics.
 
   Cheap checks come first (config, data sources, the workdir's lock, the config against the
-  checkpoint's); then the state is restored, the data loaded and the step compiled, each
-  interruptible by a stop signal; then the loop, and a sample from the final model.
+  checkpoint's); then the micro-batch is chosen (GPUs), the state restored, the data loaded and the
+  step compiled, each interruptible by a stop signal; then the loop, and a sample from the final
+  model.
   """
   sources = data_lib.open_sources(config)
   devices = jax.devices() if devices is None else devices
-  config, fitted = plan.fit_micro_batch(config, devices)  # train.micro_batch_size=0 on a GPU
-  s = state_lib.build(config, devices, sources.tokenizer.vocab_size)
-  config, t, ck = s.config, s.config.train, s.config.checkpoint
+  vocab = sources.tokenizer.vocab_size
+  resolved, _ = config_lib.resolve(config, len(devices), device=devices[0],
+                                   tokenizer_vocab_size=vocab)  # every field checked, nothing built
   is_main = jax.process_index() == 0
-  if t.lm_eval_tasks:  # a misspelt task fails now, not after the first steps
+  if resolved.train.lm_eval_tasks:  # a misspelt task fails now, not after the first steps
     from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
-    lm_eval_lib.check_tasks(t)
+    lm_eval_lib.check_tasks(resolved.train)
   with _claim(workdir):
+    t, ck = resolved.train, resolved.checkpoint
     stop = signals.StopSignal(check_every=t.log_every)
     checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
                                                async_save=ck.async_save)
     try:
-      changes = _resume_changes(s, checkpointer, is_main)
+      _resume_changes(resolved, checkpointer)  # refuses a change that does not fit, before work
+      # train.micro_batch_size=0 on a GPU: a few compiles choose it.
+      config, fitted = stop.wait('choosing the micro-batch', plan.fit_micro_batch, config, devices)
+      s = state_lib.build(config, devices, vocab)
+      config, t = s.config, s.config.train
+      changes = _resume_changes(config, checkpointer)
       if is_main:
+        for field, (before, after) in changes.items():
+          print(f'config change on resume: {field} {before!r} -> {after!r}', flush=True)
         print(describe(s, model_lib.count_params(s.abstract_state.params)), flush=True)
         if fitted:
           print(f'chosen            {fitted}', flush=True)
@@ -343,7 +354,8 @@ def _loop(s: Setup, state, step: int, data, train_step, checkpointer, stop,
     while step < t.steps:
       state, metrics = train_step(state, next(prefetcher))
       step += 1
-      checkpointer.check()  # a background save that failed: reported within a step
+      if jax.process_count() == 1 or step % t.log_every == 0:  # (a collective with several)
+        checkpointer.check()  # a background save that failed: reported within a step
       # Step - 1's metrics, read while this step runs.
       _check_finite(logger.flush(), t, last_saved, skips_at_start)
       if step % t.log_every == 0 or step == t.steps:
@@ -359,12 +371,12 @@ def _loop(s: Setup, state, step: int, data, train_step, checkpointer, stop,
         logger.record(step, metrics)
         _check_finite(logger.flush(), t, last_saved, skips_at_start)
         eval_metrics = run_eval(eval_step, state.params, data, s, logger, step) if eval_due else {}
-        if lm_eval_due:
-          run_lm_eval(state.params, data.tokenizer, s, logger, step)
         if save_due or (stopping and last_saved != step):
-          checkpointer.save(step, state, {'next_batch': step}, config_json,
+          checkpointer.save(step, state, config_json,
                             checkpoint_lib.scalars_for_ranking(eval_metrics))
           last_saved = step
+        if lm_eval_due:  # after the save: a failing task costs no training
+          run_lm_eval(state.params, data.tokenizer, s, logger, step)
         logger.pause()
       if stopping:
         checkpointer.wait()

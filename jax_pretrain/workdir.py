@@ -122,13 +122,13 @@ class Trained:
   step: int
 
 
-def _for_devices(config: ml_collections.ConfigDict, devices) -> ml_collections.ConfigDict:
-  """config (changed in place) for these devices: data-parallel over all of them, batch splits
-  re-derived, and 'xla' attention unless they are GPUs (the run may have used a GPU kernel)."""
+def _for_devices(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """config (changed in place) for whatever devices state.build gets: data-parallel over all of
+  them, batch splits re-derived, and the attention chosen for them ('auto': the run may have used
+  a kernel that these devices lack)."""
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
   config.train.micro_batch_size = config.train.eval_batch_size = 0
-  if devices[0].platform != 'gpu':
-    config.model.attention = 'xla'
+  config.model.attention = 'auto'
   return config
 
 
@@ -136,13 +136,12 @@ def load(workdir: str, step: int | None = None, devices=None) -> Trained:
   """The run's latest (or given) checkpoint on these devices (default: all of this machine's).
 
   The mesh is rebuilt for the devices at hand (data-parallel over all of them), batch splits are
-  re-derived, and the attention falls back to 'xla' where the run used a GPU-only kernel and
-  this machine has no GPU.
+  re-derived, and the attention is chosen for them (a run trained with cuDNN loads on a CPU).
   """
   config = load_config(workdir)
   tokenizer = load_tokenizer(workdir, config)
   devices = jax.devices() if devices is None else devices
-  s = state_lib.build(_for_devices(config, devices), devices, tokenizer.vocab_size)
+  s = state_lib.build(_for_devices(config), devices, tokenizer.vocab_size)
   checkpointer = checkpoint_lib.Checkpointer(workdir, read_only=True)
   try:
     step, params = checkpointer.restore_params(s.abstract_state.params, step)
@@ -164,7 +163,7 @@ def create(workdir: str, config: ml_collections.ConfigDict, params, tokenizer) -
   an imported model takes one copy of its params in memory, and no accelerator's."""
   check_new(workdir)
   devices = jax.devices('cpu')[:1]
-  s = state_lib.build(_for_devices(copy.deepcopy(config), devices), devices, tokenizer.vocab_size)
+  s = state_lib.build(_for_devices(copy.deepcopy(config)), devices, tokenizer.vocab_size)
   state = state_lib.state_from_host_params(s, params)
   # As few arrays in flight as orbax allows (its limit must hold the largest): the save then adds
   # about the largest array to memory, not the whole state (the largest model 2 GB, not 100%).
@@ -175,7 +174,7 @@ def create(workdir: str, config: ml_collections.ConfigDict, params, tokenizer) -
     checkpointer = checkpoint_lib.Checkpointer(workdir, async_save=False,
                                                save_concurrent_gb=math.ceil(largest_gb))
     try:
-      checkpointer.save(0, state, {}, config_lib.as_dict(config))
+      checkpointer.save(0, state, config_lib.as_dict(config))
     finally:
       checkpointer.close()
   return Trained(s.config, params, tokenizer, s, 0)

@@ -39,7 +39,7 @@ def main():
   stalls, writes = [], []
   for i in range(_SAVES.value):
     t0 = time.perf_counter()
-    checkpointer.save(i + 1, state, {'step': i + 1}, {})
+    checkpointer.save(i + 1, state, {})
     stalls.append(time.perf_counter() - t0)
     checkpointer.wait()
     writes.append(time.perf_counter() - t0)

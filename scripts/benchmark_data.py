@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from jax_pretrain import cli
 from jax_pretrain import config as config_lib
 from jax_pretrain import data as data_lib
 from jax_pretrain.data import prepare
@@ -108,7 +109,7 @@ def main() -> None:
   p.add_argument('--prepare-vocab', type=int, default=8192)
   p.add_argument('--prepare-workers', type=int, default=0)
   a = p.parse_args()
-  with tempfile.TemporaryDirectory() as directory:
+  with cli.user_errors(), tempfile.TemporaryDirectory() as directory:
     source_list = a.data or write_mixture(directory, a.tokens, a.vocab_size)
     benchmark_pipeline(a, source_list)
     if a.prepare_mb:

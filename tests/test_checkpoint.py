@@ -129,7 +129,7 @@ def test_keeps_the_latest_and_the_best_by_eval_loss(tmp_path):
   checkpointer = checkpoint_lib.Checkpointer(tmp_path, keep=1, keep_best=2, async_save=False)
   state = {'x': jnp.zeros(3)}
   for step, loss in [(1, 3.0), (2, 1.0), (3, 2.0), (4, 5.0), (5, 4.0)]:
-    checkpointer.save(step, state, {}, {}, {'eval/loss': loss})
+    checkpointer.save(step, state, {}, {'eval/loss': loss})
   checkpointer.wait()
   assert checkpointer.all_steps() == [2, 3, 5]  # best two (1.0, 2.0) plus the latest
   checkpointer.close()

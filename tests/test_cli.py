@@ -36,6 +36,8 @@ def train(tmp_path, *overrides, workdir=None):
                                     "[Errno 2] No such file or directory"),
     (('--config.train.stepz=3',), '--config.train.stepz: no such config field (Did you mean '
                                   '"steps" instead of "stepz"?)'),
+    (('--config.train.learning_rate=0.1',), '--config.train.learning_rate: no such config field '
+                                            '(it moved to optim.learning_rate)'),
     (('--config.data.train=/nonexistent/*.jsonl',), '/nonexistent/*.jsonl: matches no files'),
 ])
 def test_config_and_data_mistakes(tmp_path, overrides, expected):

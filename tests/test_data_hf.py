@@ -4,6 +4,7 @@ fsspec's file://), in training, mixtures and prepare_data.py, on datasets made h
 import json
 import logging
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -134,3 +135,21 @@ def test_errors_name_the_dataset_and_what_to_do(data, monkeypatch):
   monkeypatch.setitem(sys.modules, 'datasets', None)  # as if it were not installed
   with pytest.raises(DataError, match='hf: sources need the datasets package: `pip install'):
     build_data(make_config(f'hf:{data}/other'))
+
+
+def test_prepare_data_sees_a_changed_local_dataset(tmp_path):
+  saved = str(tmp_path / 'ds')
+  datasets.Dataset.from_dict({'text': TRAIN}).save_to_disk(saved)
+  lines = []
+  prepare.prepare(f'hf:{saved}', str(tmp_path / 'out'), workers=1, log=lines.append)
+  datasets.Dataset.from_dict({'text': [t.upper() for t in TRAIN]}).save_to_disk(
+      str(tmp_path / 'ds2'))  # the same number of rows, other text
+  shutil.rmtree(saved)
+  shutil.move(str(tmp_path / 'ds2'), saved)
+  lines.clear()
+  meta = prepare.prepare(f'hf:{saved}', str(tmp_path / 'out'), workers=1, log=lines.append)
+  assert not any('up to date' in line for line in lines)
+  assert meta['train'][0]['documents'] == len(TRAIN)
+  lines.clear()
+  prepare.prepare(f'hf:{saved}', str(tmp_path / 'out'), workers=1, log=lines.append)
+  assert any('up to date' in line for line in lines)  # unchanged now: nothing to do

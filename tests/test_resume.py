@@ -166,9 +166,9 @@ def test_check_reports_a_failed_background_save_the_first_time_it_is_called(smal
                       lambda path: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40))  # pylint: disable=protected-access
   checkpointer = checkpoint_lib.Checkpointer(str(small_disk / 'run'))
   state = {'w': jax.random.normal(jax.random.key(0), (300_000,))}  # 1.2 MB, incompressible
-  checkpointer.save(1, state, {}, {})
+  checkpointer.save(1, state, {})
   checkpointer.wait()
-  checkpointer.save(2, state, {}, {})  # the disk fills up in the background
+  checkpointer.save(2, state, {})  # the disk fills up in the background
   while checkpointer._manager.is_saving_in_progress():  # pylint: disable=protected-access
     time.sleep(0.01)
   with pytest.raises(checkpoint_lib.CheckpointError, match=r'saving step 2 .* No space left on '

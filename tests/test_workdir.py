@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jax_pretrain import checkpoint as checkpoint_lib
+from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain import train
@@ -74,3 +75,9 @@ def test_create_saves_the_state_a_fresh_optimizer_would_start_from(run, tmp_path
   with pytest.raises(workdir_lib.WorkdirError, match='already holds checkpoints'):
     workdir_lib.create(str(tmp_path / 'new'), workdir_lib.load_config(run), params,
                        trained.tokenizer)
+
+
+def test_a_step_that_has_no_checkpoint_names_the_steps_there(run):
+  with pytest.raises(checkpoint_lib.CheckpointError, match=r'no checkpoint of step 7 in .*; its '
+                     r'steps are 3\.'):
+    workdir_lib.load(run, step=7, devices=jax.devices()[:1])

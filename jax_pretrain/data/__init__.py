@@ -13,10 +13,11 @@
 Each process gets only its own rows: local_batch = batch_size // process_count.
 
 Sources (config.data.train / .val, see docs/data.md): prepared directories (scripts/prepare_data.py,
-recommended for real runs), token files (.npy/.bin), raw text (.jsonl/.txt/.parquet, tfds:NAME,
-embedded) tokenized here on the fly, and synthetic random tokens. Modules: loader (this API),
-sources (source lists and their kinds), formats (file formats), tokenizer, tokens (token files and
-streams), prepare (text -> token files), pipeline (grain), corpus (the embedded text).
+recommended for real runs), token files (.npy/.bin), raw text (.jsonl/.txt, also gzip or zstd
+compressed, .parquet, tfds:NAME, hf:NAME, hf:// Parquet, embedded) tokenized here on the fly, and
+synthetic random tokens. Modules: loader (this API), sources (source lists and their kinds),
+formats (file formats), hub (Hugging Face datasets), tokenizer, tokens (token files and streams),
+prepare (text -> token files), pipeline (grain), corpus (the embedded text).
 """
 from jax_pretrain.data.errors import DataError
 from jax_pretrain.data.loader import Data

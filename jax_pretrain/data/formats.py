@@ -7,14 +7,11 @@ record is (number, text, None), or (number, None, what is wrong with it) for a b
 are lines (or rows) from 1, so errors name them. Sources that are not files (the embedded manual,
 TFDS, see sources.py) register their readers here too: a work item names its reader by `reader`.
 
-A new format is one class with a `register` decorator, e.g. for gzip-compressed JSONL:
-
-  @register
-  class GzipJsonl(TextFormat):
-    name, endings = 'jsonl.gz', ('.jsonl.gz',)
-    def plan(self, path, field): return [WorkItem(cls.name, path, field=field)]
-    def read(self, item): ...
+A new format is one class with a `register` decorator (CompressedJsonl below is one; so is the
+walk-through in docs/architecture.md). Compressed text (gzip, zstd) is read as a stream, one work
+item per file; a leading UTF-8 byte order mark is dropped.
 """
+import contextlib
 import dataclasses
 import gzip
 import io
@@ -272,22 +269,27 @@ class Parquet(TextFormat):
   name, endings = 'parquet', ('.parquet',)
 
   @staticmethod
+  @contextlib.contextmanager
   def _open(path: str):
-    """A pyarrow ParquetFile of a path, or of a URL that fsspec opens (hf://, s3://, ...)."""
+    """A pyarrow ParquetFile of a path, or of a URL that fsspec opens (hf://, s3://, ...), closed
+    on leaving."""
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-    if '://' not in path:
-      return pq.ParquetFile(path)
-    import fsspec  # pylint: disable=g-import-not-at-top
-    return pq.ParquetFile(fsspec.open(path, 'rb').open())
+    if '://' in path:
+      import fsspec  # pylint: disable=g-import-not-at-top
+      opened = fsspec.open(path, 'rb')
+    else:
+      opened = open(path, 'rb')  # pylint: disable=consider-using-with
+    with opened as f:
+      yield pq.ParquetFile(f)
 
   @classmethod
   def plan(cls, path: str, field: str) -> list[WorkItem]:
     import pyarrow  # pylint: disable=g-import-not-at-top
     try:
-      pf = cls._open(path)
+      with cls._open(path) as pf:
+        schema, metadata = pf.schema_arrow, pf.metadata
     except (pyarrow.ArrowException, OSError) as e:
       raise DataError(f'{path}: not a readable Parquet file ({e}).') from None
-    schema = pf.schema_arrow
     if field not in schema.names:
       raise DataError(f'{path}: no column "{field}" (columns: {", ".join(schema.names)}); set '
                       f'data.text_field or write the source as {path}#COLUMN.')
@@ -295,17 +297,18 @@ class Parquet(TextFormat):
     if not (pyarrow.types.is_string(column_type) or pyarrow.types.is_large_string(column_type)
             or pyarrow.types.is_binary(column_type) or pyarrow.types.is_large_binary(column_type)):
       raise DataError(f'{path}: column "{field}" holds {column_type}, not text.')
-    if pf.metadata.num_rows == 0:
+    if metadata.num_rows == 0:
       raise DataError(f'{path}: empty file (no rows).')
     items, first = [], 1
-    for group in range(pf.metadata.num_row_groups):
+    for group in range(metadata.num_row_groups):
       items.append(WorkItem(cls.name, path, group, group + 1, first, field))
-      first += pf.metadata.row_group(group).num_rows
+      first += metadata.row_group(group).num_rows
     return items
 
   @classmethod
   def read(cls, item: WorkItem) -> Iterator[Record]:
-    column = cls._open(item.path).read_row_group(item.start, columns=[item.field]).column(0)
+    with cls._open(item.path) as pf:
+      column = pf.read_row_group(item.start, columns=[item.field]).column(0)
     for n, value in enumerate(column.to_pylist(), item.first):
       yield (n, *text_value(value, item.field))
 

@@ -22,7 +22,7 @@ Batch = dict[str, np.ndarray]
 
 @dataclasses.dataclass
 class Data:
-  tokenizer: object  # ByteTokenizer | SentencePieceTokenizer | IdTokenizer
+  tokenizer: object  # data.tokenizer's ByteTokenizer | SentencePieceTokenizer | HfTokenizer | IdTokenizer
   train: Iterator[Batch]  # pipeline.LockedIterator over grain's
   eval_batches: Callable[[], Iterator[Batch]]
 

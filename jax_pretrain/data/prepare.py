@@ -51,11 +51,18 @@ def _fingerprint(planned, tokenizer, val_ratio: float, on_bad_record: str) -> st
   """Everything the output depends on: sources, their files (size, mtime), tokenizer, options."""
   inputs = [FORMAT, tokenizer.identity, val_ratio, on_bad_record]
   for split, source, items in planned:
-    files = sorted({i.path for i in items})
-    stamps = [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns)
-              if os.path.isfile(p) else (p, len(items)) for p in files]
-    inputs.append([split, source.text, source.weight, items[0].field, stamps])
+    stamps = [_stamps(p) for p in sorted({i.path for i in items})]
+    inputs.append([split, source.text, source.weight, items[0].field, len(items), stamps])
   return hashlib.sha256(json.dumps(inputs).encode()).hexdigest()
+
+
+def _stamps(path: str) -> list:
+  """(path, size, mtime) of a file, or of every file in the local directory that a dataset's
+  work items name (hf:DIR@SPLIT); a remote source only by its name."""
+  local = path if os.path.isfile(path) else path.rsplit('@', 1)[0]
+  files = [local] if os.path.isfile(local) else sorted(
+      os.path.join(d, f) for d, _, names in os.walk(local) for f in names)
+  return [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files] or [path]
 
 
 def prepare(train: str, output_dir: str, tokenizer: str = 'byte', val: str = '',
