@@ -287,6 +287,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     stop = signals.StopSignal(check_every=t.log_every)
     checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
                                                async_save=ck.async_save)
+    aborted = False
     try:
       _resume_changes(resolved, checkpointer)  # refuses a change that does not fit, before work
       # train.micro_batch_size=0 on a GPU: a few compiles choose it.
@@ -323,9 +324,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if is_main:
         print(f'{e}; nothing new to save. {checkpointer.last_complete()}', flush=True)
       return {}
+    except KeyboardInterrupt:
+      aborted = True
+      raise
     finally:
       stop.restore()
-      checkpointer.close()
+      if not aborted:  # a second Ctrl-C aborts at once: no waiting for a save in flight
+        checkpointer.close()
 
   if state is not None and t.sample_prompt and t.sample_tokens > 0:
     params = state.params

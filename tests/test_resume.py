@@ -152,12 +152,12 @@ def test_a_failed_background_save_is_reported_within_a_step(small_disk, monkeypa
   monkeypatch.setattr(checkpoint_lib.shutil, 'disk_usage',
                       lambda path: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40))  # pylint: disable=protected-access
   with pytest.raises(checkpoint_lib.CheckpointError) as e:
-    run(small_disk / 'run', **{'train.steps': 100, 'checkpoint.every_steps': 25})
-  assert str(e.value).startswith('saving step 50 ')
+    run(small_disk / 'run', **{'train.steps': 200, 'checkpoint.every_steps': 50})
+  assert str(e.value).startswith('saving step 100 ')
   assert str(e.value).endswith('failed: No space left on device (errno 28). The last complete '
-                               'checkpoint is step 25.')
-  assert max(logged_losses(small_disk / 'run')) < 75  # not at the next save: when it failed
-  assert os.listdir(small_disk / 'run' / 'checkpoints') == ['25']  # no temporary directory left
+                               'checkpoint is step 50.')
+  assert max(logged_losses(small_disk / 'run')) < 150  # not at the next save: when it failed
+  assert os.listdir(small_disk / 'run' / 'checkpoints') == ['50']  # no temporary directory left
 
 
 def test_check_reports_a_failed_background_save_the_first_time_it_is_called(small_disk,
@@ -249,7 +249,7 @@ def test_second_ctrl_c_aborts_without_saving_in_one_line(tmp_path):
   assert proc.returncode == 130 and 'Traceback' not in text, text
   assert 'without saving. No checkpoint was completed yet.' in text
   assert text.rstrip().endswith('error: interrupted (Ctrl-C).')
-  assert not glob.glob(str(tmp_path / 'checkpoints' / '[0-9]*'))
+  assert not [p for p in os.listdir(tmp_path / 'checkpoints') if p.isdigit()]  # none completed
 
 
 def test_a_signal_before_training_stops_cleanly_in_one_line(tmp_path):
