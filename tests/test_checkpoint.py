@@ -1,11 +1,9 @@
 """Checkpoints: exact resume after SIGTERM and SIGKILL, damaged directories, shape mismatches,
 restoring across meshes, keep-last-plus-best, and the non-finite guard."""
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp

@@ -8,7 +8,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from jax_pretrain import config as config_lib
-from jax_pretrain import data as data_lib
 from jax_pretrain.data import prepare
 from jax_pretrain.data import sources
 from jax_pretrain.data.errors import DataError

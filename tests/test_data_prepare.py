@@ -9,7 +9,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from jax_pretrain import config as config_lib
-from jax_pretrain import data as data_lib
 from jax_pretrain.data import corpus
 from jax_pretrain.data import prepare
 from jax_pretrain.data import tokenizer as tokenizer_lib

@@ -3,7 +3,6 @@ import numpy as np
 import pytest
 
 from jax_pretrain import config as config_lib
-from jax_pretrain import data as data_lib
 from jax_pretrain.data import prepare
 from jax_pretrain.data.errors import DataError
 from tests.conftest import build_data

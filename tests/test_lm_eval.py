@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from jax_pretrain import config as config_lib
-from jax_pretrain import engine
 from jax_pretrain import lm_eval as lm_eval_lib
 from jax_pretrain import sample
 from jax_pretrain import state as state_lib

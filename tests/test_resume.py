@@ -11,7 +11,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 import pytest
 
 from jax_pretrain import checkpoint as checkpoint_lib

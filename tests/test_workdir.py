@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from jax_pretrain import checkpoint as checkpoint_lib
-from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain import train
