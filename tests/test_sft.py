@@ -1,0 +1,214 @@
+"""Supervised fine-tuning: the completion-only loss, packing with segment-masked attention, the
+data format and its bad input, and an SFT run through the trainer that resumes bitwise."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_pretrain import config as config_lib
+from jax_pretrain import model as model_lib
+from jax_pretrain import state as state_lib
+from jax_pretrain.data import sft
+from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.data.errors import DataError
+from tests.conftest import ROOT
+from tests.conftest import build_data
+from tests.conftest import logged_losses
+from tests.conftest import subprocess_env
+
+V, PAD = 384, 383
+
+
+def random_examples(lengths, prompt_lengths, seed=0) -> sft.Examples:
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, 256, sum(lengths)).astype(np.int32)
+  is_target = np.concatenate([np.arange(n) >= p for n, p in zip(lengths, prompt_lengths)])
+  return sft.Examples('test', 1.0, tokens, is_target, np.cumsum(lengths))
+
+
+def stack(rows) -> dict:
+  return {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+
+
+class _LogitsAsParams:
+  """A stand-in model whose logits are its params: the loss as a function of the logits."""
+
+  def apply(self, variables, inputs_BxT, segments_BxT=None):
+    del inputs_BxT, segments_BxT
+    return variables['params']
+
+
+def test_loss_counts_completion_tokens_only_and_prompt_positions_get_no_gradient():
+  examples = random_examples([9, 14, 6], [4, 10, 1])
+  rows = sft.PackedRows(examples, seq_len=31, pad_id=PAD)
+  batch = stack([rows[i] for i in range(len(rows))])
+  tokens = np.asarray(batch['tokens'])
+  logits = jax.random.normal(jax.random.key(0), tokens[:, :-1].shape + (V,), jnp.float32)
+  loss_fn = state_lib.make_loss_fn(_LogitsAsParams(), PAD)
+  (total, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(logits, batch)
+
+  # float64 NumPy: the NLL of each target that is a completion token of the same example.
+  l64 = np.asarray(logits, np.float64)
+  m = l64.max(-1, keepdims=True)
+  logz = (m + np.log(np.exp(l64 - m).sum(-1, keepdims=True)))[..., 0]
+  nll = logz - np.take_along_axis(l64, tokens[:, 1:, None], -1)[..., 0]
+  completion = np.zeros(tokens[:, 1:].shape, bool)
+  start = 0
+  for end, is_target in zip(examples.ends, np.split(examples.is_target, examples.ends[:-1])):
+    completion[0, start:end - 1] = is_target[1:]  # target t+1 of input t, within the example
+    start = end
+  assert completion.sum() == (9 - 4) + (14 - 10) + (6 - 1)  # the completion tokens and EOS
+  np.testing.assert_allclose(float(total), nll[completion].sum(), rtol=1e-6)
+  assert float(count) == completion.sum()
+  # No gradient reaches a position whose target is a prompt token, padding, or the next example.
+  grad = np.asarray(grad)
+  assert np.all(grad[~completion] == 0)
+  assert np.all(np.abs(grad[completion]).sum(-1) > 0)
+
+
+def tiny_model(attention='xla'):
+  c = config_lib.preset('test')
+  c.model.attention = attention
+  resolved, _ = config_lib.resolve(c, 1, backend='cpu')
+  model = model_lib.Transformer(config_lib.model_config(resolved))
+  params = model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))['params']
+  return model, jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, params)
+
+
+def test_packed_batch_equals_examples_one_by_one():
+  """Examples packed into rows (positions running on along the row, attention masked by segment)
+  give the loss they give one per row at position 0: rotary scores depend only on distances."""
+  model, params = tiny_model()
+  examples = random_examples([7, 12, 5, 9, 11, 3], [3, 6, 1, 4, 10, 1], seed=2)
+  T = 31
+  packed = sft.PackedRows(examples, T, PAD)
+  assert len(packed) < len(examples)  # some rows hold several examples
+  loss_fn = jax.jit(state_lib.make_loss_fn(model, PAD))
+  total, count = loss_fn(params, stack([packed[i] for i in range(len(packed))]))
+  alone = [sft.PackedRows(examples.take(k, k + 1), T, PAD)[0] for k in range(len(examples))]
+  one_by_one = [loss_fn(params, stack([row])) for row in alone]
+  assert float(count) == sum(float(c) for _, c in one_by_one) == examples.is_target.sum() == 22
+  np.testing.assert_allclose(float(total), sum(float(l) for l, _ in one_by_one), rtol=2e-6)
+  # Without the segment mask the examples would see each other: the loss differs.
+  unmasked = stack([packed[i] for i in range(len(packed))])
+  del unmasked['segments']
+  assert abs(float(loss_fn(params, unmasked)[0]) - float(total)) > 1e-3
+
+
+def write_jsonl(path, records) -> str:
+  with open(path, 'w', encoding='utf-8') as f:
+    for r in records:
+      f.write((r if isinstance(r, str) else json.dumps(r)) + '\n')
+  return str(path)
+
+
+def sft_config(train, **data):
+  c = config_lib.preset('test')
+  c.data.format, c.data.train, c.train.batch_size, c.train.eval_batch_size = 'sft', train, 4, 4
+  c.model.attention = 'xla'
+  for k, v in data.items():
+    c.data[k] = v
+  return c
+
+
+def test_prompt_completion_rows(tmp_path):
+  path = write_jsonl(tmp_path / 'a.jsonl', [{'prompt': f'Q{i % 10}: ', 'completion': f'A{i % 10}'}
+                                            for i in range(20)])
+  data = build_data(sft_config(path, val_ratio=0.1))
+  batch = next(data.train)
+  assert set(batch) == {'tokens', 'weights', 'segments'} and batch['tokens'].shape == (4, 33)
+  tok = tokenizer_lib.ByteTokenizer()
+  for tokens, weights, segments in zip(batch['tokens'], batch['weights'], batch['segments']):
+    # whole examples 'Qi: Ai<EOS>' (7 tokens: 4 fit a row of 33), then padding
+    n = int(segments.max())
+    assert n in (2, 4) and np.all(tokens[7 * n:] == tok.pad_id)
+    assert np.all(np.diff(segments[:7 * n]) >= 0) and np.all(segments[7 * n:] == 0)
+    trained = tokens[1:][weights > 0]
+    assert tok.decode(trained).count('A') == n and 'Q' not in tok.decode(trained)
+    assert list(trained).count(tok.eos_id) == n  # EOS is trained on
+    assert len(trained) == 3 * n
+  held_out = list(data.eval_batches())[0]  # the last 2 examples, in one row; the rest padding
+  assert int(held_out['segments'].max()) == 2 and held_out['weights'][1:].sum() == 0
+
+
+def test_chat_template_assistant_turns_are_the_completion():
+  template = sft.ChatTemplate(
+      "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+      "{% if add_generation_prompt %}<assistant>{% endif %}", {'bos_token': '<bos>'}, 'test')
+  messages = [{'role': 'system', 'content': 'S'}, {'role': 'user', 'content': 'U1'},
+              {'role': 'assistant', 'content': 'A1'}, {'role': 'user', 'content': 'U2'},
+              {'role': 'assistant', 'content': 'A2'}]
+  assert template.pieces(messages) == [
+      ('<bos><system>S</s><user>U1</s><assistant>', False), ('A1</s>', True),
+      ('<user>U2</s><assistant>', False), ('A2</s>', True), ('', False)]
+
+
+@pytest.mark.parametrize('line, message', [
+    ({'prompt': 'p'}, 'a.jsonl:2: no "completion" field'),
+    ({'completion': 'c'}, 'a.jsonl:2: no "prompt" field'),
+    ({'prompt': 'p', 'completion': ''}, 'a.jsonl:2: "completion" is empty'),
+    ('{"prompt": "p", ', 'a.jsonl:2: invalid JSON'),
+    ({'prompt': 'p', 'completion': 'x' * 40}, 'a.jsonl:2: the example is 42 tokens, more than '
+                                              'data.seq_len + 1 = 33'),
+    ({'messages': [{'role': 'user', 'content': 'u'}]}, 'a.jsonl:2: "messages" needs a chat '
+                                                       'template'),
+])
+def test_bad_lines_name_the_file_and_line(tmp_path, line, message):
+  path = write_jsonl(tmp_path / 'a.jsonl', [{'prompt': 'p', 'completion': 'c'}, line])
+  with pytest.raises(DataError) as e:
+    build_data(sft_config(path))
+  assert message in str(e.value)
+
+
+def test_bad_lines_can_be_skipped(tmp_path):
+  good = [{'prompt': 'p', 'completion': 'c'}] * 4
+  path = write_jsonl(tmp_path / 'a.jsonl', good + [{'prompt': 'p'}, 'nonsense'] + good)
+  data = build_data(sft_config(path, on_bad_record='skip', val_ratio=0.25))
+  assert int(next(data.train)['segments'].max()) > 0
+
+
+def test_pallas_attention_is_refused_for_packed_data():
+  c = sft_config('x.jsonl')
+  c.model.attention = 'pallas'
+  with pytest.raises(config_lib.ConfigError, match="model.attention='pallas'"):
+    config_lib.resolve(c, 1, backend='cpu')
+
+
+def test_sft_run_through_the_trainer_resumes_bitwise(tmp_path):
+  """A tiny pretrained run, fine-tuned with configs/sft.py; stopped at step 6 and resumed, its
+  losses equal those of a straight run."""
+  base = tmp_path / 'base'
+  common = [f'--config.model.{k}={v}' for k, v in (('num_layers', 2), ('d_model', 64),
+                                                    ('mlp_dim', 128), ('num_heads', 4),
+                                                    ('num_kv_heads', 2))]
+  common += ['--config.data.seq_len=32', '--config.model.remat=none',
+             '--config.train.batch_size=8', '--config.train.log_every=1']
+
+  def run(workdir, config, *extra):
+    out = subprocess.run([sys.executable, '-m', 'jax_pretrain.main', f'--config={config}',
+                          f'--workdir={workdir}', *common, *extra], cwd=ROOT,
+                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+  run(base, f'{ROOT}/configs/test.py', '--config.train.steps=4', '--config.train.eval_every=4')
+  data = write_jsonl(tmp_path / 'sft.jsonl', [{'prompt': f'{i} + {i} = ', 'completion': str(2 * i)}
+                                              for i in range(60)])
+  sft_args = [f'--config.checkpoint.restore_from={base}', f'--config.data.train={data}',
+              '--config.train.eval_every=5', '--config.train.eval_steps=1',
+              '--config.checkpoint.every_steps=6']
+  straight, stopped = tmp_path / 'straight', tmp_path / 'stopped'
+  out = run(straight, f'{ROOT}/configs/sft.py', '--config.train.steps=10', *sft_args)
+  run(stopped, f'{ROOT}/configs/sft.py', '--config.train.steps=6', *sft_args)
+  out = run(stopped, f'{ROOT}/configs/sft.py', '--config.train.steps=10', *sft_args)
+  assert 'resuming from step 6' in out
+  assert logged_losses(straight) == logged_losses(stopped)
+  assert sorted(logged_losses(straight)) == list(range(1, 11))
+  with open(os.path.join(straight, 'metrics.jsonl'), encoding='utf-8') as f:
+    evals = [r['eval/loss'] for r in map(json.loads, f) if 'eval/loss' in r]
+  assert len(evals) == 2 and evals[1] < evals[0]
