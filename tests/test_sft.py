@@ -2,6 +2,7 @@
 data format and its bad input, and an SFT run through the trainer that resumes bitwise."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -196,17 +197,28 @@ def test_sft_run_through_the_trainer_resumes_bitwise(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout + out.stderr
 
-  run(base, f'{ROOT}/configs/test.py', '--config.train.steps=4', '--config.train.eval_every=4')
+  run(base, f'{ROOT}/configs/test.py', '--config.train.steps=6', '--config.optim.warmup_steps=2',
+      '--config.train.eval_every=6')
   data = write_jsonl(tmp_path / 'sft.jsonl', [{'prompt': f'{i} + {i} = ', 'completion': str(2 * i)}
                                               for i in range(60)])
   sft_args = [f'--config.checkpoint.restore_from={base}', f'--config.data.train={data}',
               '--config.train.eval_every=5', '--config.train.eval_steps=1',
-              '--config.checkpoint.every_steps=6']
+              '--config.checkpoint.every_steps=6', '--config.optim.warmup_steps=2']
   straight, stopped = tmp_path / 'straight', tmp_path / 'stopped'
-  out = run(straight, f'{ROOT}/configs/sft.py', '--config.train.steps=10', *sft_args)
-  run(stopped, f'{ROOT}/configs/sft.py', '--config.train.steps=6', *sft_args)
+  run(straight, f'{ROOT}/configs/sft.py', '--config.train.steps=10', *sft_args)
+  # SIGTERM once step 5 is logged: the trainer stops after the step in flight, saves, exits 0.
+  proc = subprocess.Popen([sys.executable, '-m', 'jax_pretrain.main', f'--config={ROOT}/configs/sft.py',
+                           f'--workdir={stopped}', *common, '--config.train.steps=10', *sft_args],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=subprocess_env(), cwd=ROOT)
+  for line in proc.stdout:
+    if line.startswith('step 5/'):
+      proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=300) == 0
+  saved = max(logged_losses(stopped))
+  assert saved < 10
   out = run(stopped, f'{ROOT}/configs/sft.py', '--config.train.steps=10', *sft_args)
-  assert 'resuming from step 6' in out
+  assert f'resuming from step {saved}' in out
   assert logged_losses(straight) == logged_losses(stopped)
   assert sorted(logged_losses(straight)) == list(range(1, 11))
   with open(os.path.join(straight, 'metrics.jsonl'), encoding='utf-8') as f:
