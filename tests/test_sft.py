@@ -2,6 +2,7 @@
 data format and its bad input, and an SFT run through the trainer that resumes bitwise."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -181,8 +182,8 @@ def test_pallas_attention_is_refused_for_packed_data():
 
 
 def test_sft_run_through_the_trainer_resumes_bitwise(tmp_path):
-  """A tiny pretrained run, fine-tuned with configs/sft.py; stopped at step 6 and resumed, its
-  losses equal those of a straight run."""
+  """A tiny pretrained run, fine-tuned with configs/sft.py; stopped by SIGTERM and resumed, its
+  losses equal those of a straight run, and its completion loss on held-out examples falls."""
   base = tmp_path / 'base'
   common = [f'--config.model.{k}={v}' for k, v in (('num_layers', 2), ('d_model', 64),
                                                     ('mlp_dim', 128), ('num_heads', 4),
@@ -207,8 +208,9 @@ def test_sft_run_through_the_trainer_resumes_bitwise(tmp_path):
   straight, stopped = tmp_path / 'straight', tmp_path / 'stopped'
   run(straight, f'{ROOT}/configs/sft.py', '--config.train.steps=10', *sft_args)
   # SIGTERM once step 5 is logged: the trainer stops after the step in flight, saves, exits 0.
-  proc = subprocess.Popen([sys.executable, '-m', 'jax_pretrain.main', f'--config={ROOT}/configs/sft.py',
-                           f'--workdir={stopped}', *common, '--config.train.steps=10', *sft_args],
+  proc = subprocess.Popen([sys.executable, '-m', 'jax_pretrain.main',
+                           f'--config={ROOT}/configs/sft.py', f'--workdir={stopped}', *common,
+                           '--config.train.steps=10', *sft_args],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=subprocess_env(), cwd=ROOT)
   for line in proc.stdout:
@@ -224,3 +226,44 @@ def test_sft_run_through_the_trainer_resumes_bitwise(tmp_path):
   with open(os.path.join(straight, 'metrics.jsonl'), encoding='utf-8') as f:
     evals = [r['eval/loss'] for r in map(json.loads, f) if 'eval/loss' in r]
   assert len(evals) == 2 and evals[1] < evals[0]
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_messages_render_as_transformers_does_and_train_on_assistant_turns(tmp_path):
+  transformers = pytest.importorskip('transformers')
+  directory = tmp_path / 'tok'
+  tokenizer_lib.train_bytelevel_bpe(['user assistant system hello 2 + 3 = 5'] * 20,
+                                    str(directory / 'tokenizer.json'), 300)
+  with open(directory / 'tokenizer_config.json', encoding='utf-8') as f:
+    tokenizer_config = json.load(f)
+  tokenizer_config['chat_template'] = CHATML
+  with open(directory / 'tokenizer_config.json', 'w', encoding='utf-8') as f:
+    json.dump(tokenizer_config, f)
+  conversations = [[{'role': 'system', 'content': 'Be brief.'},
+                    {'role': 'user', 'content': f'{i} + 3 ='},
+                    {'role': 'assistant', 'content': str(i + 3)},
+                    {'role': 'user', 'content': 'and 2 + 3 ='},
+                    {'role': 'assistant', 'content': '5'}] for i in range(8)]
+  template = sft.find_chat_template([str(directory)])
+  theirs = transformers.AutoTokenizer.from_pretrained(str(directory))
+  for messages in conversations:
+    assert ''.join(t for t, _ in template.pieces(messages)) == theirs.apply_chat_template(
+        messages, tokenize=False)
+
+  path = write_jsonl(tmp_path / 'chat.jsonl', [{'messages': m} for m in conversations])
+  c = sft_config(path, tokenizer=str(directory), seq_len=320)
+  c.train.batch_size = c.train.eval_batch_size = 2
+  data = build_data(c)
+  batch = next(data.train)
+  tok = data.tokenizer
+  for tokens, weights, segments in zip(batch['tokens'], batch['weights'], batch['segments']):
+    targets = tokens[1:][weights > 0]
+    n = int(segments.max())
+    # exactly the two assistant turns of each example (with the template's end of turn), and EOS
+    assert re.fullmatch(r'(\d+<\|im_end\|>\n5<\|im_end\|>\n){%d}' % n,
+                        tok.decode(targets[targets != tok.eos_id]))
+    assert n >= 1 and list(targets).count(tok.eos_id) == n

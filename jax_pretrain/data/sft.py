@@ -229,8 +229,8 @@ def read_examples(source: sources_lib.Source, tokenizer, options: sources_lib.Re
         if pieces is not None:
           x, t = encode_pieces(pieces, tokenizer)
           if len(x) > seq_len + 1:
-            error = (f'the example is {len(x)} tokens, more than data.seq_len + 1 = {seq_len + 1}; '
-                     'raise data.seq_len or shorten it')
+            error = (f'the example is {len(x)} tokens, more than data.seq_len + 1 = '
+                     f'{seq_len + 1}; raise data.seq_len or shorten it')
         if error is not None:
           if options.on_bad_record != 'skip':
             raise DataError(f'{where}: {error}. {_SKIP_HINT}')
