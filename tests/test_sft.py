@@ -267,3 +267,8 @@ def test_messages_render_as_transformers_does_and_train_on_assistant_turns(tmp_p
     assert re.fullmatch(r'(\d+<\|im_end\|>\n5<\|im_end\|>\n){%d}' % n,
                         tok.decode(targets[targets != tok.eos_id]))
     assert n >= 1 and list(targets).count(tok.eos_id) == n
+  # A run's tokenizer/ keeps the template, so an SFT run restored from it can render messages.
+  tokenizer_lib.save(data.tokenizer, str(tmp_path / 'run_tokenizer'))
+  kept = sft.find_chat_template([str(tmp_path / 'run_tokenizer')])
+  assert kept is not None and kept.render(conversations[0], False) == template.render(
+      conversations[0], False)

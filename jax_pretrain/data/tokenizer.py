@@ -236,13 +236,17 @@ def record(tokenizer) -> dict:
 
 def save(tokenizer, directory: str) -> dict:
   """Writes the tokenizer's file (if any) and RECORD_FILE into directory; returns the record.
-  load(directory) gives the tokenizer back."""
+  load(directory) gives the tokenizer back. A tokenizer.json's tokenizer_config.json comes along
+  (its chat_template formats SFT messages, data/sft.py; the special ids stay the record's)."""
   os.makedirs(directory, exist_ok=True)
   rec = record(tokenizer)
   if 'tokenizer_file' in rec:
     target = os.path.join(directory, rec['tokenizer_file'])
     if os.path.abspath(target) != os.path.abspath(tokenizer.path):
       shutil.copyfile(tokenizer.path, target)
+      beside = os.path.join(os.path.dirname(os.path.abspath(tokenizer.path)), HF_CONFIG_FILE)
+      if os.path.isfile(beside):
+        shutil.copyfile(beside, os.path.join(directory, HF_CONFIG_FILE))
   with open(os.path.join(directory, RECORD_FILE), 'w', encoding='utf-8') as f:
     json.dump(rec, f, indent=2, sort_keys=True)
     f.write('\n')
