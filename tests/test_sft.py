@@ -21,6 +21,7 @@ from jax_pretrain.data.errors import DataError
 from tests.conftest import ROOT
 from tests.conftest import build_data
 from tests.conftest import logged_losses
+from tests.conftest import run_cli
 from tests.conftest import subprocess_env
 
 V, PAD = 384, 383
@@ -226,6 +227,10 @@ def test_sft_run_through_the_trainer_resumes_bitwise(tmp_path):
   with open(os.path.join(straight, 'metrics.jsonl'), encoding='utf-8') as f:
     evals = [r['eval/loss'] for r in map(json.loads, f) if 'eval/loss' in r]
   assert len(evals) == 2 and evals[1] < evals[0]
+  # evaluate scores a fine-tuned run as training did: the held-out examples' completion loss.
+  run_cli('-m', 'jax_pretrain.evaluate', f'--workdir={straight}', f'--json={tmp_path}/eval.json')
+  with open(tmp_path / 'eval.json', encoding='utf-8') as f:
+    assert json.load(f)[0]['loss'] == pytest.approx(evals[1], rel=1e-5)
 
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
