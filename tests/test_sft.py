@@ -277,3 +277,29 @@ def test_messages_render_as_transformers_does_and_train_on_assistant_turns(tmp_p
   kept = sft.find_chat_template([str(tmp_path / 'run_tokenizer')])
   assert kept is not None and kept.render(conversations[0], False) == template.render(
       conversations[0], False)
+
+
+def test_sft_steps_on_a_mesh_with_accumulation_agree_with_one_device():
+  """Weights and segments travel with the tokens: split over data, fsdp and tensor, and cut
+  into micro-batches, they give the losses of one device."""
+  lengths = np.random.default_rng(3).integers(4, 20, 120)
+  examples = random_examples(lengths, lengths // 2, seed=4)
+  packed = sft.PackedRows(examples, 32, PAD)
+  batches = [{k: np.stack([packed[(16 * b + r) % len(packed)][k] for r in range(16)])
+              for k in ('tokens', 'weights', 'segments')} for b in range(3)]
+
+  def run(mesh, micro_batch_size):
+    c = sft_config('unused.jsonl')
+    c.model.num_heads = c.model.num_kv_heads = 4
+    c.train.batch_size, c.train.micro_batch_size, c.train.steps = 16, micro_batch_size, 5
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+    s = state_lib.build(c, devices=jax.devices()[:int(np.prod(mesh))])
+    state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=PAD)
+    losses = []
+    for batch in batches:
+      state, metrics = step(state, jax.device_put(batch, s.batch_sharding))
+      losses.append(float(metrics['loss']))
+    return np.array(losses)
+
+  with jax.default_matmul_precision('float32'):
+    np.testing.assert_allclose(run((2, 2, 2), 2), run((1, 1, 1), 0), rtol=1e-5)
