@@ -14,6 +14,7 @@ import pytest
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import model as model_lib
+from jax_pretrain import sharding
 from jax_pretrain import state as state_lib
 from jax_pretrain.data import sft
 from jax_pretrain.data import tokenizer as tokenizer_lib
@@ -303,3 +304,26 @@ def test_sft_steps_on_a_mesh_with_accumulation_agree_with_one_device():
 
   with jax.default_matmul_precision('float32'):
     np.testing.assert_allclose(run((2, 2, 2), 2), run((1, 1, 1), 0), rtol=1e-5)
+
+
+def test_fused_attention_path_passes_the_segment_mask_under_shard_map(monkeypatch):
+  """The cuDNN path (GPU only) with its kernel replaced by XLA's: the mask reaches each device's
+  rows under shard_map, and a packed batch gives the loss of the 'xla' path."""
+  import functools  # pylint: disable=g-import-not-at-top
+  from jax_pretrain.kernels import attention  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(attention, '_fused', lambda implementation: functools.partial(
+      jax.nn.dot_product_attention, is_causal=True, implementation='xla'))
+  examples = random_examples([7, 12, 5, 9, 11, 3, 8, 6], [3, 6, 1, 4, 10, 1, 2, 2], seed=5)
+  packed = sft.PackedRows(examples, 31, PAD)
+  batch = stack([packed[i % len(packed)] for i in range(8)])
+  losses = {}
+  for implementation in ('xla', 'cudnn'):
+    c = sft_config('unused.jsonl')
+    c.model.attention, c.mesh.data, c.mesh.tensor = implementation, 4, 2
+    resolved, _ = config_lib.resolve(c, 8, backend='gpu')
+    model = model_lib.Transformer(config_lib.model_config(resolved),
+                                  mesh=sharding.make_mesh((4, 1, 2), jax.devices()))
+    params = model.init(jax.random.key(1), jnp.zeros((8, 31), jnp.int32))['params']
+    params = jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, params)
+    losses[implementation] = jax.jit(state_lib.make_loss_fn(model, PAD))(params, batch)[0]
+  np.testing.assert_allclose(float(losses['cudnn']), float(losses['xla']), rtol=1e-6)
