@@ -185,13 +185,14 @@ def test_pallas_attention_is_refused_for_packed_data():
 
 def test_sft_run_through_the_trainer_resumes_bitwise(tmp_path):
   """A tiny pretrained run, fine-tuned with configs/sft.py; stopped by SIGTERM and resumed, its
-  losses equal those of a straight run, and its completion loss on held-out examples falls."""
+  losses equal those of a straight run, and its completion loss on held-out examples falls.
+  The straight run names the model and restore_from; the stopped one `configs/sft.py:BASE`."""
   base = tmp_path / 'base'
-  common = [f'--config.model.{k}={v}' for k, v in (('num_layers', 2), ('d_model', 64),
-                                                    ('mlp_dim', 128), ('num_heads', 4),
-                                                    ('num_kv_heads', 2))]
-  common += ['--config.data.seq_len=32', '--config.model.remat=none',
-             '--config.train.batch_size=8', '--config.train.log_every=1']
+  shape = [f'--config.model.{k}={v}' for k, v in (('num_layers', 2), ('d_model', 64),
+                                                   ('mlp_dim', 128), ('num_heads', 4),
+                                                   ('num_kv_heads', 2), ('remat', 'none'))]
+  shape.append('--config.data.seq_len=32')
+  common = ['--config.train.batch_size=8', '--config.train.log_every=1']
 
   def run(workdir, config, *extra):
     out = subprocess.run([sys.executable, '-m', 'jax_pretrain.main', f'--config={config}',
@@ -200,19 +201,20 @@ def test_sft_run_through_the_trainer_resumes_bitwise(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout + out.stderr
 
-  run(base, f'{ROOT}/configs/test.py', '--config.train.steps=6', '--config.optim.warmup_steps=2',
+  run(base, f'{ROOT}/configs/test.py', *shape, '--config.train.steps=6', '--config.optim.warmup_steps=2',
       '--config.train.eval_every=6')
   data = write_jsonl(tmp_path / 'sft.jsonl', [{'prompt': f'{i} + {i} = ', 'completion': str(2 * i)}
                                               for i in range(60)])
-  sft_args = [f'--config.checkpoint.restore_from={base}', f'--config.data.train={data}',
-              '--config.train.eval_every=5', '--config.train.eval_steps=1',
-              '--config.checkpoint.every_steps=6', '--config.optim.warmup_steps=2']
+  sft_args = [f'--config.data.train={data}', '--config.train.eval_every=5',
+              '--config.train.eval_steps=1', '--config.checkpoint.every_steps=6',
+              '--config.optim.warmup_steps=2', '--config.train.steps=10']
   straight, stopped = tmp_path / 'straight', tmp_path / 'stopped'
-  run(straight, f'{ROOT}/configs/sft.py', '--config.train.steps=10', *sft_args)
+  run(straight, f'{ROOT}/configs/sft.py', *shape, f'--config.checkpoint.restore_from={base}',
+      *sft_args)
   # SIGTERM once step 5 is logged: the trainer stops after the step in flight, saves, exits 0.
   proc = subprocess.Popen([sys.executable, '-m', 'jax_pretrain.main',
-                           f'--config={ROOT}/configs/sft.py', f'--workdir={stopped}', *common,
-                           '--config.train.steps=10', *sft_args],
+                           f'--config={ROOT}/configs/sft.py:{base}', f'--workdir={stopped}',
+                           *common, *sft_args],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=subprocess_env(), cwd=ROOT)
   for line in proc.stdout:
@@ -221,7 +223,7 @@ def test_sft_run_through_the_trainer_resumes_bitwise(tmp_path):
   assert proc.wait(timeout=300) == 0
   saved = max(logged_losses(stopped))
   assert saved < 10
-  out = run(stopped, f'{ROOT}/configs/sft.py', '--config.train.steps=10', *sft_args)
+  out = run(stopped, f'{ROOT}/configs/sft.py:{base}', *sft_args)
   assert f'resuming from step {saved}' in out
   assert logged_losses(straight) == logged_losses(stopped)
   assert sorted(logged_losses(straight)) == list(range(1, 11))
