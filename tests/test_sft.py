@@ -169,6 +169,11 @@ def test_bad_lines_name_the_file_and_line(tmp_path, line, message):
   assert message in str(e.value)
 
 
+def test_sources_other_than_jsonl_are_refused(tmp_path):
+  with pytest.raises(DataError, match="embedded: data.format='sft' reads JSONL files"):
+    build_data(sft_config('embedded'))
+
+
 def test_bad_lines_can_be_skipped(tmp_path):
   good = [{'prompt': 'p', 'completion': 'c'}] * 4
   path = write_jsonl(tmp_path / 'a.jsonl', good + [{'prompt': 'p'}, 'nonsense'] + good)
