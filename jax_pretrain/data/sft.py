@@ -98,13 +98,7 @@ def find_chat_template(directories: list[str]) -> ChatTemplate | None:
   """The chat_template of the first tokenizer_config.json in directories that has one."""
   for directory in directories:
     path = os.path.join(directory, tokenizer_lib.HF_CONFIG_FILE)
-    if not os.path.isfile(path):
-      continue
-    try:
-      with open(path, encoding='utf-8') as f:
-        config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise DataError(f'{path}: invalid JSON ({e}).') from None
+    config = tokenizer_lib.read_hf_file(directory, tokenizer_lib.HF_CONFIG_FILE)
     template = config.get('chat_template') if isinstance(config, dict) else None
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
       named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
