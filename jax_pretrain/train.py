@@ -200,13 +200,14 @@ def _resume_changes(config: ml_collections.ConfigDict, checkpointer) -> dict:
   return config_lib.resume_changes(saved, config) if saved else {}
 
 
-def _initial_state(s: Setup, checkpointer) -> TrainState:
+def _initial_state(s: Setup, checkpointer, is_main: bool) -> TrainState:
   """This workdir's latest checkpoint that restores, else restore_from's params, else fresh
   parameters."""
   restored = checkpointer.restore_latest(s.abstract_state)
   if restored is not None:
     step, state = restored
-    multihost.log(f'resuming from step {step} ({checkpointer.directory})')
+    if is_main:
+      print(f'resuming from step {step} ({checkpointer.directory})', flush=True)
     return state
   source = s.config.checkpoint.restore_from
   if source:
@@ -215,8 +216,9 @@ def _initial_state(s: Setup, checkpointer) -> TrainState:
       step, params = other.restore_params(s.abstract_state.params)
     finally:
       other.close()
-    multihost.log(f'starting from the params of {other.directory} step {step} (fresh optimizer '
-                  'and data order)')
+    if is_main:
+      print(f'starting from the params of {other.directory} step {step} (fresh optimizer and '
+            'data order)', flush=True)
     return state_lib.state_from_params(s, params)
   return state_lib.init_state(s)
 
@@ -292,7 +294,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       multihost.log(describe(s, model_lib.count_params(s.abstract_state.params)))
       if fitted:
         multihost.log(f'chosen            {fitted}')
-      state = stop.wait('restoring', _initial_state, s, checkpointer)
+      state = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
       step = int(jax.device_get(state.step))
       if is_main:  # only once the restore succeeded
         workdir_lib.write_config(workdir, config)
