@@ -19,7 +19,8 @@ Aborted`, after its heartbeat timeout. In jax 0.12 that abort cannot be replaced
 in C++ (`std::bad_cast`: the status it passes has no Python type), and `jax.distributed.initialize`
 does not take it anyway. So this module keeps its own heartbeat, through the coordination
 service's key-value store: a daemon thread on every process writes a counter every
-`heartbeat_timeout / 10` seconds (at most 5) and reads all the others' in one call. A process whose
+`heartbeat_timeout / 10` seconds (at most 5) and reads all the others' in one call (N values per
+process and interval: with hundreds of processes, a longer timeout spares the coordinator). A process whose
 counter has not moved for `heartbeat_timeout` seconds (measured on the reader's clock) is lost:
 each surviving process prints one line,
 
@@ -62,8 +63,8 @@ EXIT_LOST_PEER = 1
 
 # Variables that mean a cluster launcher started several processes of this program.
 _LAUNCHER_VARIABLES = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
-_HEARTBEAT_DIR = 'jax_pretrain/heartbeat/'
-_DONE_DIR = 'jax_pretrain/done/'
+_HEARTBEAT_DIR = 'jax_pretrain/heartbeat/'  # + process index: a counter, or _DONE when it left
+_DONE = 'done'
 # An error that may come from a peer that went away (a collective or the coordination service).
 _PEER_ERROR = re.compile(r'gloo|nccl|connection|socket|peer|unavailable|heartbeat|barrier|'
                          r'coordination|deadline', re.IGNORECASE)
@@ -133,17 +134,24 @@ class _Watchdog:
     self.interval = min(max(timeout / 10, 0.1), 5.0)
     self._me, self._count = jax.process_index(), jax.process_count()
     self._stopped = threading.Event()
+    self._lock = threading.Lock()  # a last counter never overwrites _DONE
     self.lost = threading.Event()  # set (before the process exits) when a peer is found lost
     self._thread = threading.Thread(target=self._run, daemon=True, name='multihost heartbeat')
     self._thread.start()
 
   def stop(self) -> None:
-    """No more heartbeats or checks (this process is leaving); peers see it as done."""
-    if self._stopped.is_set():
-      return
-    self._stopped.set()
-    with contextlib.suppress(Exception):
-      self._client.key_value_set(f'{_DONE_DIR}{self._me}', '1', allow_overwrite=True)
+    """No more heartbeats or checks: this process is leaving (at exit), and says so to the others,
+    which then do not count it as lost."""
+    locked = self._lock.acquire(timeout=self.interval + 10)  # (not forever: the process is exiting)
+    try:
+      if self._stopped.is_set():
+        return
+      self._stopped.set()
+      with contextlib.suppress(Exception):
+        self._client.key_value_set(f'{_HEARTBEAT_DIR}{self._me}', _DONE, allow_overwrite=True)
+    finally:
+      if locked:
+        self._lock.release()
 
   def _run(self) -> None:
     beat, start = 0, time.monotonic()
@@ -152,24 +160,23 @@ class _Watchdog:
     while not self._stopped.wait(self.interval):
       beat += 1
       try:
-        self._client.key_value_set(f'{_HEARTBEAT_DIR}{self._me}', str(beat), allow_overwrite=True)
-        beats = _by_process(self._client.key_value_dir_get(_HEARTBEAT_DIR))
-        done = _by_process(self._client.key_value_dir_get(_DONE_DIR))
+        with self._lock:
+          if self._stopped.is_set():
+            return
+          self._client.key_value_set(f'{_HEARTBEAT_DIR}{self._me}', str(beat),
+                                     allow_overwrite=True)
+        beats = {int(key.rsplit('/', 1)[-1]): value
+                 for key, value in self._client.key_value_dir_get(_HEARTBEAT_DIR)}
       except Exception:  # pylint: disable=broad-except  (the service is gone: jax aborts anyway)
         continue
       now = time.monotonic()
       for p in peers:
         if beats.get(p, '') != seen[p][0]:
-          seen[p] = (beats[p], now)
-      lost = [p for p in peers if p not in done and now - seen[p][1] >= self.timeout]
+          seen[p] = (beats.get(p, ''), now)
+      lost = [p for p in peers if seen[p][0] != _DONE and now - seen[p][1] >= self.timeout]
       if lost and not self._stopped.is_set():
         self.lost.set()
         _report_lost(lost, self._count, self.timeout, self.interval)
-
-
-def _by_process(entries) -> dict[int, str]:
-  """{process: value} of a key-value directory's entries (keys end with the process index)."""
-  return {int(k.rsplit('/', 1)[-1]): v for k, v in entries}
 
 
 _watchdog: _Watchdog | None = None

@@ -101,7 +101,7 @@ def test_a_lost_process_stops_the_other_with_one_line_and_both_resume_exactly(tm
   heartbeat timeout, with one error line naming the lost process and the last complete checkpoint,
   status 1, no crash dump; the same command on both then resumes from that checkpoint and computes
   the steps after it exactly as the interrupted run did (bitwise)."""
-  args = ['--config.train.steps=30', '--config.checkpoint.every_steps=5', '--heartbeat_timeout=5',
+  args = ['--config.train.steps=30', '--config.checkpoint.every_steps=5', '--heartbeat_timeout=10',
           '--num_processes=2']
 
   def start():
@@ -123,7 +123,7 @@ def test_a_lost_process_stops_the_other_with_one_line_and_both_resume_exactly(tm
   assert procs[0].returncode == 1, out
   errors = [line for line in out.splitlines() if line.startswith('error:')]
   assert len(errors) == 1, out
-  assert errors[0].startswith('error: process 1 of 2 stopped responding (no heartbeat for 5 s); '
+  assert errors[0].startswith('error: process 1 of 2 stopped responding (no heartbeat for 10 s); '
                               'the last complete checkpoint is step '), out
   assert errors[0].endswith('; restart all processes with the same command to resume from it.')
   for crash in ('Fatal Python error', 'Traceback', 'Check failure', 'client.h'):
