@@ -20,9 +20,9 @@ in C++ (`std::bad_cast`: the status it passes has no Python type), and `jax.dist
 does not take it anyway. So this module keeps its own heartbeat, through the coordination
 service's key-value store: a daemon thread on every process writes a counter every
 `heartbeat_timeout / 10` seconds (at most 5) and reads all the others' in one call (N values per
-process and interval: with hundreds of processes, a longer timeout spares the coordinator). A process whose
-counter has not moved for `heartbeat_timeout` seconds (measured on the reader's clock) is lost:
-each surviving process prints one line,
+process and interval: with hundreds of processes, a longer timeout spares the coordinator). A
+process whose counter has not moved for `heartbeat_timeout` seconds (measured on the reader's
+clock) is lost: each surviving process prints one line,
 
   error: process 1 of 2 stopped responding (no heartbeat for 60 s); the last complete checkpoint
   is step 100 in WORKDIR/checkpoints; restart all processes with the same command to resume from it.
@@ -33,7 +33,15 @@ so that its abort comes only if this thread could not run (a process whose Pytho
 holding the interpreter lock). A collective that fails at once because its peer is gone (gloo's
 `Connection reset by peer`) raises in the main thread: `peer_failures()` (around the whole program)
 then waits for the heartbeat's verdict instead of printing a traceback, and re-raises the error
-if no process was lost.
+if no process was lost. A process that exits through Python (done, stopped by a signal, an
+`error:` line) writes 'done' as its last heartbeat and is never reported; one killed, frozen or
+aborted (a second Ctrl-C) is.
+
+Measured (two processes of the test preset on a 2-core CPU, --heartbeat_timeout=5, process 1
+signalled at step 150, checkpoint every 100 steps): SIGKILL: process 0's line came 5.0 s after
+the kill, naming step 100, and it exited 7.0 s after it (process 0 leaves two heartbeats after
+the others, see `_report_lost`); SIGSTOP (process 0 then blocked inside a gloo collective): 4.7 s.
+Before this module: 76 s and about 100 lines of crash dump, nothing naming the checkpoint.
 
 What it cannot do:
 - Losing process 0 ends the others at once with jax's own fatal message: process 0 hosts the
@@ -238,7 +246,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.warning('process %d of %d, %d local devices', jax.process_index(),
                   jax.process_count(), jax.local_device_count())
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top  (the client: no public API)
+  # The coordination service's client (no public API for it).
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
   client = getattr(distributed.global_state, 'client', None)
   if client is None or jax.process_count() == 1:
     return
