@@ -11,15 +11,14 @@ import time
 
 from absl import logging
 import jax
-from jax.experimental import multihost_utils
 import ml_collections
-import numpy as np
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import data as data_lib
 from jax_pretrain import metrics as metrics_lib
 from jax_pretrain import model as model_lib
+from jax_pretrain import multihost
 from jax_pretrain import plan
 from jax_pretrain import runtime
 from jax_pretrain import sample as sample_lib
@@ -140,13 +139,12 @@ class StepLogger:
                'perf/tokens_per_sec': tokens_per_sec, 'perf/step_time': step_time,
                'perf/mfu': mfu}
     self.write(step, scalars)
-    if jax.process_index() == 0:
-      mfu_text = f' | MFU {mfu:.1%}' if mfu is not None else ''
-      skips = f' | skipped {m["nonfinite_count"]}' if m['nonfinite_count'] else ''
-      print(f'step {step}/{self._steps} | loss {m["loss"]:.4f} | lr {m["lr"]:.2e} | '
-            f'grad_norm {m["grad_norm"]:.3f} | {tokens_per_sec:,.0f} tok/s | '
-            f'{step_time:.3f} s/step{mfu_text}{skips} | '
-            f'ETA {_format_eta((self._steps - step) * step_time)}', flush=True)
+    mfu_text = f' | MFU {mfu:.1%}' if mfu is not None else ''
+    skips = f' | skipped {m["nonfinite_count"]}' if m['nonfinite_count'] else ''
+    multihost.log(f'step {step}/{self._steps} | loss {m["loss"]:.4f} | lr {m["lr"]:.2e} | '
+                  f'grad_norm {m["grad_norm"]:.3f} | {tokens_per_sec:,.0f} tok/s | '
+                  f'{step_time:.3f} s/step{mfu_text}{skips} | '
+                  f'ETA {_format_eta((self._steps - step) * step_time)}')
     return {'step': step, **m}
 
   def write(self, step: int, scalars: dict) -> None:
@@ -180,13 +178,13 @@ def _claim(workdir: str):
   """Process 0 takes the workdir's lock (see workdir.claim); every process learns whether it did,
   so that all stop together. Returns what to close at the end."""
   lock, error = contextlib.nullcontext(), None
-  if jax.process_index() == 0:
+  if multihost.is_main():
     try:
       lock = workdir_lib.claim(workdir)
     except workdir_lib.WorkdirError as e:
       error = e
   if jax.process_count() > 1:
-    ok = bool(multihost_utils.broadcast_one_to_all(np.array(error is None)))
+    ok = multihost.from_main(error is None)
     if not ok and error is None:
       error = workdir_lib.WorkdirError(f'process 0 could not claim {workdir}: see its message.')
   if error is not None:
@@ -229,8 +227,7 @@ def _compile(s: Setup, pad_id: int):
   t0 = time.perf_counter()
   train_step = state_lib.jit_train_step(s, pad_id).lower(
       s.abstract_state, state_lib.abstract_batch(s, s.config.train.batch_size)).compile()
-  if jax.process_index() == 0:
-    print(f'compiled train step in {time.perf_counter() - t0:.1f}s', flush=True)
+  multihost.log(f'compiled train step in {time.perf_counter() - t0:.1f}s')
   return train_step
 
 
@@ -239,8 +236,7 @@ def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -
   loss = nll / max(count, 1.0)
   scalars = {'eval/loss': loss, 'eval/ppl': metrics_lib.perplexity(loss)}
   logger.write(step, scalars)
-  if jax.process_index() == 0:
-    print(f'eval at step {step} | loss {loss:.4f} | ppl {scalars["eval/ppl"]:.2f}', flush=True)
+  multihost.log(f'eval at step {step} | loss {loss:.4f} | ppl {scalars["eval/ppl"]:.2f}')
   return scalars
 
 
@@ -248,10 +244,8 @@ def run_lm_eval(params, tokenizer, s: Setup, logger: StepLogger, step: int) -> N
   """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC. A failure
   (a task's download, a task the model cannot run) is a warning: training goes on."""
   from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
-  if jax.process_count() > 1:  # a collective: every process takes part, process 0 evaluates
-    params = jax.device_put(multihost_utils.process_allgather(params, tiled=True),
-                            jax.local_devices()[0])
-  if jax.process_index() == 0:
+  params = multihost.gather(params, on_device=True)  # every process takes part, 0 evaluates
+  if multihost.is_main():
     t0 = time.perf_counter()
     try:
       scalars = lm_eval_lib.evaluate_during_training(s.config, params, tokenizer)
@@ -261,7 +255,7 @@ def run_lm_eval(params, tokenizer, s: Setup, logger: StepLogger, step: int) -> N
       return
     logger.write(step, scalars)
     shown = ' | '.join(f'{k[len("lm_eval/"):]} {v:.4f}' for k, v in scalars.items())
-    print(f'lm_eval at step {step} | {shown} ({time.perf_counter() - t0:.1f}s)', flush=True)
+    multihost.log(f'lm_eval at step {step} | {shown} ({time.perf_counter() - t0:.1f}s)')
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -278,7 +272,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   vocab = sources.tokenizer.vocab_size
   resolved, _ = config_lib.resolve(config, len(devices), device=devices[0],
                                    tokenizer_vocab_size=vocab)  # every field checked, nothing built
-  is_main = jax.process_index() == 0
+  is_main = multihost.is_main()
   if resolved.train.lm_eval_tasks:  # a misspelt task fails now, not after the first steps
     from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
     lm_eval_lib.check_tasks(resolved.train)
@@ -295,12 +289,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       s = state_lib.build(config, devices, vocab)
       config, t = s.config, s.config.train
       changes = _resume_changes(config, checkpointer)
-      if is_main:
-        for field, (before, after) in changes.items():
-          print(f'config change on resume: {field} {before!r} -> {after!r}', flush=True)
-        print(describe(s, model_lib.count_params(s.abstract_state.params)), flush=True)
-        if fitted:
-          print(f'chosen            {fitted}', flush=True)
+      for field, (before, after) in changes.items():
+        multihost.log(f'config change on resume: {field} {before!r} -> {after!r}')
+      multihost.log(describe(s, model_lib.count_params(s.abstract_state.params)))
+      if fitted:
+        multihost.log(f'chosen            {fitted}')
       state = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
       step = int(jax.device_get(state.step))
       if is_main:  # only once the restore succeeded
@@ -321,8 +314,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       finally:
         data.train.close()  # stops grain's worker processes, if any
     except signals.Stopped as e:
-      if is_main:
-        print(f'{e}; nothing new to save. {checkpointer.last_complete()}', flush=True)
+      multihost.log(f'{e}; nothing new to save. {checkpointer.last_complete()}')
       return {}
     except KeyboardInterrupt:
       aborted = True
@@ -333,13 +325,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         checkpointer.close()
 
   if state is not None and t.sample_prompt and t.sample_tokens > 0:
-    params = state.params
-    if jax.process_count() > 1:  # a collective: every process takes part, process 0 samples
-      params = multihost_utils.process_allgather(params, tiled=True)
+    params = multihost.gather(state.params)  # every process takes part, process 0 samples
     if is_main:
       text = sample_lib.generate_text(config_lib.model_config(config), params, sources.tokenizer,
                                       t.sample_prompt, t.sample_tokens, seed=t.seed)
-      print(f'sample: {t.sample_prompt!r} -> {text!r}', flush=True)
+      multihost.log(f'sample: {t.sample_prompt!r} -> {text!r}')
   return logger.latest
 
 
@@ -348,7 +338,6 @@ def _loop(s: Setup, state, step: int, data, train_step, checkpointer, stop,
   """Steps from `step` to train.steps, with evals, saves and stop signals; returns the final
   state, or None when a stop signal ended the run (its state saved)."""
   t, ck = s.config.train, s.config.checkpoint
-  is_main = jax.process_index() == 0
   eval_step = state_lib.jit_eval_step(s, data.tokenizer.pad_id)
   config_json = config_lib.as_dict(s.config)
   last_saved = checkpointer.latest_step()
@@ -385,17 +374,15 @@ def _loop(s: Setup, state, step: int, data, train_step, checkpointer, stop,
         logger.pause()
       if stopping:
         checkpointer.wait()
-        if is_main:
-          print(f'received {stop.name}: saved step {step} to {checkpointer.directory}; run the '
-                'same command to resume.', flush=True)
+        multihost.log(f'received {stop.name}: saved step {step} to {checkpointer.directory}; run '
+                      'the same command to resume.')
         return None
     _check_finite(logger.flush(), t, last_saved, skips_at_start)
     checkpointer.wait()  # the final save is complete (or its failure reported) before returning
     return state
   except KeyboardInterrupt:
-    if is_main:
-      print(f'aborted by a second Ctrl-C after step {step}, without saving. '
-            f'{checkpointer.last_complete()}', flush=True)
+    multihost.log(f'aborted by a second Ctrl-C after step {step}, without saving. '
+                  f'{checkpointer.last_complete()}')
     raise
   finally:
     prefetcher.close()
