@@ -16,6 +16,8 @@ The roofline's speeds are not in those files. Where each number comes from:
   a100-40   the H100's measured fractions of its peak (80% and 43% / 34%) applied to 312, not
             measured. NVLink 3: 600 GB/s both ways, 300 GB/s each way; network: one 200 Gb/s NIC
             per GPU (DGX A100, ConnectX-6), 25 GB/s.
+  h100 FP8  matmuls at twice the measured bf16 rate: the datasheet's dense FP8 peak is twice its
+            bf16 peak (1979 vs 989 TFLOP/s); not measured. A100s have no FP8 GEMMs.
 Collectives are assumed to reach COLLECTIVE_EFFICIENCY of the link (NCCL ring bus bandwidth, as in
 docs/scaling.md).
 """
@@ -42,6 +44,7 @@ class Target:
   network_bandwidth: float = 0.0  # bytes/s per device each way across nodes
   devices_per_node: int = 8
   memory_override: float | None = None  # bytes: a card of this family with less memory
+  fp8_matmul_flops: float | None = None  # FP8 matmul FLOP/s (None: the card has no FP8 GEMMs)
 
   def config_text(self) -> str:
     with open(os.path.join(_DIR, self.file), encoding='utf-8') as f:
@@ -79,7 +82,7 @@ def _a100(name: str, file: str) -> Target:
 
 TARGETS = {
     'h100': Target('h100', 'h100_sxm.txtpb', _H100_PEAK, _H100_MATMUL, _H100_ATTENTION, 450e9,
-                   50e9),
+                   50e9, fp8_matmul_flops=2 * _H100_MATMUL),
     'a100-80': _a100('a100-80', 'a100_sxm_80.txtpb'),
     'a100-40': _a100('a100-40', 'a100_sxm_40.txtpb'),
     'cpu': Target('cpu', None),
