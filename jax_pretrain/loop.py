@@ -228,22 +228,9 @@ def nonfinite_check(t, checkpointing: Checkpointing | None, count_at_start: int 
   return check
 
 
-def parse_profile_steps(text: str) -> tuple[int, int] | None:
-  """'START:STOP' -> (START, STOP), the steps traced, both included; '' -> None. Raises
-  ValueError on anything else (config.resolve turns it into a ConfigError)."""
-  if not text:
-    return None
-  start, sep, stop = text.partition(':')
-  if not sep or not start.strip().isdigit() or not stop.strip().isdigit():
-    raise ValueError(f'expected START:STOP (e.g. 10:15) or empty, got {text!r}')
-  start, stop = int(start), int(stop)
-  if not 0 < start <= stop:
-    raise ValueError(f'expected 0 < START <= STOP, got {text!r}')
-  return start, stop
-
-
 class Profiler:
-  """Hooks writing a jax.profiler trace of steps START..STOP (both included) to `directory`
+  """Hooks writing a jax.profiler trace of steps START..STOP (both included; config.profile_steps
+  reads train.profile_steps) to `directory`
   (TensorBoard's profile plugin or Perfetto read it): the trace starts before step START is
   dispatched and stops once step STOP's state is computed. A run resumed past START traces
   nothing."""

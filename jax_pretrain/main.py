@@ -46,8 +46,8 @@ def main():
   from jax_pretrain import runtime  # pylint: disable=g-import-not-at-top
   runtime.configure()  # before jax starts its backend; train.describe prints the settings
   initialize_distributed()
-  from jax_pretrain import train  # pylint: disable=g-import-not-at-top  (after distributed init)
-  train.train_and_evaluate(cli.config_value(_CONFIG), _WORKDIR.value)
+  from jax_pretrain import pretrain  # pylint: disable=g-import-not-at-top  (after distributed init)
+  pretrain.train_and_evaluate(cli.config_value(_CONFIG), _WORKDIR.value)
 
 
 if __name__ == '__main__':

@@ -15,6 +15,7 @@ import pytest
 from jax_pretrain import config as config_lib
 from jax_pretrain import gpu_targets
 from jax_pretrain import hlo
+from jax_pretrain import memory
 from jax_pretrain import model as model_lib
 from jax_pretrain import plan
 from jax_pretrain import runtime
@@ -72,16 +73,16 @@ def test_micro_batch_search_finds_the_largest_fitting_in_few_compiles():
 
   def measure(m):  # 10 GiB of state, 1.5 GiB per sequence; from 48 on, XLA recomputes 10% more
     compiled.append(m)
-    return (10 + 1.5 * m) * plan.GIB, 1e9 * (1.1 if m >= 48 else 1.0)
+    return (10 + 1.5 * m) * memory.GIB, 1e9 * (1.1 if m >= 48 else 1.0)
 
-  assert plan.micro_batch_candidates(96) == [1, 2, 4, 8, 16, 32, 96]
-  chosen, tried = plan.search_micro_batch(plan.micro_batch_candidates(256), measure,
-                                          60 * plan.GIB)
+  assert memory.micro_batch_candidates(96) == [1, 2, 4, 8, 16, 32, 96]
+  chosen, tried = memory.search_micro_batch(memory.micro_batch_candidates(256), measure,
+                                            60 * memory.GIB)
   assert chosen == 32 and compiled == [1, 256, 32] and set(tried) == {1, 32, 256}
-  assert plan.search_micro_batch([1, 2, 4], measure, 11 * plan.GIB)[0] is None  # not even one
-  assert plan.search_micro_batch([1, 2, 4], measure, 99 * plan.GIB)[0] == 4
+  assert memory.search_micro_batch([1, 2, 4], measure, 11 * memory.GIB)[0] is None  # not even one
+  assert memory.search_micro_batch([1, 2, 4], measure, 99 * memory.GIB)[0] == 4
   # 96 fits the memory but recomputes 10% more: 32 is faster.
-  assert plan.search_micro_batch([1, 2, 32, 96], measure, 999 * plan.GIB)[0] == 32
+  assert memory.search_micro_batch([1, 2, 32, 96], measure, 999 * memory.GIB)[0] == 32
 
 
 def test_user_xla_flags_win_over_the_defaults():
