@@ -242,7 +242,7 @@ class Profiler:
   def start(self, info: StepInfo) -> None:
     if self.steps and info.step == self.steps[0]:
       os.makedirs(self.directory, exist_ok=True)
-      jax.profiler.start_trace(self.directory)
+      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)  # + Perfetto json
       self.active = True
 
   def stop(self, info: StepInfo) -> None:

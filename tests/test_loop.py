@@ -2,6 +2,7 @@
 cadences, a stop that finishes the step and saves, the checks before evaluating and saving; and
 train.profile_steps writing a trace of the train step."""
 import glob
+import gzip
 import os
 
 import jax
@@ -140,3 +141,6 @@ def test_profile_steps_writes_a_trace_naming_the_train_step(tmp_path):
   assert traces, os.listdir(tmp_path)
   with open(traces[0], 'rb') as f:
     assert b'jit(train_step)' in f.read()  # the trainer's jitted step, by name
+  perfetto = glob.glob(os.path.join(os.path.dirname(traces[0]), '*.trace.json.gz'))
+  with gzip.open(perfetto[0], 'rt', encoding='utf-8') as f:  # what ui.perfetto.dev opens
+    assert 'train_step' in f.read()

@@ -160,3 +160,18 @@ def test_xlarge_data8_all_reduces_gradients_once_per_step_on_h100():
   assert list(collectives) == ['all-reduce']
   assert collectives['all-reduce'] <= 1.1 * 4 * r['params']
   np.testing.assert_allclose(r['flops_ratio'], 1.04, atol=0.01)
+
+
+@pytest.mark.parametrize('micro_batch, eval_batch_size', [(1, 0), (2, 0), (4, 0), (2, 24)])
+def test_a_fitted_micro_batch_is_what_resolving_with_it_gives(micro_batch, eval_batch_size):
+  """The trainer resolves once; the micro-batch fit re-derives the resolved config for each
+  candidate instead of resolving again, and must agree with resolve field by field."""
+  c = config_lib.preset('test')
+  c.train.batch_size, c.train.eval_batch_size = 16, eval_batch_size
+  resolved, run = config_lib.resolve(c, 4, backend='cpu')  # data=4: 4 sequences per device
+  assert resolved.train.micro_batch_size == 4 and run.grad_accum_steps == 1
+  fitted, fitted_run = memory.with_micro_batch(c, resolved, run, micro_batch)
+  c.train.micro_batch_size = micro_batch
+  expected, expected_run = config_lib.resolve(c, 4, backend='cpu')
+  assert fitted.to_dict() == expected.to_dict() and fitted_run == expected_run
+  assert fitted_run.grad_accum_steps == 4 // micro_batch
