@@ -199,7 +199,7 @@ class Checkpointing:
   def hooks(self, check_every: int = 1) -> list[Hook]:
     """check_every: steps between checks of a background save (with several processes the check
     is a collective: every process must make it at the same steps)."""
-    return [Hook(self.check, every=check_every, phase=AFTER_STEP, at_last=True,
+    return [Hook(self.check, every=check_every, phase=AFTER_STEP, at_last=False,
                  name='checkpoint_check'),
             Hook(self.save, every=self.every, phase=SAVE, at_last=self.save_final, at_stop=True,
                  name='checkpoint', finish=self.checkpointer.wait)]
