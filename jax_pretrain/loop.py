@@ -30,7 +30,13 @@ A second trainer (fine-tuning) uses it with its own step and hooks:
   lp.add_hook(task_accuracy, every=c.train.eval_every, phase=loop_lib.EVAL)
   for hook in ckpt.hooks(check_every=1):
     lp.add(hook)
-  state = lp.run(state, batches, start_step)  # None: a stop signal ended the run, state saved
+  state = lp.run(state, data.Prefetcher(host_batches, batch_sharding), start_step)
+  # None: a stop signal ended the run after saving step lp.step.
+
+train.StepLogger serves as `metrics` for any step whose metrics hold loss, lr, grad_norm and
+nonfinite_count (it writes train/*, perf/* and the console line); nonfinite_check reads the
+flushed dict's step, loss, grad_norm, nonfinite_count and consecutive_nonfinite. train.py and
+pretrain.py (pretrain.hooks lists a pretraining run's hooks) are the worked example.
 """
 import dataclasses
 import os

@@ -18,17 +18,17 @@ from jax_pretrain import sample as sample_lib
 from jax_pretrain import train as train_lib
 
 
-def hooks(run: train_lib.Run) -> list[loop_lib.Hook]:
+def hooks(ctx: train_lib.Context) -> list[loop_lib.Hook]:
   """Every hook of a pretraining run (loop.py says when each phase runs). The step metrics (the
   console line, TensorBoard, W&B) and the non-finite check are the loop's `metrics` and `checks`
   (train.py)."""
-  t = run.config.train
+  t = ctx.config.train
   return [
-      *train_lib.profile_hooks(run),  # BEFORE_STEP / AFTER_STEP: train.profile_steps
-      train_lib.eval_hook(run),  # EVAL: every train.eval_every steps and at the end
-      *train_lib.checkpoint_hooks(run),  # SAVE: checkpoint.every_steps, the end, a stop
-      *([lm_eval_hook(run)] if t.lm_eval_tasks else []),  # AFTER_SAVE
-      *([sample_hook(run)] if t.sample_prompt and t.sample_tokens > 0 else []),  # END
+      *train_lib.profile_hooks(ctx),  # BEFORE_STEP / AFTER_STEP: train.profile_steps
+      train_lib.eval_hook(ctx),  # EVAL: every train.eval_every steps and at the end
+      *train_lib.checkpoint_hooks(ctx),  # SAVE: checkpoint.every_steps, the end, a stop
+      *([lm_eval_hook(ctx)] if t.lm_eval_tasks else []),  # AFTER_SAVE
+      *([sample_hook(ctx)] if t.sample_prompt and t.sample_tokens > 0 else []),  # END
   ]
 
 
@@ -66,28 +66,28 @@ def run_lm_eval(params, tokenizer, config: ml_collections.ConfigDict,
     print(f'lm_eval at step {step} | {shown} ({time.perf_counter() - t0:.1f}s)', flush=True)
 
 
-def lm_eval_hook(run: train_lib.Run) -> loop_lib.Hook:
+def lm_eval_hook(ctx: train_lib.Context) -> loop_lib.Hook:
   """train.lm_eval_tasks after the save (a failing task costs no training), every
   train.lm_eval_every steps (0: at every eval) and at the end."""
-  t = run.config.train
+  t = ctx.config.train
 
   def lm_eval(info: loop_lib.StepInfo) -> None:
-    run_lm_eval(info.state.params, run.data.tokenizer, run.config, run.logger, info.step)
+    run_lm_eval(info.state.params, ctx.data.tokenizer, ctx.config, ctx.logger, info.step)
   return loop_lib.Hook(lm_eval, every=t.lm_eval_every or t.eval_every, phase=loop_lib.AFTER_SAVE,
                        name='lm_eval')
 
 
-def sample_hook(run: train_lib.Run) -> loop_lib.Hook:
+def sample_hook(ctx: train_lib.Context) -> loop_lib.Hook:
   """A continuation of train.sample_prompt from the final model, printed."""
-  t = run.config.train
+  t = ctx.config.train
 
   def sample(info: loop_lib.StepInfo) -> None:
     params = info.state.params
     if jax.process_count() > 1:  # a collective: every process takes part, process 0 samples
       params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() == 0:
-      text = sample_lib.generate_text(config_lib.model_config(run.config), params,
-                                      run.data.tokenizer, t.sample_prompt, t.sample_tokens,
+      text = sample_lib.generate_text(config_lib.model_config(ctx.config), params,
+                                      ctx.data.tokenizer, t.sample_prompt, t.sample_tokens,
                                       seed=t.seed)
       print(f'sample: {t.sample_prompt!r} -> {text!r}', flush=True)
   return loop_lib.Hook(sample, phase=loop_lib.END, name='sample')

@@ -5,10 +5,11 @@
 Flow: data.open_sources -> config.resolve (the run's one resolve; everything after it takes the
 resolved config and its RunShape) -> check(resolved) -> claim the workdir -> the config against
 the checkpoint's -> memory.fit_micro_batch (train.micro_batch_size=0 on a GPU) -> state.build ->
-restore or init the state -> load the data -> AOT-compile the step -> loop.Loop(step, metrics=
-StepLogger, stop signals, the non-finite check) with hooks(Run) -> its run. pretrain.py gives
-the pretraining hooks (evaluation, checkpointing, lm_eval, the end-of-run sample, profiling);
-this module imports nothing that runs after training (lm_eval, sample, engine, serve).
+restore or init the state -> load the data -> AOT-compile the step -> loop.Loop(step,
+metrics=StepLogger, stop signals, the non-finite check) with hooks(Context) -> its run.
+pretrain.py gives the pretraining hooks (evaluation, checkpointing, lm_eval, the end-of-run
+sample, profiling); this module imports nothing that runs after training (lm_eval, sample,
+engine, serve).
 """
 import contextlib
 import dataclasses
@@ -177,7 +178,7 @@ def _compile(s: Setup, pad_id: int):
 
 
 @dataclasses.dataclass
-class Run:
+class Context:
   """What the setup built, for the hooks (see pretrain.hooks)."""
   setup: Setup
   workdir: str
@@ -201,35 +202,35 @@ def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -
   return scalars
 
 
-def eval_hook(run: Run) -> loop_lib.Hook:
+def eval_hook(ctx: Context) -> loop_lib.Hook:
   """The held-out loss every train.eval_every steps and at the end (eval/loss, eval/ppl)."""
-  s = run.setup
-  eval_step = state_lib.jit_eval_step(s, run.data.tokenizer.pad_id)
+  s = ctx.setup
+  eval_step = state_lib.jit_eval_step(s, ctx.data.tokenizer.pad_id)
 
   def evaluate(info: loop_lib.StepInfo) -> dict:
-    return run_eval(eval_step, info.state.params, run.data, s, run.logger, info.step)
+    return run_eval(eval_step, info.state.params, ctx.data, s, ctx.logger, info.step)
   return loop_lib.Hook(evaluate, every=s.config.train.eval_every, phase=loop_lib.EVAL,
                        name='eval')
 
 
-def checkpoint_hooks(run: Run) -> list[loop_lib.Hook]:
+def checkpoint_hooks(ctx: Context) -> list[loop_lib.Hook]:
   """Saves (checkpoint.every_steps, the end, a stop) and the check of a background save, every
   step (with several processes, a collective: every train.log_every steps)."""
-  check_every = 1 if jax.process_count() == 1 else run.config.train.log_every
-  return run.checkpoints.hooks(check_every=check_every)
+  check_every = 1 if jax.process_count() == 1 else ctx.config.train.log_every
+  return ctx.checkpoints.hooks(check_every=check_every)
 
 
-def profile_hooks(run: Run) -> list[loop_lib.Hook]:
+def profile_hooks(ctx: Context) -> list[loop_lib.Hook]:
   """train.profile_steps: a jax.profiler trace of those steps in WORKDIR/profile."""
-  return loop_lib.Profiler(os.path.join(run.workdir, 'profile'),
-                           config_lib.profile_steps(run.config.train)).hooks()
+  return loop_lib.Profiler(os.path.join(ctx.workdir, 'profile'),
+                           config_lib.profile_steps(ctx.config.train)).hooks()
 
 
 def train(config: ml_collections.ConfigDict, workdir: str,
-          hooks: Callable[[Run], list[loop_lib.Hook]], devices=None,
+          hooks: Callable[[Context], list[loop_lib.Hook]], devices=None,
           check: Callable[[ml_collections.ConfigDict], None] | None = None) -> dict[str, float]:
-  """Trains per the config with hooks(Run), writing logs and checkpoints to workdir; returns the
-  last logged scalars ({} when a stop signal came before the first step).
+  """Trains per the config with hooks(Context), writing logs and checkpoints to workdir; returns
+  the last logged scalars ({} when a stop signal came before the first step).
 
   Cheap checks come first (config, data sources, check(resolved config), the workdir's lock, the
   config against the checkpoint's); then the micro-batch is chosen (GPUs), the state restored,
@@ -283,13 +284,13 @@ def train(config: ml_collections.ConfigDict, workdir: str,
           logger = StepLogger(s, writer, step)
           checkpoints = loop_lib.Checkpointing(checkpointer, config_lib.as_dict(resolved),
                                                every=ck.every_steps, save_final=ck.save_final)
-          run = Run(s, workdir, data, checkpoints, logger, step)
+          ctx = Context(s, workdir, data, checkpoints, logger, step)
           skips_at_start = int(jax.device_get(state.nonfinite_count))
           lp = loop_lib.Loop(train_step, resolved.train.steps, log_every=resolved.train.log_every,
                              metrics=logger, stop=stop,
                              checks=[loop_lib.nonfinite_check(resolved.train, checkpoints,
                                                               skips_at_start)])
-          for hook in hooks(run):
+          for hook in hooks(ctx):
             lp.add(hook)
           state = lp.run(state, prefetcher, step)
           if state is None and is_main:
