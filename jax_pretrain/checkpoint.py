@@ -20,12 +20,12 @@ import shutil
 
 from absl import logging
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jax_pretrain import multihost
 from jax_pretrain.errors import UserError
 
 DIRECTORY = 'checkpoints'  # under the workdir
@@ -139,17 +139,6 @@ def _manager(directory: str, **kwargs) -> ocp.CheckpointManager:
     logging.set_verbosity(verbosity)
 
 
-def _any_process(flag: bool) -> bool:
-  """Whether the flag is set on any process (a collective: every process must call it)."""
-  if jax.process_count() == 1:
-    return bool(flag)
-  return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
-
-
-def _all_processes(flag: bool) -> bool:
-  return not _any_process(not flag)
-
-
 class _OrbaxFailureTracebacks(pylogging.Filter):
   """Drops the tracebacks orbax logs for a failed background save: the CheckpointError raised for
   it says what failed in one line (and chains the exception)."""
@@ -185,6 +174,8 @@ class Checkpointer:
                          preservation_policy=policies.AnyPreservationPolicy(keep_policies)))
     self._pending: int | None = None  # the step being saved in the background
     logging.get_absl_logger().addFilter(_ORBAX_FILTER)  # (once: a filter is added only once)
+    if not read_only:  # said by the line a lost process ends the run with
+      multihost.set_resume_hint(self.resume_hint)
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -199,7 +190,7 @@ class Checkpointer:
       self.wait()  # orbax would wait too; here a failure of that save is named by its own step
     needed = sum(x.nbytes for x in jax.tree.leaves(state))
     free = shutil.disk_usage(self.directory).free
-    if _any_process(free < needed * _FREE_SPACE_MARGIN):
+    if multihost.any_process(free < needed * _FREE_SPACE_MARGIN):
       raise CheckpointError(
           f'saving step {step}: {self.directory} has {_size(free)} free, but the checkpoint '
           f'needs about {_size(needed)}. {self.last_complete()} Free some space (or lower '
@@ -217,7 +208,7 @@ class Checkpointer:
     several processes, at the same steps on all: they agree through an all-gather)."""
     if self._pending is None:
       return
-    if not _all_processes(not self._manager.is_saving_in_progress()):
+    if not multihost.all_processes(not self._manager.is_saving_in_progress()):
       return
     self.wait()  # finished everywhere: returns at once, or raises the failure orbax kept
 
@@ -230,13 +221,13 @@ class Checkpointer:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
       error = e
-    if _any_process(error is not None):
+    if multihost.any_process(error is not None):
       self._failed(step, error or RuntimeError('the save failed on another process'))
 
   def _failed(self, step: int | None, error: Exception):
     """Removes the temporary directory the failed save left and raises a CheckpointError naming
     the step and the cause."""
-    if jax.process_index() == 0 and step is not None and os.path.isdir(self.directory):
+    if multihost.is_main() and step is not None and os.path.isdir(self.directory):
       for name in os.listdir(self.directory):
         if name.startswith(f'{step}.orbax-checkpoint-tmp'):
           shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
@@ -248,6 +239,18 @@ class Checkpointer:
     last = self.latest_step()
     return (f'The last complete checkpoint is step {last}.' if last is not None else
             'No checkpoint was completed yet.')
+
+  def resume_hint(self) -> str:
+    """Where a restarted run resumes, read from the directory alone (no orbax state, no
+    collective: it runs on the heartbeat thread while the main thread may be stuck in a save).
+    A step's directory has its final name only once every process wrote it."""
+    try:
+      steps = [int(name) for name in os.listdir(self.directory) if name.isdigit()]
+    except OSError:
+      steps = []
+    if not steps:
+      return f'no checkpoint was completed yet in {self.directory}'
+    return f'the last complete checkpoint is step {max(steps)} in {self.directory}'
 
   def saved_config(self, step: int) -> dict | None:
     """The config a checkpoint was saved with (None if it cannot be read)."""
@@ -294,11 +297,11 @@ class Checkpointer:
     damaged = os.path.join(self.directory, f'{step}.damaged')
     logging.warning('checkpoint %s/%d is damaged (%s: %s); moved to %s, trying the previous one.',
                     self.directory, step, type(error).__name__, error, damaged)
-    if jax.process_index() == 0:
+    if multihost.is_main():
       if os.path.exists(damaged):
         shutil.rmtree(damaged)
       os.rename(os.path.join(self.directory, str(step)), damaged)
-    multihost_utils.sync_global_devices(f'checkpoint set aside {step}')
+    multihost.barrier(f'checkpoint set aside {step}')
     self._manager.reload()
 
   def restore_params(self, abstract_params, step: int | None = None):

@@ -51,6 +51,8 @@ def defaults() -> ml_collections.ConfigDict:
 
   c.data = d = ml_collections.ConfigDict()
   d.seq_len = 2048             # tokens per training sequence
+  d.format = 'text'            # 'text': documents (pretraining) | 'sft': JSONL prompt/completion
+                               # or chat messages, packed, loss on completions (docs/data.md)
   d.train = ''                 # required: 'SOURCE[#field][:weight],...' (docs/data.md)
   d.val = ''                   # eval sources; '' carves val_ratio from the training data
   d.val_ratio = 0.05           # share of the training data held out for eval when val is ''
@@ -343,6 +345,11 @@ def _resolve_rest(c: ml_collections.ConfigDict) -> None:
   _check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
   profile_steps(t)
   _choice(c.data, 'data', 'on_bad_record', ('error', 'skip'))
+  _choice(c.data, 'data', 'format', ('text', 'sft'))
+  _check(c.data.format != 'sft' or c.model.attention in ('xla', 'cudnn'),
+         f"model.attention={c.model.attention!r} cannot keep packed SFT examples apart "
+         "(data.format='sft' needs a segment mask); use --config.model.attention=xla (any "
+         "device) or cudnn (NVIDIA GPUs), or auto.")
   _check(not t.wandb_project or importlib.util.find_spec('wandb') is not None,
          f'train.wandb_project={t.wandb_project!r} needs wandb: `pip install wandb` (or leave '
          'train.wandb_project empty).')
@@ -376,7 +383,8 @@ RESUME_REFUSED = {
                                              'rope_high_freq_factor', 'rope_original_max_len')},
     'optim.mu_dtype': _SHAPE,
     **{f: _STREAM for f in ('train.batch_size', 'train.seed', 'data.seq_len', 'data.train',
-                            'data.val', 'data.val_ratio', 'data.tokenizer', 'data.text_field')},
+                            'data.val', 'data.val_ratio', 'data.tokenizer', 'data.text_field',
+                            'data.format')},
 }
 RESUME_SAFE = {
     'model.init_std',  # used only at initialization

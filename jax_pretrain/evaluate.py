@@ -11,6 +11,9 @@ Each source is read in order as windows of seq_len + 1 tokens starting every seq
 each token of its first max_tokens is a target exactly once (the last window padded with pad_id,
 which the loss ignores). EOS targets count, as in training.
 
+A fine-tuned run (data.format='sft') is scored as it trained: its held-out examples (or --data's
+JSONL examples), packed, on completion tokens only; no bits per byte.
+
 Bits per byte = total NLL in nats / ln 2 / UTF-8 bytes of the evaluated text, so models with
 different tokenizers compare. The bytes are those of the detokenized targets, decoded one document
 (EOS-delimited) at a time: the text the targets stand for, since decode(encode(document)) is the
@@ -96,6 +99,8 @@ def evaluate(workdir: str, data: str = '', *, step: int | None = None, max_token
     raise UserError(f'--batch_size={B} is not a multiple of the {s.mesh.size} devices.')
   pad_id = tokenizer.pad_id
   eval_step = state_lib.jit_eval_step(s, pad_id)
+  if config.data.format == 'sft':
+    return _evaluate_sft(run, eval_step, data, max_tokens, B)
   if data:
     components = data_lib.eval_components(sources_lib.parse(data, '--data'), tokenizer,
                                           sources_lib.ReadOptions.from_config(config.data), split)
@@ -121,6 +126,28 @@ def evaluate(workdir: str, data: str = '', *, step: int | None = None, max_token
     results.append(Result('all', sum(r.weight for r in results), sum(r.tokens for r in results),
                           sum(r.nll for r in results),
                           None if None in known else sum(known)))
+  return results
+
+
+def _evaluate_sft(run, eval_step, data: str, max_tokens: int, batch_size: int) -> list[Result]:
+  """Completion-token loss of packed SFT examples, per source (data/sft.py)."""
+  from jax_pretrain.data import sft  # pylint: disable=g-import-not-at-top
+  config, T = run.config, run.config.data.seq_len
+  if data:
+    sources = loader.Sources([], sources_lib.parse(data, '--data'), run.tokenizer,
+                             sources_lib.ReadOptions.from_config(config.data), config.data.tokenizer)
+  else:
+    sources = dataclasses.replace(data_lib.open_sources(config), tokenizer=run.tokenizer)
+  results = []
+  for rows in sft.packed_sources(sources, T, config.data.val_ratio, run.tokenizer.pad_id)[1]:
+    n = len(rows) if not max_tokens else min(len(rows), -(-max_tokens // T))
+    batches = pipeline.eval_batches([rows[i] for i in range(n)], -(-n // batch_size), batch_size,
+                                    T, run.tokenizer.pad_id)
+    nll, count = state_lib.summed_loss(eval_step, run.params, batches, run.setup.batch_sharding)
+    results.append(Result(rows.examples.name, rows.examples.weight, int(count), nll))
+  if len(results) > 1:
+    results.append(Result('all', sum(r.weight for r in results), sum(r.tokens for r in results),
+                          sum(r.nll for r in results)))
   return results
 
 

@@ -45,6 +45,7 @@ from typing import Any, Callable
 import jax
 
 from jax_pretrain import checkpoint as checkpoint_lib
+from jax_pretrain import multihost
 from jax_pretrain.errors import UserError
 
 BEFORE_STEP = 'before_step'
@@ -256,9 +257,7 @@ class Profiler:
       jax.block_until_ready(info.state)
       jax.profiler.stop_trace()
       self.active = False
-      if jax.process_index() == 0:
-        print(f'profile of steps {self.steps[0]}..{info.step} written to {self.directory}',
-              flush=True)
+      multihost.log(f'profile of steps {self.steps[0]}..{info.step} written to {self.directory}')
 
   def finish(self) -> None:
     if self.active:  # a stop signal after START, before STOP

@@ -131,10 +131,9 @@ def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.
   # take the smallest answer, so that every process compiles the same micro-batch.
   local = [d for d in devices if d.process_index == devices[0].client.process_index()]
   limit = usable_memory((local or devices)[0], target)
-  import jax  # pylint: disable=g-import-not-at-top
-  if target is None and jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    limit = float(min(multihost_utils.process_allgather(jax.numpy.float32(limit)).tolist()))
+  if target is None:
+    from jax_pretrain import multihost  # pylint: disable=g-import-not-at-top  (imports jax)
+    limit = multihost.minimum(limit)
 
   def measure(m):
     from jax_pretrain import hlo  # pylint: disable=g-import-not-at-top

@@ -156,8 +156,10 @@ class Attention(nn.Module):
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, kv=None, positions_BxT=None):
-    """Returns (output, kv): kv is None in training, else this layer's updated (k, v) cache."""
+  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT=None, kv=None, positions_BxT=None):
+    """Returns (output, kv): kv is None in training, else this layer's updated (k, v) cache.
+
+    segments_BxT (training on packed rows): attention stays within each segment."""
     c = self.config
     D, N, K, H = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
@@ -178,7 +180,8 @@ class Attention(nn.Module):
 
     if kv is None:
       o_BxTxNxH = attention.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
-                                             implementation=c.attention, mesh=self.mesh)
+                                             implementation=c.attention, mesh=self.mesh,
+                                             segments_BxT=segments_BxT)
     else:
       kv = _write_cache(kv, k_BxTxKxH, v_BxTxKxH, positions_BxT)
       o_BxTxNxH = _cached_attention(q_BxTxNxH, *kv, positions_BxT).astype(dt)
@@ -240,10 +243,11 @@ class Block(nn.Module):
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, kv=None, positions_BxT=None):
+  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT=None, kv=None, positions_BxT=None):
     x_BxTxD = sharding.constrain(x_BxTxD, ('batch', 'length', 'act_embed'), self.mesh)
     h, kv = Attention(self.config, self.mesh, name='attn')(
-        RMSNorm(self.config, name='attn_norm')(x_BxTxD), cos_TxH2, sin_TxH2, kv, positions_BxT)
+        RMSNorm(self.config, name='attn_norm')(x_BxTxD), cos_TxH2, sin_TxH2, segments_BxT, kv,
+        positions_BxT)
     x_BxTxD = x_BxTxD + h
     h = Mlp(self.config, self.mesh, name='mlp')(RMSNorm(self.config, name='mlp_norm')(x_BxTxD))
     return x_BxTxD + h, kv
@@ -254,13 +258,17 @@ class Transformer(nn.Module):
 
   With cache (a KVCache) and positions_BxT (each token's absolute position, int32 [B, T]):
   -> (logits, updated cache); see the module docstring.
+  With segments_BxT (int32 [B, T], training on packed rows, e.g. SFT examples): a token attends
+  only to earlier tokens of its own segment. Positions still run 0..T-1 along the row: rotary
+  attention scores depend only on the distance between query and key, so an example scores the
+  same wherever it sits in the row (tests/test_sft.py checks it).
   """
   config: ModelConfig
   mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, tokens_BxT: jax.Array, cache: KVCache | None = None,
-               positions_BxT: jax.Array | None = None):
+               positions_BxT: jax.Array | None = None, segments_BxT: jax.Array | None = None):
     c = self.config
     embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                            c.init_std)
@@ -284,15 +292,16 @@ class Transformer(nn.Module):
       block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], prevent_cse=not c.scan_layers)
     if c.scan_layers:
       stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
-                      in_axes=(nn.broadcast, nn.broadcast) + kv_axes, length=c.num_layers,
+                      in_axes=(nn.broadcast,) * 3 + kv_axes, length=c.num_layers,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
-      x_BxTxD, kv = stack(c, self.mesh, name='layers')(x_BxTxD, cos_TxH2, sin_TxH2, *kv_args)
+      x_BxTxD, kv = stack(c, self.mesh, name='layers')(x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT,
+                                                       *kv_args)
     else:
       kvs = []
       for i in range(c.num_layers):
         layer_kv_args = jax.tree.map(lambda a: a[i], kv_args[:1]) + kv_args[1:]
         x_BxTxD, kv_i = block(c, self.mesh, name=f'layers_{i}')(
-            x_BxTxD, cos_TxH2, sin_TxH2, *layer_kv_args)
+            x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT, *layer_kv_args)
         kvs.append(kv_i)
       kv = jax.tree.map(lambda *xs: jnp.stack(xs), *kvs)  # None in training
 

@@ -8,12 +8,11 @@ so that train.py imports none of lm_eval, sample, engine or serve.
 import time
 
 from absl import logging
-import jax
-from jax.experimental import multihost_utils
 import ml_collections
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import loop as loop_lib
+from jax_pretrain import multihost
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import train as train_lib
 
@@ -50,10 +49,8 @@ def run_lm_eval(params, tokenizer, config: ml_collections.ConfigDict,
   """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC. A failure
   (a task's download, a task the model cannot run) is a warning: training goes on."""
   from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
-  if jax.process_count() > 1:  # a collective: every process takes part, process 0 evaluates
-    params = jax.device_put(multihost_utils.process_allgather(params, tiled=True),
-                            jax.local_devices()[0])
-  if jax.process_index() == 0:
+  params = multihost.gather(params, on_device=True)  # every process takes part, 0 evaluates
+  if multihost.is_main():
     t0 = time.perf_counter()
     try:
       scalars = lm_eval_lib.evaluate_during_training(config, params, tokenizer)
@@ -63,7 +60,7 @@ def run_lm_eval(params, tokenizer, config: ml_collections.ConfigDict,
       return
     logger.write(step, scalars)
     shown = ' | '.join(f'{k[len("lm_eval/"):]} {v:.4f}' for k, v in scalars.items())
-    print(f'lm_eval at step {step} | {shown} ({time.perf_counter() - t0:.1f}s)', flush=True)
+    multihost.log(f'lm_eval at step {step} | {shown} ({time.perf_counter() - t0:.1f}s)')
 
 
 def lm_eval_hook(ctx: train_lib.Context) -> loop_lib.Hook:
@@ -82,12 +79,10 @@ def sample_hook(ctx: train_lib.Context) -> loop_lib.Hook:
   t = ctx.config.train
 
   def sample(info: loop_lib.StepInfo) -> None:
-    params = info.state.params
-    if jax.process_count() > 1:  # a collective: every process takes part, process 0 samples
-      params = multihost_utils.process_allgather(params, tiled=True)
-    if jax.process_index() == 0:
+    params = multihost.gather(info.state.params)  # every process takes part, process 0 samples
+    if multihost.is_main():
       text = sample_lib.generate_text(config_lib.model_config(ctx.config), params,
                                       ctx.data.tokenizer, t.sample_prompt, t.sample_tokens,
                                       seed=t.seed)
-      print(f'sample: {t.sample_prompt!r} -> {text!r}', flush=True)
+      multihost.log(f'sample: {t.sample_prompt!r} -> {text!r}')
   return loop_lib.Hook(sample, phase=loop_lib.END, name='sample')

@@ -13,19 +13,12 @@ import signal
 import threading
 
 import jax
-from jax.experimental import multihost_utils
-import numpy as np
+
+from jax_pretrain import multihost
 
 
 class Stopped(Exception):
   """A stop signal arrived before training started."""
-
-
-def _any_process(flag: bool) -> bool:
-  """Whether the flag is set on any process (a collective: every process must call it)."""
-  if jax.process_count() == 1:
-    return flag
-  return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
 
 
 class StopSignal:
@@ -48,14 +41,12 @@ class StopSignal:
       return
     self._received = signal.Signals(signum).name
     self._stop_after = self.stop_step()
-    if jax.process_index() == 0:
-      again = ' (Ctrl-C again to abort without saving)' if signum == signal.SIGINT else ''
-      if self.phase:
-        print(f'received {self._received} while {self.phase}: stopping when it is done, before '
-              f'training{again}', flush=True)
-      else:
-        print(f'received {self._received}: stopping after step {self._stop_after}{again}',
-              flush=True)
+    again = ' (Ctrl-C again to abort without saving)' if signum == signal.SIGINT else ''
+    if self.phase:
+      multihost.log(f'received {self._received} while {self.phase}: stopping when it is done, '
+                    f'before training{again}')
+    else:
+      multihost.log(f'received {self._received}: stopping after step {self._stop_after}{again}')
 
   def stop_step(self) -> int:
     """The step after which the loop stops if a signal arrives now."""
@@ -77,7 +68,7 @@ class StopSignal:
     mine = self._stop_after is not None and step >= self._stop_after
     if jax.process_count() > 1 and step % self._check_every:
       return False
-    return _any_process(mine)
+    return multihost.any_process(mine)
 
   def wait(self, phase: str, fn, *args):
     """fn(*args), run in a thread while this one stays responsive to signals; raises Stopped
@@ -101,7 +92,7 @@ class StopSignal:
       self.phase = ''
     if error:
       raise error[0]
-    if _any_process(self._received is not None):
+    if multihost.any_process(self._received is not None):
       raise Stopped(f'received {self.name} while {phase}: stopped before training')
     return result[0]
 

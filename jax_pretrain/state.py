@@ -33,19 +33,29 @@ class TrainState:
 
 
 def make_loss_fn(model: nn.Module, pad_id: int):
-  """(params, tokens [B, T+1]) -> (sum of next-token NLL over non-pad targets, their count).
+  """(params, batch) -> (sum of next-token NLL over the weighted targets, the sum of weights).
 
+  batch: {'tokens': int32 [B, T+1]} (pretraining: every non-pad target counts once), optionally
+  with 'weights' (float32 [B, T], the weight of target t = tokens[:, t+1]; SFT: 1 on completion
+  tokens, 0 on prompt tokens and padding) and 'segments' (int32 [B, T], packed examples:
+  attention stays within a segment). A bare tokens array is taken as {'tokens': it}.
   Sums, not means, so that micro-batches and data-parallel shards combine exactly.
   """
-  def loss_fn(params, tokens_BxT1):
+  def loss_fn(params, batch):
+    batch = batch if isinstance(batch, dict) else {'tokens': batch}
+    tokens_BxT1 = batch['tokens']
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-    logits_BxTxV = model.apply({'params': params}, inputs_BxT).astype(jnp.float32)
+    logits_BxTxV = model.apply({'params': params}, inputs_BxT,
+                               segments_BxT=batch.get('segments')).astype(jnp.float32)
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     # A masked sum, not take_along_axis: XLA's SPMD partitioner aborts on that gather when the
     # vocabulary is split over 'tensor' inside the train step's shard_map.
     is_target_BxTxV = targets_BxT[..., None] == jnp.arange(logits_BxTxV.shape[-1])
     target_logit_BxT = jnp.sum(jnp.where(is_target_BxTxV, logits_BxTxV, 0.0), axis=-1)
-    weights_BxT = (targets_BxT != pad_id).astype(jnp.float32)
+    if 'weights' in batch:
+      weights_BxT = batch['weights'].astype(jnp.float32)
+    else:
+      weights_BxT = (targets_BxT != pad_id).astype(jnp.float32)
     return jnp.sum((logz_BxT - target_logit_BxT) * weights_BxT), jnp.sum(weights_BxT)
   return loss_fn
 
@@ -62,27 +72,28 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   """
   loss_and_grad = jax.value_and_grad(make_loss_fn(model, pad_id), has_aux=True)
 
-  def local_sums(params, tokens_BxT1):
+  def local_sums(params, batch):
     """(loss sum, target count, float32 grads) over this replica's rows, micro-batch by
     micro-batch. Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps its own rows."""
-    B, T1 = tokens_BxT1.shape
-    micro_AxMxT1 = tokens_BxT1.reshape(B // grad_accum_steps, grad_accum_steps, T1)
-    micro_AxMxT1 = sharding.constrain(micro_AxMxT1.swapaxes(0, 1), (None, 'batch', None), mesh)
+    def micro_batches(x_BxT):  # [B, T] -> [A, B / A, T], for every key of the batch
+      B, T = x_BxT.shape
+      x_AxMxT = x_BxT.reshape(B // grad_accum_steps, grad_accum_steps, T).swapaxes(0, 1)
+      return sharding.constrain(x_AxMxT, (None, 'batch', None), mesh)
 
-    def accumulate(carry, tokens_MxT1):
-      (loss_i, weight_i), grads_i = loss_and_grad(params, tokens_MxT1)
+    def accumulate(carry, micro_batch):
+      (loss_i, weight_i), grads_i = loss_and_grad(params, micro_batch)
       loss_sum, weight, grads = carry
       return (loss_sum + loss_i, weight + weight_i, jax.tree.map(jnp.add, grads, grads_i)), None
 
     zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
              jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-    sums, _ = jax.lax.scan(accumulate, zeros, micro_AxMxT1)
+    sums, _ = jax.lax.scan(accumulate, zeros, jax.tree.map(micro_batches, batch))
     return sums
 
-  def data_parallel_sums(params, tokens_BxT1):
+  def data_parallel_sums(params, batch):
     # check_vma=False: no implicit psum per micro-batch for the replicated params; the one
     # reduction is this explicit psum, in float32.
-    return jax.lax.psum(local_sums(params, tokens_BxT1), 'data')
+    return jax.lax.psum(local_sums(params, batch), 'data')
 
   if mesh is not None and mesh.shape['data'] > 1:  # (XLA rejects a psum over a 1-device axis)
     sums_fn = jax.shard_map(data_parallel_sums, mesh=mesh, in_specs=(jax.P(), jax.P('data')),
@@ -91,7 +102,7 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     sums_fn = local_sums
 
   def train_step(state: TrainState, batch):
-    loss_sum, weight, grads = sums_fn(state.params, batch['tokens'])
+    loss_sum, weight, grads = sums_fn(state.params, batch)
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
     loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
@@ -210,27 +221,37 @@ def jit_train_step(s: Setup, pad_id: int):
 
 
 def jit_eval_step(s: Setup, pad_id: int):
-  """(params, {'tokens': [B, T+1]}) -> (NLL summed over non-pad targets, their count)."""
+  """(params, batch) -> (NLL summed over the weighted targets, their count); see make_loss_fn."""
   loss_fn = make_loss_fn(s.model, pad_id)
-  return jax.jit(lambda params, batch: loss_fn(params, batch['tokens']),
+  return jax.jit(loss_fn,
                  in_shardings=(s.state_shardings.params, s.batch_sharding),
                  out_shardings=sharding.replicated(s.mesh))
 
 
 def abstract_batch(s: Setup, batch_size: int):
-  return {'tokens': jax.ShapeDtypeStruct((batch_size, s.config.data.seq_len + 1), jnp.int32,
-                                         sharding=s.batch_sharding)}
+  """The batch the trainer feeds: tokens, and for packed SFT data (data.format='sft') the loss
+  weights and segment ids (data/sft.py)."""
+  T = s.config.data.seq_len
+  batch = {'tokens': jax.ShapeDtypeStruct((batch_size, T + 1), jnp.int32,
+                                          sharding=s.batch_sharding)}
+  if s.config.data.format == 'sft':
+    batch['weights'] = jax.ShapeDtypeStruct((batch_size, T), jnp.float32,
+                                            sharding=s.batch_sharding)
+    batch['segments'] = jax.ShapeDtypeStruct((batch_size, T), jnp.int32,
+                                             sharding=s.batch_sharding)
+  return batch
 
 
 def summed_loss(eval_step, params, batches, batch_sharding) -> tuple[float, float]:
   """(NLL summed over the batches' non-pad targets, their count): one host sync at the end.
 
-  batches: host arrays {'tokens': int32 [local B, T+1]}, this process's rows of each batch.
+  batches: host arrays {'tokens': int32 [local B, T+1], ...}, this process's rows of each batch.
   """
   nll, count = jnp.zeros(()), jnp.zeros(())
   for batch in batches:
-    device_batch = jax.make_array_from_process_local_data(batch_sharding, batch['tokens'])
-    l, w = eval_step(params, {'tokens': device_batch})
+    device_batch = {k: jax.make_array_from_process_local_data(batch_sharding, v)
+                    for k, v in batch.items()}
+    l, w = eval_step(params, device_batch)
     nll, count = nll + l, count + w
   nll, count = jax.device_get((nll, count))
   return float(nll), float(count)

@@ -18,9 +18,7 @@ import time
 from typing import Callable
 
 import jax
-from jax.experimental import multihost_utils
 import ml_collections
-import numpy as np
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
@@ -29,6 +27,7 @@ from jax_pretrain import loop as loop_lib
 from jax_pretrain import memory
 from jax_pretrain import metrics as metrics_lib
 from jax_pretrain import model as model_lib
+from jax_pretrain import multihost
 from jax_pretrain import runtime
 from jax_pretrain import signals
 from jax_pretrain import state as state_lib
@@ -107,13 +106,12 @@ class StepLogger:
                'perf/tokens_per_sec': tokens_per_sec, 'perf/step_time': step_time,
                'perf/mfu': mfu}
     self.write(step, scalars)
-    if jax.process_index() == 0:
-      mfu_text = f' | MFU {mfu:.1%}' if mfu is not None else ''
-      skips = f' | skipped {m["nonfinite_count"]}' if m['nonfinite_count'] else ''
-      print(f'step {step}/{self._steps} | loss {m["loss"]:.4f} | lr {m["lr"]:.2e} | '
-            f'grad_norm {m["grad_norm"]:.3f} | {tokens_per_sec:,.0f} tok/s | '
-            f'{step_time:.3f} s/step{mfu_text}{skips} | '
-            f'ETA {_format_eta((self._steps - step) * step_time)}', flush=True)
+    mfu_text = f' | MFU {mfu:.1%}' if mfu is not None else ''
+    skips = f' | skipped {m["nonfinite_count"]}' if m['nonfinite_count'] else ''
+    multihost.log(f'step {step}/{self._steps} | loss {m["loss"]:.4f} | lr {m["lr"]:.2e} | '
+                  f'grad_norm {m["grad_norm"]:.3f} | {tokens_per_sec:,.0f} tok/s | '
+                  f'{step_time:.3f} s/step{mfu_text}{skips} | '
+                  f'ETA {_format_eta((self._steps - step) * step_time)}')
     return {'step': step, **m}
 
   def write(self, step: int, scalars: dict) -> None:
@@ -125,13 +123,13 @@ def _claim(workdir: str):
   """Process 0 takes the workdir's lock (see workdir.claim); every process learns whether it did,
   so that all stop together. Returns what to close at the end."""
   lock, error = contextlib.nullcontext(), None
-  if jax.process_index() == 0:
+  if multihost.is_main():
     try:
       lock = workdir_lib.claim(workdir)
     except workdir_lib.WorkdirError as e:
       error = e
   if jax.process_count() > 1:
-    ok = bool(multihost_utils.broadcast_one_to_all(np.array(error is None)))
+    ok = multihost.from_main(error is None)
     if not ok and error is None:
       error = workdir_lib.WorkdirError(f'process 0 could not claim {workdir}: see its message.')
   if error is not None:
@@ -172,8 +170,7 @@ def _compile(s: Setup, pad_id: int):
   t0 = time.perf_counter()
   train_step = state_lib.jit_train_step(s, pad_id).lower(
       s.abstract_state, state_lib.abstract_batch(s, s.config.train.batch_size)).compile()
-  if jax.process_index() == 0:
-    print(f'compiled train step in {time.perf_counter() - t0:.1f}s', flush=True)
+  multihost.log(f'compiled train step in {time.perf_counter() - t0:.1f}s')
   return train_step
 
 
@@ -197,8 +194,7 @@ def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -
   loss = nll / max(count, 1.0)
   scalars = {'eval/loss': loss, 'eval/ppl': metrics_lib.perplexity(loss)}
   logger.write(step, scalars)
-  if jax.process_index() == 0:
-    print(f'eval at step {step} | loss {loss:.4f} | ppl {scalars["eval/ppl"]:.2f}', flush=True)
+  multihost.log(f'eval at step {step} | loss {loss:.4f} | ppl {scalars["eval/ppl"]:.2f}')
   return scalars
 
 
@@ -241,7 +237,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   # The run's one resolve: every field checked, nothing built.
   resolved, run_shape = config_lib.resolve(config, len(devices), device=devices[0],
                                            tokenizer_vocab_size=sources.tokenizer.vocab_size)
-  is_main = jax.process_index() == 0
+  is_main = multihost.is_main()
   if check is not None:
     check(resolved)
   with _claim(workdir):
@@ -261,12 +257,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
       if fitted and saved:
         changes = config_lib.resume_changes(saved, resolved)  # with the micro-batch chosen
       s = state_lib.build(resolved, run_shape, devices)
-      if is_main:
-        for field, (before, after) in changes.items():
-          print(f'config change on resume: {field} {before!r} -> {after!r}', flush=True)
-        print(describe(s, model_lib.count_params(s.abstract_state.params)), flush=True)
-        if fitted:
-          print(f'chosen            {fitted}', flush=True)
+      for field, (before, after) in changes.items():
+        multihost.log(f'config change on resume: {field} {before!r} -> {after!r}')
+      multihost.log(describe(s, model_lib.count_params(s.abstract_state.params)))
+      if fitted:
+        multihost.log(f'chosen            {fitted}')
       state = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
       step = int(jax.device_get(state.step))
       if is_main:  # only once the restore succeeded
@@ -293,23 +288,22 @@ def train(config: ml_collections.ConfigDict, workdir: str,
           for hook in hooks(ctx):
             lp.add(hook)
           state = lp.run(state, prefetcher, step)
-          if state is None and is_main:
-            print(f'received {stop.name}: saved step {lp.step} to {checkpointer.directory}; run '
-                  'the same command to resume.', flush=True)
+          if state is None:
+            multihost.log(f'received {stop.name}: saved step {lp.step} to '
+                          f'{checkpointer.directory}; run the same command to resume.')
         finally:
           prefetcher.close()
           writer.close()
       finally:
         data.train.close()  # stops grain's worker processes, if any
     except signals.Stopped as e:
-      if is_main:
-        print(f'{e}; nothing new to save. {checkpointer.last_complete()}', flush=True)
+      multihost.log(f'{e}; nothing new to save. {checkpointer.last_complete()}')
       return {}
     except KeyboardInterrupt:
       aborted = True
-      if lp is not None and is_main:
-        print(f'aborted by a second Ctrl-C after step {lp.step}, without saving. '
-              f'{checkpointer.last_complete()}', flush=True)
+      if lp is not None:
+        multihost.log(f'aborted by a second Ctrl-C after step {lp.step}, without saving. '
+                      f'{checkpointer.last_complete()}')
       raise
     finally:
       stop.restore()

@@ -1,5 +1,6 @@
 """The package's structure: no import cycles (imports inside functions included), no edits of
-Python's module search path, and presets that start from the defaults."""
+Python's module search path, agreement between processes only in multihost.py, and presets that
+start from the defaults."""
 import ast
 import importlib
 import os
@@ -74,6 +75,21 @@ def test_nothing_edits_the_module_search_path():
           with open(os.path.join(directory, name), encoding='utf-8') as f:
             if search_path in f.read():
               offenders.append(os.path.join(directory, name))
+  assert not offenders
+
+
+def test_agreement_between_processes_only_through_multihost():
+  """Collectives between processes and 'am I process 0' live in jax_pretrain/multihost.py alone."""
+  patterns = ('multihost_' + 'utils', 'process_index() == 0', 'process_index() != 0')
+  offenders = []
+  for top in ('jax_pretrain', 'scripts'):
+    for directory, _, files in os.walk(os.path.join(ROOT, top)):
+      for name in files:
+        path = os.path.join(directory, name)
+        if name.endswith('.py') and path != os.path.join(ROOT, 'jax_pretrain', 'multihost.py'):
+          with open(path, encoding='utf-8') as f:
+            text = f.read()
+          offenders += [f'{path}: {p}' for p in patterns if p in text]
   assert not offenders
 
 

@@ -1,7 +1,9 @@
 """Two processes on localhost (jax.distributed + gloo) train like one process with the same global
-batch, and their checkpoint restores in a one-process run."""
+batch, and their checkpoint restores in a one-process run; a stop signal to one stops both; a lost
+process stops the other with one line, and both resume exactly."""
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,9 +31,41 @@ def command(workdir, *extra):
 
 
 
-def losses(workdir, key='train/loss'):
-  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+def losses(workdir, key='train/loss', name='metrics.jsonl'):
+  with open(os.path.join(workdir, name), encoding='utf-8') as f:
     return {r['step']: r[key] for r in map(json.loads, f) if key in r}
+
+
+AGREEMENTS = """
+import sys
+import jax
+import numpy as np
+from jax_pretrain import multihost
+multihost.initialize('127.0.0.1:' + sys.argv[1], 2, int(sys.argv[2]), heartbeat_timeout=60)
+i = jax.process_index()
+mesh = jax.make_mesh((2,), ('x',))
+sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x'))
+x = jax.make_array_from_callback((4, 3), sharding, lambda idx: np.arange(12.).reshape(4, 3)[idx])
+full = multihost.gather({'x': x})['x']
+multihost.barrier('checked')
+print(multihost.any_process(i == 1), multihost.all_processes(i == 1), multihost.from_main(i == 0),
+      multihost.minimum(5.0 - 2 * i), multihost.is_main(),
+      full.tolist() == np.arange(12.).reshape(4, 3).tolist())
+"""
+
+
+def test_agreements_between_two_processes():
+  """Each of multihost's agreements, with process 0 and 1 giving different values."""
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, '-c', AGREEMENTS, str(port), str(i)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env(), cwd=ROOT) for i in range(2)]
+  outputs = [p.communicate(timeout=300) for p in procs]
+  for p, (out, err) in zip(procs, outputs):
+    assert p.returncode == 0, err
+  # any: True, all: False, process 0's flag: True, the smaller number: 3.0, a full array on both.
+  assert outputs[0][0].splitlines()[-1].split() == ['True', 'False', 'True', '3.0', 'True', 'True']
+  assert outputs[1][0].splitlines()[-1].split() == ['True', 'False', 'True', '3.0', 'False', 'True']
 
 
 def test_two_processes_match_one_process_and_checkpoint_restores_in_one(tmp_path):
@@ -92,3 +126,51 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
   step = int(stopped[0].split('saved step ')[1].split(' ')[0])
   assert 6 <= step < 400
   assert sorted(int(p) for p in os.listdir(tmp_path / 'checkpoints') if p.isdigit()) == [step]
+
+
+def test_a_lost_process_stops_the_other_with_one_line_and_both_resume_exactly(tmp_path):
+  """A node lost mid-run (process 1 SIGKILLed after a checkpoint): process 0 ends, after the
+  heartbeat timeout, with one error line naming the lost process and the last complete checkpoint,
+  status 1, no crash dump; the same command on both then resumes from that checkpoint and computes
+  the steps after it exactly as the interrupted run did (bitwise)."""
+  args = ['--config.train.steps=30', '--config.checkpoint.every_steps=5', '--heartbeat_timeout=10',
+          '--num_processes=2']
+
+  def start():
+    port = free_port()
+    return [subprocess.Popen(command(tmp_path, *args, f'--coordinator_address=127.0.0.1:{port}',
+                                     f'--process_id={i}'),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=subprocess_env(), cwd=ROOT) for i in range(2)]
+
+  procs = start()
+  out = []
+  for line in procs[0].stdout:
+    out.append(line)
+    if line.startswith('step 12/'):  # checkpoints of steps 5 and 10 started by now
+      procs[1].kill()
+      break
+  out = ''.join(out) + procs[0].communicate(timeout=300)[0]
+  procs[1].wait(timeout=60)
+  assert procs[0].returncode == 1, out
+  errors = [line for line in out.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1, out
+  assert errors[0].startswith('error: process 1 of 2 stopped responding (no heartbeat for 10 s); '
+                              'the last complete checkpoint is step '), out
+  assert errors[0].endswith('; restart all processes with the same command to resume from it.')
+  for crash in ('Fatal Python error', 'Traceback', 'Check failure', 'client.h'):
+    assert crash not in out, out
+  step = int(re.search(r'checkpoint is step (\d+) in ', errors[0]).group(1))
+  assert step in (5, 10) and (tmp_path / 'checkpoints' / str(step)).is_dir()
+
+  procs = start()
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, output in zip(procs, outputs):
+    assert p.returncode == 0, output
+  assert f'resuming from step {step} ' in outputs[0]
+  resumed = losses(tmp_path)
+  assert sorted(resumed) == list(range(1, 31))
+  # The interrupted run's steps after the checkpoint (it logged up to step 12 at least).
+  interrupted = losses(tmp_path, name='metrics.discarded.jsonl')
+  assert min(interrupted) == step + 1 and max(interrupted) >= 12
+  assert {s: resumed[s] for s in interrupted} == interrupted

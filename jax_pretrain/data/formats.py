@@ -27,6 +27,9 @@ _JSONL_ITEM_BYTES = 4 << 20  # work item size: small enough to spread over cores
 
 # (record number, text, None) or (record number, None, what is wrong with it).
 Record = tuple[int, str | None, str | None]
+# A JSONL field that reads each line whole: the text is the line itself, once it has been checked
+# to be a JSON object (SFT examples, data/sft.py, read several fields of it).
+WHOLE_LINE = '*'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +182,8 @@ def _json_text(raw: bytes, field: str) -> tuple[str | None, str | None]:
     obj = json.loads(line)
   except json.JSONDecodeError as e:
     return None, f'invalid JSON ({e.msg}, column {e.colno})'
+  if field == WHOLE_LINE:
+    return (line, None) if isinstance(obj, dict) else (None, 'not a JSON object')
   if not isinstance(obj, dict) or field not in obj:
     return None, f'no "{field}" field'
   if not isinstance(obj[field], str):

@@ -5,6 +5,7 @@ data is read); `build(config, sources, ...)` resolves them into token streams, h
 and returns a `Data` with the grain iterators. See data/__init__.py for what Data holds.
 """
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 
 from absl import logging
@@ -34,6 +35,7 @@ class Sources:
   val: list[sources_lib.Source]  # []: eval data is held out of train
   tokenizer: object
   options: sources_lib.ReadOptions
+  tokenizer_setting: str = ''  # data.tokenizer, or (SFT) the restore_from run's tokenizer/
 
 
 def resolve_tokenizer(setting: str, sources: list[sources_lib.Source], model_vocab_size: int):
@@ -70,8 +72,13 @@ def open_sources(config: ml_collections.ConfigDict) -> Sources:
                     "'embedded' (the Python manual that ships with Python); see docs/data.md.")
   train = sources_lib.parse(d.train, 'data.train')
   val = sources_lib.parse(d.val, 'data.val') if d.val else []
-  tokenizer = resolve_tokenizer(d.tokenizer, train + val, config.model.vocab_size)
-  return Sources(train, val, tokenizer, sources_lib.ReadOptions.from_config(d))
+  setting = d.tokenizer
+  run_tokenizer = os.path.join(config.checkpoint.restore_from, 'tokenizer')
+  if (d.get('format') == 'sft' and not setting and config.checkpoint.restore_from
+      and os.path.isdir(run_tokenizer)):
+    setting = run_tokenizer  # fine-tuning text is read with the tokenizer the model learned
+  tokenizer = resolve_tokenizer(setting, train + val, config.model.vocab_size)
+  return Sources(train, val, tokenizer, sources_lib.ReadOptions.from_config(d), setting)
 
 
 def eval_components(sources: list[sources_lib.Source], tokenizer,
@@ -112,6 +119,12 @@ def build(config: ml_collections.ConfigDict, sources: Sources, process_index: in
   from jax_pretrain.data import pipeline  # pylint: disable=g-import-not-at-top
   # (grain, and the jax it imports, load here: prepare's worker processes start without them)
   d, t, tokenizer = config.data, config.train, sources.tokenizer
+  if d.format == 'sft':
+    from jax_pretrain.data import sft  # pylint: disable=g-import-not-at-top
+    train_rows, val_rows = sft.packed_sources(sources, d.seq_len, d.val_ratio, tokenizer.pad_id)
+    return _data(config, tokenizer, train_rows, [r.examples.weight for r in train_rows],
+                 val_rows, [r.examples.weight for r in val_rows], process_index, process_count,
+                 start_batch)
   eval_budget = t.eval_steps * t.eval_batch_size
   train, val = split_components(sources, d.val_ratio)
 
@@ -127,10 +140,6 @@ def build(config: ml_collections.ConfigDict, sources: Sources, process_index: in
                       f'= {d.seq_len + 1} tokens. Add data or lower data.seq_len.')
     train_sources.append(windows)
     logging.info('train source %s: weight %.3f, %d windows', c.name, c.weight, len(windows))
-  ds = pipeline.train_dataset(train_sources, [c.weight for c in train], t.batch_size, t.seed,
-                              process_index, process_count, start_batch)
-  train_it = pipeline.iterator(ds, d.read_threads, d.prefetch, d.num_workers)
-
   eval_sources, eval_weights = [], []
   for c in val:
     windows = None if c.tokens is None else pipeline.Windows(c.tokens, d.seq_len, tokenizer.pad_id)
@@ -143,6 +152,19 @@ def build(config: ml_collections.ConfigDict, sources: Sources, process_index: in
     eval_sources = [pipeline.SyntheticWindows(tokenizer.vocab_size, tokenizer.pad_id, d.seq_len,
                                               seed=pipeline.EVAL_SEED, length=max(eval_budget, 1))]
     eval_weights = [1.0]
+  return _data(config, tokenizer, train_sources, [c.weight for c in train], eval_sources,
+               eval_weights, process_index, process_count, start_batch)
+
+
+def _data(config: ml_collections.ConfigDict, tokenizer, train_sources: list,
+          train_weights: list[float], eval_sources: list, eval_weights: list[float],
+          process_index: int, process_count: int, start_batch: int) -> Data:
+  """The Data of grain random-access sources of rows (windows, or packed SFT rows)."""
+  from jax_pretrain.data import pipeline  # pylint: disable=g-import-not-at-top
+  d, t = config.data, config.train
+  ds = pipeline.train_dataset(train_sources, train_weights, t.batch_size, t.seed,
+                              process_index, process_count, start_batch)
+  train_it = pipeline.iterator(ds, d.read_threads, d.prefetch, d.num_workers)
   if not eval_sources:
     why = ('data.val holds no tokens' if d.val else
            f'data.val_ratio={d.val_ratio} holds out nothing from data.train')

@@ -73,8 +73,9 @@ def source_seed(seed: int, k: int) -> int:
   return int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
 
 
-def _as_batch(tokens_BxT1: np.ndarray) -> Batch:
-  return {'tokens': tokens_BxT1}
+def _as_batch(rows) -> Batch:
+  """Windows batch to {'tokens': ...}; rows that are dicts (packed SFT rows) batch to themselves."""
+  return rows if isinstance(rows, dict) else {'tokens': rows}
 
 
 def train_dataset(sources: list, weights: list[float], batch_size: int, seed: int,
@@ -155,9 +156,15 @@ def eval_batches(ds: grain.MapDataset, num_batches: int, batch_size: int, seq_le
     start = b * batch_size
     if start >= len(ds):
       return
-    tokens_BxT1 = np.full((local, seq_len + 1), pad_id, np.int32)
+    if isinstance(ds[0], dict):  # packed SFT rows: padding rows have weights 0, segments 0
+      batch = {k: np.zeros((local,) + v.shape, v.dtype) for k, v in ds[0].items()}
+      batch['tokens'][:] = pad_id
+    else:
+      batch = {'tokens': np.full((local, seq_len + 1), pad_id, np.int32)}
     for r in range(local):
       i = start + process_index * local + r
       if i < len(ds):
-        tokens_BxT1[r] = ds[i]
-    yield {'tokens': tokens_BxT1}
+        row = _as_batch(ds[i])
+        for k in batch:
+          batch[k][r] = row[k]
+    yield batch

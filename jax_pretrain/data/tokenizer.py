@@ -81,19 +81,26 @@ HF_CONFIG_FILE = 'tokenizer_config.json'  # beside a tokenizer.json: its special
 _HF_SPECIAL_FILES = ('special_tokens_map.json', HF_CONFIG_FILE)  # read in order; the last wins
 
 
+def read_hf_file(directory: str, name: str) -> dict | None:
+  """A tokenizer's JSON file beside it (tokenizer_config.json, ...): its object, None if absent."""
+  path = os.path.join(directory, name)
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise DataError(f'{path}: invalid JSON ({e}).') from None
+
+
 def hf_special_tokens(directory: str) -> dict[str, str]:
   """{'bos_token': text, ...} that tokenizer_config.json / special_tokens_map.json in directory
   name (a value may be a string or an AddedToken dict with its 'content')."""
   found = {}
   for name in _HF_SPECIAL_FILES:
-    path = os.path.join(directory, name)
-    if not os.path.isfile(path):
+    config = read_hf_file(directory, name)
+    if config is None:
       continue
-    try:
-      with open(path, encoding='utf-8') as f:
-        config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise DataError(f'{path}: invalid JSON ({e}).') from None
     for key in ('bos_token', 'eos_token', 'pad_token'):
       value = config.get(key) if isinstance(config, dict) else None
       value = value.get('content') if isinstance(value, dict) else value
@@ -236,13 +243,17 @@ def record(tokenizer) -> dict:
 
 def save(tokenizer, directory: str) -> dict:
   """Writes the tokenizer's file (if any) and RECORD_FILE into directory; returns the record.
-  load(directory) gives the tokenizer back."""
+  load(directory) gives the tokenizer back. A tokenizer.json's tokenizer_config.json comes along
+  (its chat_template formats SFT messages, data/sft.py; the special ids stay the record's)."""
   os.makedirs(directory, exist_ok=True)
   rec = record(tokenizer)
   if 'tokenizer_file' in rec:
     target = os.path.join(directory, rec['tokenizer_file'])
     if os.path.abspath(target) != os.path.abspath(tokenizer.path):
       shutil.copyfile(tokenizer.path, target)
+      beside = os.path.join(os.path.dirname(os.path.abspath(tokenizer.path)), HF_CONFIG_FILE)
+      if os.path.isfile(beside):
+        shutil.copyfile(beside, os.path.join(directory, HF_CONFIG_FILE))
   with open(os.path.join(directory, RECORD_FILE), 'w', encoding='utf-8') as f:
     json.dump(rec, f, indent=2, sort_keys=True)
     f.write('\n')

@@ -10,6 +10,11 @@
 
 The fused kernels are custom calls that GSPMD cannot split, so on a mesh they run under shard_map:
 each device attends over its own batch rows and heads, which needs no communication.
+
+Packed rows (SFT, data.format='sft') pass segment ids: a query attends only to keys of its own
+segment, causally (a block-diagonal causal mask). 'xla' and 'cudnn' take it as jax's boolean
+`mask` [B, 1, T, T] (cuDNN gets it as an additive bias broadcast over heads); the Pallas kernel
+has no mask, and config.resolve refuses it for packed data.
 """
 import functools
 
@@ -63,21 +68,42 @@ def _fused(implementation: str):
   return functools.partial(flash_attention.flash_attention, causal=True)
 
 
+def segment_mask(segments_BxT: jax.Array | None) -> jax.Array | None:
+  """bool [B, 1, T, T]: query t may see key s of the same segment (None: no segments)."""
+  if segments_BxT is None:
+    return None
+  return segments_BxT[:, None, :, None] == segments_BxT[:, None, None, :]
+
+
 def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array, *,
-                     implementation: str, mesh: Mesh | None) -> jax.Array:
+                     implementation: str, mesh: Mesh | None,
+                     segments_BxT: jax.Array | None = None) -> jax.Array:
+  """Causal attention; with segments_BxT (int [B, T]), only within each segment."""
+  mask_Bx1xTxT = segment_mask(segments_BxT)
   if implementation == 'xla':
-    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
-                                        implementation='xla')
-  attend = _fused(implementation)
+    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask_Bx1xTxT,
+                                        is_causal=True, implementation='xla')
+  if mask_Bx1xTxT is not None:
+    if implementation != 'cudnn':
+      raise ValueError(f'attention implementation {implementation!r} takes no segment mask; '
+                       "use 'xla' or 'cudnn' for packed data.")
+    return _sharded(lambda q, k, v, m: _fused(implementation)(q, k, v, mask=m), mesh,
+                    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT)
+  return _sharded(_fused(implementation), mesh, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+
+
+def _sharded(attend, mesh: Mesh | None, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *mask_Bx1xTxT):
+  """attend(q, k, v[, mask]) on each device's rows and heads (a fused kernel under shard_map)."""
   # Inside the train step's shard_map over 'data', the kernel is mapped over the other axes too,
   # even of size 1: cuDNN's custom partitioning fails in a partly manual region.
   manual = sharding.manual_axes()
   if manual:
     mesh = jax.sharding.get_abstract_mesh()
   elif mesh is None or mesh.size == 1:
-    return attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+    return attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *mask_Bx1xTxT)
   q_spec = sharding.logical_to_spec(('batch', 'length', 'act_heads', None))
   kv_spec = sharding.logical_to_spec(('batch', 'length', 'act_kv_heads', None))
-  return jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                       axis_names=set(mesh.axis_names) - manual,
-                       check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+  mask_specs = (sharding.logical_to_spec(('batch', None, None, None)),) * len(mask_Bx1xTxT)
+  return jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + mask_specs,
+                       out_specs=q_spec, axis_names=set(mesh.axis_names) - manual,
+                       check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *mask_Bx1xTxT)
