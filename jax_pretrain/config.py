@@ -92,6 +92,7 @@ def defaults() -> ml_collections.ConfigDict:
   t.wandb_project = ''         # Weights & Biases project: the scalars go there too ('': off)
   t.wandb_entity = ''          # its team or user ('': your default entity)
   t.wandb_run_name = ''        # the run's name there ('': the workdir's name)
+  t.profile_steps = ''         # 'START:STOP': trace those steps (jax.profiler) to WORKDIR/profile
 
   c.optim = o = ml_collections.ConfigDict()
   o.learning_rate = 3e-4       # peak learning rate
@@ -350,6 +351,7 @@ def _resolve_rest(c: ml_collections.ConfigDict) -> None:
   for field in ('lm_eval_every', 'lm_eval_limit'):
     _check(t[field] >= 0, f'train.{field} must be >= 0, got {t[field]}.')
   _check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
+  profile_steps(t)
   _choice(c.data, 'data', 'on_bad_record', ('error', 'skip'))
   _choice(c.data, 'data', 'format', ('text', 'sft'))
   _check(c.data.format != 'sft' or c.model.attention in ('xla', 'cudnn'),
@@ -359,6 +361,19 @@ def _resolve_rest(c: ml_collections.ConfigDict) -> None:
   _check(not t.wandb_project or importlib.util.find_spec('wandb') is not None,
          f'train.wandb_project={t.wandb_project!r} needs wandb: `pip install wandb` (or leave '
          'train.wandb_project empty).')
+
+
+def profile_steps(t: ml_collections.ConfigDict) -> tuple[int, int] | None:
+  """train.profile_steps 'START:STOP' -> (START, STOP), the steps traced, both included; '' ->
+  None. Raises ConfigError on anything else."""
+  if not t.profile_steps:
+    return None
+  start, sep, stop = t.profile_steps.partition(':')
+  _check(sep and start.strip().isdigit() and stop.strip().isdigit()
+         and 0 < int(start) <= int(stop),
+         f'train.profile_steps={t.profile_steps!r}: expected START:STOP with 0 < START <= STOP '
+         "(e.g. 10:15), or '' for no profile.")
+  return int(start), int(stop)
 
 
 # Resuming a run with a changed config. Every field is one of: safe to change (accepted, one line
@@ -390,7 +405,7 @@ RESUME_SAFE = {
     'train.on_nonfinite', 'train.max_consecutive_skips', 'train.sample_prompt',
     'train.sample_tokens', 'train.lm_eval_tasks', 'train.lm_eval_every',
     'train.lm_eval_include_path', 'train.lm_eval_limit', 'train.wandb_project',
-    'train.wandb_entity', 'train.wandb_run_name',
+    'train.wandb_entity', 'train.wandb_run_name', 'train.profile_steps',
     'optim.learning_rate', 'optim.min_learning_rate', 'optim.warmup_steps', 'optim.warmup_tokens',
     'optim.b1', 'optim.b2', 'optim.eps', 'optim.weight_decay',
     'optim.grad_clip',  # its value; turning clipping on or off changes the optimizer state

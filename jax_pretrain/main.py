@@ -29,9 +29,9 @@ def main():
   from jax_pretrain import multihost  # pylint: disable=g-import-not-at-top  (after configure)
   multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                        _HEARTBEAT_TIMEOUT.value)
-  from jax_pretrain import train  # pylint: disable=g-import-not-at-top  (after distributed init)
+  from jax_pretrain import pretrain  # pylint: disable=g-import-not-at-top  (after distributed init)
   with multihost.peer_failures():
-    train.train_and_evaluate(cli.config_value(_CONFIG), _WORKDIR.value)
+    pretrain.train_and_evaluate(cli.config_value(_CONFIG), _WORKDIR.value)
 
 
 if __name__ == '__main__':

@@ -4,8 +4,9 @@
       --target=h100|a100-80|a100-40|cpu [--num_devices=8] [--json]
 
 For a GPU target, XLA's GPU compiler (in jax's CUDA plugin: pip install -r requirements-gpu.txt;
-no GPU needed) compiles the trainer's own step (state.build, state.jit_train_step) for devices
-described by jax_pretrain/gpu_targets/. The compiled program gives, per device and optimizer step:
+no GPU needed) compiles the trainer's own step (memory.compile_step: state.build,
+state.jit_train_step) for devices described by jax_pretrain/gpu_targets/. The compiled program
+gives, per device and optimizer step:
   memory       XLA's buffer assignment (arguments + outputs - donated + temporaries) against the
                device memory JAX may use (runtime.MEM_FRACTION of it): fits or not;
   FLOPs        counted in the compiled HLO (hlo.py), against the model's 6·N·tokens + attention;
@@ -20,21 +21,11 @@ import os
 import time
 
 from absl import flags
-import ml_collections
 
 from jax_pretrain import cli
 from jax_pretrain import gpu_targets
+from jax_pretrain import memory
 from jax_pretrain.errors import UserError
-
-GIB = 2**30
-# train.micro_batch_size=0 on a GPU takes the largest micro-batch whose compiled step needs at most
-# this share of the memory JAX may use: XLA's buffer assignment is exact, but the allocator rounds
-# and fragments, and the candidates are compiled without autotuning (whose kernels may want other
-# workspaces).
-FIT_MARGIN = 0.95
-# ... and whose compiled FLOPs per token exceed the smallest micro-batch's by at most this much.
-MAX_EXTRA_FLOPS = 0.02
-
 
 class PlanError(UserError):
   """The plan cannot be made here (e.g. jax's CUDA plugin is missing); the message says why."""
@@ -67,126 +58,6 @@ def devices_for(target: gpu_targets.Target, num_devices: int) -> list:
     raise PlanError(f"jax's CUDA plugin did not load ({e}); with JAX_PLATFORMS naming cuda it "
                     'needs a GPU driver: run with JAX_PLATFORMS=cpu.') from None
   return topology.devices
-
-
-def compile_step(config, devices, autotune: bool = True):
-  """(state.Setup, compiled train step) for these devices. Nothing is allocated or run.
-
-  autotune=False skips XLA:GPU's kernel autotuning (a memory estimate needs no fast kernels; a
-  compile without a GPU never autotunes).
-  """
-  from jax_pretrain import state as state_lib  # pylint: disable=g-import-not-at-top
-  s = state_lib.build(config, devices)
-  lowered = state_lib.jit_train_step(s, pad_id=-1).lower(
-      s.abstract_state, state_lib.abstract_batch(s, s.config.train.batch_size))
-  options = {} if autotune or devices[0].platform != 'gpu' else {'xla_gpu_autotune_level': 0}
-  return s, lowered.compile(compiler_options=options)
-
-
-def peak_bytes(compiled) -> float:
-  """Device memory the program needs at its peak: its arguments (the state and a batch), outputs
-  not written in place of a donated argument, and XLA's temporary buffer."""
-  m = compiled.memory_analysis()
-  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes)
-
-
-def micro_batch_candidates(per_device: int) -> list[int]:
-  """Micro-batch sizes for a device's share of the batch, ascending: the powers of two that divide
-  it, and the share itself (no accumulation)."""
-  return sorted({m for m in (2**i for i in range(per_device.bit_length())) if per_device % m == 0}
-                | {per_device})
-
-
-def search_micro_batch(candidates: list[int], measure, budget: float,
-                       extra_flops: float = MAX_EXTRA_FLOPS):
-  """(largest candidate m that fits or None, {m: measure(m) for every m compiled}).
-
-  measure(m) -> (peak bytes, compiled FLOPs per token). m fits when its peak is within budget and
-  its FLOPs per token are within `extra_flops` of the smallest candidate's: near the memory limit
-  XLA rematerializes on its own (tiny on one A100 40GB at micro-batch 64: 23% more FLOPs), and a
-  smaller micro-batch without that recompute is faster. Memory grows linearly with the
-  micro-batch, so after the smallest and the largest candidate, the line through their peaks
-  points at the answer: usually three compiles, two when the largest fits.
-  """
-  tried = {}
-  small, big = candidates[0], candidates[-1]
-
-  def fits(m):
-    tried[m] = measure(m)
-    return tried[m][0] <= budget and tried[m][1] <= (1 + extra_flops) * tried[small][1]
-
-  if not fits(small):
-    return None, tried
-  if small == big or fits(big):
-    return big, tried
-  (small_peak, _), (big_peak, _) = tried[small], tried[big]
-  guess = small + (budget - small_peak) * (big - small) / (big_peak - small_peak)
-  for m in reversed([m for m in candidates if small < m < big and m <= guess]):
-    if fits(m):
-      return m, tried
-  return small, tried
-
-
-def usable_memory(device, target: gpu_targets.Target | None = None) -> float:
-  """Bytes JAX may allocate on a device: its allocator's limit on a real GPU; for a compile-only
-  device, the target's memory times the preallocated fraction (runtime.MEM_FRACTION)."""
-  from jax_pretrain import runtime  # pylint: disable=g-import-not-at-top
-  if target is not None:
-    if target.file is None:
-      return target.device_memory
-    return runtime.mem_fraction() * target.device_memory
-  return float(device.memory_stats()['bytes_limit'])
-
-
-def fit_micro_batch(config: ml_collections.ConfigDict, devices,
-                    target: gpu_targets.Target | None = None):
-  """train.micro_batch_size=0 on a GPU: the largest micro-batch whose compiled step fits.
-
-  Returns (config with micro_batch_size set, the line to print), or (config, None) where nothing
-  was chosen: an explicit micro-batch, or not a GPU (there 0 keeps meaning batch_size /
-  data-parallel devices, no accumulation). Each candidate is the real train step compiled for
-  these devices, without autotuning; its peak is XLA's buffer assignment, against FIT_MARGIN of
-  `usable_memory`. Raises config.ConfigError when not even one sequence per device fits.
-  """
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  if config.train.micro_batch_size != 0 or devices[0].platform != 'gpu':
-    return config, None
-  resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
-  per_device = resolved.train.batch_size // (run.mesh_shape[0] * run.mesh_shape[1])
-  # Each process asks one of its own devices (another process's cannot report its memory); all
-  # take the smallest answer, so that every process compiles the same micro-batch.
-  local = [d for d in devices if d.process_index == devices[0].client.process_index()]
-  limit = usable_memory((local or devices)[0], target)
-  if target is None:
-    from jax_pretrain import multihost  # pylint: disable=g-import-not-at-top  (imports jax)
-    limit = multihost.minimum(limit)
-
-  def with_micro_batch(m):
-    c = ml_collections.ConfigDict(config.to_dict())
-    c.train.micro_batch_size = m
-    return c
-
-  def measure(m):
-    from jax_pretrain import hlo  # pylint: disable=g-import-not-at-top
-    s, compiled = compile_step(with_micro_batch(m), devices, autotune=False)
-    flops = hlo.analyze(compiled.as_text()).flops
-    return peak_bytes(compiled), flops / s.run.tokens_per_step
-
-  chosen, tried = search_micro_batch(micro_batch_candidates(per_device), measure,
-                                     FIT_MARGIN * limit)
-  base = tried[min(tried)][1]
-  compiled = ', '.join(
-      f'{m} -> {p / GIB:.1f} GiB' + (f' +{f / base - 1:.0%} FLOPs' if f > base * 1.005 else '')
-      for m, (p, f) in sorted(tried.items()))
-  if chosen is None:
-    raise config_lib.ConfigError(
-        f'the train step does not fit {FIT_MARGIN:.0%} of the {limit / GIB:.1f} GiB per device '
-        f'even with one sequence per device (compiled: {compiled}): shard the state '
-        '(--config.mesh.fsdp), or set --config.model.remat=full.')
-  return with_micro_batch(chosen), (
-      f'micro-batch {chosen} (auto: the largest within {FIT_MARGIN:.0%} of {limit / GIB:.1f} GiB '
-      f'that XLA does not recompute more of; compiled: {compiled})')
 
 
 @dataclasses.dataclass
@@ -230,7 +101,7 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
   n = s.mesh.size
   stats = hlo.analyze(compiled.as_text(), target.devices_per_node)
   m = compiled.memory_analysis()
-  peak = peak_bytes(compiled)
+  peak = memory.peak_bytes(compiled)
   usable = runtime.mem_fraction() * target.device_memory if target.file else target.device_memory
   flops_per_token = model_lib.flops_per_token(config_lib.model_config(c), c.data.seq_len)
   model_flops = flops_per_token * run.tokens_per_step / n
@@ -248,11 +119,11 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
       'grad_accum_steps': run.grad_accum_steps,
       'tokens_per_step': run.tokens_per_step,
       'choices': list(run.choices) + list(choices),
-      'peak_memory_gib': peak / GIB,
-      'argument_gib': m.argument_size_in_bytes / GIB,
-      'temp_gib': m.temp_size_in_bytes / GIB,
-      'device_memory_gib': target.device_memory / GIB,
-      'usable_memory_gib': usable / GIB,
+      'peak_memory_gib': peak / memory.GIB,
+      'argument_gib': m.argument_size_in_bytes / memory.GIB,
+      'temp_gib': m.temp_size_in_bytes / memory.GIB,
+      'device_memory_gib': target.device_memory / memory.GIB,
+      'usable_memory_gib': usable / memory.GIB,
       'fits': peak <= usable,
       'compute_flops_per_step': stats.flops,
       'matmul_flops_per_step': stats.matmul_flops,
@@ -285,13 +156,15 @@ def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | Non
 
   Raises PlanError (no CUDA plugin, too few CPU devices) and config.ConfigError.
   """
+  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
   t = gpu_targets.TARGETS[target]
   if memory_gib:
-    t = dataclasses.replace(t, memory_override=memory_gib * GIB)
+    t = dataclasses.replace(t, memory_override=memory_gib * memory.GIB)
   devices = devices_for(t, num_devices)
-  config, fitted = fit_micro_batch(config, devices, t)
+  resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
+  resolved, run, fitted = memory.fit_micro_batch(config, resolved, run, devices, t)
   t0 = time.perf_counter()
-  s, compiled = compile_step(config, devices)
+  s, compiled = memory.compile_step(resolved, run, devices)
   compile_s = time.perf_counter() - t0
   if hlo_path:
     with open(hlo_path, 'w', encoding='utf-8') as f:

@@ -1,8 +1,9 @@
 """The train state in its shardings, and the pure train and eval steps that transform it.
 
-Flow: resolved config -> mesh -> model/optimizer -> abstract state (eval_shape) -> shardings ->
-jit(init, out_shardings). `build` returns all of it as a Setup; train.py runs the loop, plan.py
-compiles the same step for a device it does not have, workdir.py restores a run into it.
+Flow: resolved config (config.resolve) -> mesh -> model/optimizer -> abstract state (eval_shape)
+-> shardings -> jit(init, out_shardings). `build` returns all of it as a Setup; train.py runs the
+loop, memory.py compiles the same step for a device it does not have (plan.py, the micro-batch
+fit), workdir.py restores a run into it.
 """
 import dataclasses
 from typing import Any
@@ -141,14 +142,10 @@ class Setup:
   new_state_fn: Any  # params -> TrainState at step 0 with a fresh optimizer
 
 
-def build(config: ml_collections.ConfigDict, devices=None, tokenizer_vocab_size: int = 0) -> Setup:
-  """Resolves the config, builds mesh, model and optimizer, and the abstract sharded state.
-
-  tokenizer_vocab_size: checked against model.vocab_size (0: not checked).
-  """
+def build(config: ml_collections.ConfigDict, run: config_lib.RunShape, devices=None) -> Setup:
+  """Builds mesh, model and optimizer, and the abstract sharded state, from a resolved config and
+  its RunShape (config.resolve(config, len(devices), device=devices[0]): resolve first, once)."""
   devices = jax.devices() if devices is None else devices
-  config, run = config_lib.resolve(config, len(devices), device=devices[0],
-                                   tokenizer_vocab_size=tokenizer_vocab_size)
   mesh = sharding.make_mesh(run.mesh_shape, devices)
   model = model_lib.Transformer(config_lib.model_config(config), mesh=mesh)
   optimizer = optim.make_optimizer(config.optim, config.train.steps)

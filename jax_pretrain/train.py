@@ -1,74 +1,41 @@
-"""The training loop: prefetched batches -> the jitted step -> logs, evals, checkpoints.
+"""A training run's setup, then the loop (loop.py) with the hooks its caller gives.
 
-Flow: data.open_sources -> state.build (config, mesh, model, optimizer, shardings) -> restore or
-init the state -> AOT-compile the step -> loop { prefetched batch -> step -> log step N-1 -> eval,
-save, stop signals } -> final sample.
+  train.train(config, workdir, hooks, devices=None, check=None)
+
+Flow: data.open_sources -> config.resolve (the run's one resolve; everything after it takes the
+resolved config and its RunShape) -> check(resolved) -> claim the workdir -> the config against
+the checkpoint's -> memory.fit_micro_batch (train.micro_batch_size=0 on a GPU) -> state.build ->
+restore or init the state -> load the data -> AOT-compile the step -> loop.Loop(step,
+metrics=StepLogger, stop signals, the non-finite check) with hooks(Context) -> its run.
+pretrain.py gives the pretraining hooks (evaluation, checkpointing, lm_eval, the end-of-run
+sample, profiling); this module imports nothing that runs after training (lm_eval, sample,
+engine, serve).
 """
 import contextlib
-import queue
-import threading
+import dataclasses
+import os
 import time
+from typing import Callable
 
-from absl import logging
 import jax
 import ml_collections
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import data as data_lib
+from jax_pretrain import loop as loop_lib
+from jax_pretrain import memory
 from jax_pretrain import metrics as metrics_lib
 from jax_pretrain import model as model_lib
 from jax_pretrain import multihost
-from jax_pretrain import plan
 from jax_pretrain import runtime
-from jax_pretrain import sample as sample_lib
 from jax_pretrain import signals
 from jax_pretrain import state as state_lib
 from jax_pretrain import workdir as workdir_lib
-from jax_pretrain.errors import UserError
 from jax_pretrain.state import Setup
 from jax_pretrain.state import TrainState
 
-
-class NonFiniteError(UserError):
-  """Training produced a non-finite loss or gradient norm and the config says to halt."""
-
-
-class Prefetcher:
-  """Reads host batches in a background thread and puts them on the devices ahead of use.
-
-  Yields global device batches, in order.
-  """
-
-  def __init__(self, iterator, batch_sharding, depth: int = 2):
-    self._iterator, self._sharding = iterator, batch_sharding
-    self._queue: queue.Queue = queue.Queue(maxsize=depth)
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, daemon=True)
-    self._thread.start()
-
-  def _run(self):
-    try:
-      while not self._stop.is_set():
-        host = next(self._iterator)
-        self._queue.put({k: jax.make_array_from_process_local_data(self._sharding, v)
-                         for k, v in host.items()})
-    except Exception as e:  # pylint: disable=broad-except  (re-raised in the consumer)
-      self._queue.put(e)
-
-  def __next__(self):
-    item = self._queue.get()
-    if isinstance(item, Exception):
-      raise item
-    return item
-
-  def close(self):
-    self._stop.set()
-    while self._thread.is_alive():
-      try:
-        self._queue.get_nowait()
-      except queue.Empty:
-        self._thread.join(timeout=0.1)
+NonFiniteError = loop_lib.NonFiniteError
 
 
 def _format_eta(seconds: float) -> str:
@@ -152,28 +119,6 @@ class StepLogger:
     self.latest.update({k: v for k, v in scalars.items() if v is not None})
 
 
-def _check_finite(m: dict | None, t: ml_collections.ConfigDict, last_checkpoint: int | None,
-                  count_at_start: int):
-  """Halts per train.on_nonfinite; the bad updates were never applied, so the state is good.
-
-  consecutive_nonfinite is read at logged steps (and before every eval and save), so with 'skip' a
-  streak is caught when it is still running at one of those steps.
-  """
-  if m is None:
-    return
-  kept = (f'The last checkpoint (step {last_checkpoint}) is intact.' if last_checkpoint is not None
-          else 'No checkpoint was written yet.')
-  if t.on_nonfinite == 'halt' and m['nonfinite_count'] > count_at_start:
-    raise NonFiniteError(
-        f'non-finite loss or gradient norm by step {m["step"]} (loss {m["loss"]}, grad_norm '
-        f'{m["grad_norm"]}); the bad update was not applied. {kept} Lower the learning rate, '
-        'check the data, or set --config.train.on_nonfinite=skip.')
-  if m['consecutive_nonfinite'] > t.max_consecutive_skips:
-    raise NonFiniteError(
-        f'{m["consecutive_nonfinite"]} non-finite steps in a row by step {m["step"]} (more than '
-        f'train.max_consecutive_skips={t.max_consecutive_skips}). {kept}')
-
-
 def _claim(workdir: str):
   """Process 0 takes the workdir's lock (see workdir.claim); every process learns whether it did,
   so that all stop together. Returns what to close at the end."""
@@ -192,12 +137,10 @@ def _claim(workdir: str):
   return lock
 
 
-def _resume_changes(config: ml_collections.ConfigDict, checkpointer) -> dict:
-  """The resolved config's changes against the checkpoint the run will resume from, or {} for a
-  new run; raises ConfigError for changes that do not fit it. Reads only its config."""
+def _saved_config(checkpointer) -> dict | None:
+  """The config of the checkpoint the run will resume from, or None for a new run."""
   latest = checkpointer.latest_step()
-  saved = checkpointer.saved_config(latest) if latest is not None else None
-  return config_lib.resume_changes(saved, config) if saved else {}
+  return checkpointer.saved_config(latest) if latest is not None else None
 
 
 def _initial_state(s: Setup, checkpointer, is_main: bool) -> TrainState:
@@ -231,6 +174,21 @@ def _compile(s: Setup, pad_id: int):
   return train_step
 
 
+@dataclasses.dataclass
+class Context:
+  """What the setup built, for the hooks (see pretrain.hooks)."""
+  setup: Setup
+  workdir: str
+  data: data_lib.Data
+  checkpoints: loop_lib.Checkpointing
+  logger: StepLogger
+  start_step: int
+
+  @property
+  def config(self) -> ml_collections.ConfigDict:
+    return self.setup.config
+
+
 def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -> dict:
   nll, count = state_lib.summed_loss(eval_step, params, data.eval_batches(), s.batch_sharding)
   loss = nll / max(count, 1.0)
@@ -240,55 +198,65 @@ def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -
   return scalars
 
 
-def run_lm_eval(params, tokenizer, s: Setup, logger: StepLogger, step: int) -> None:
-  """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC. A failure
-  (a task's download, a task the model cannot run) is a warning: training goes on."""
-  from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
-  params = multihost.gather(params, on_device=True)  # every process takes part, 0 evaluates
-  if multihost.is_main():
-    t0 = time.perf_counter()
-    try:
-      scalars = lm_eval_lib.evaluate_during_training(s.config, params, tokenizer)
-    except Exception as e:  # pylint: disable=broad-except  (the harness raises many kinds)
-      logging.warning('lm_eval at step %d failed, training goes on: %s: %s', step,
-                      type(e).__name__, str(e).splitlines()[0] if str(e) else '')
-      return
-    logger.write(step, scalars)
-    shown = ' | '.join(f'{k[len("lm_eval/"):]} {v:.4f}' for k, v in scalars.items())
-    multihost.log(f'lm_eval at step {step} | {shown} ({time.perf_counter() - t0:.1f}s)')
+def eval_hook(ctx: Context) -> loop_lib.Hook:
+  """The held-out loss every train.eval_every steps and at the end (eval/loss, eval/ppl)."""
+  s = ctx.setup
+  eval_step = state_lib.jit_eval_step(s, ctx.data.tokenizer.pad_id)
+
+  def evaluate(info: loop_lib.StepInfo) -> dict:
+    return run_eval(eval_step, info.state.params, ctx.data, s, ctx.logger, info.step)
+  return loop_lib.Hook(evaluate, every=s.config.train.eval_every, phase=loop_lib.EVAL,
+                       name='eval')
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       devices=None) -> dict[str, float]:
-  """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics.
+def checkpoint_hooks(ctx: Context) -> list[loop_lib.Hook]:
+  """Saves (checkpoint.every_steps, the end, a stop) and the check of a background save, every
+  step (with several processes, a collective: every train.log_every steps)."""
+  check_every = 1 if jax.process_count() == 1 else ctx.config.train.log_every
+  return ctx.checkpoints.hooks(check_every=check_every)
 
-  Cheap checks come first (config, data sources, the workdir's lock, the config against the
-  checkpoint's); then the micro-batch is chosen (GPUs), the state restored, the data loaded and the
-  step compiled, each interruptible by a stop signal; then the loop, and a sample from the final
-  model.
+
+def profile_hooks(ctx: Context) -> list[loop_lib.Hook]:
+  """train.profile_steps: a jax.profiler trace of those steps in WORKDIR/profile."""
+  return loop_lib.Profiler(os.path.join(ctx.workdir, 'profile'),
+                           config_lib.profile_steps(ctx.config.train)).hooks()
+
+
+def train(config: ml_collections.ConfigDict, workdir: str,
+          hooks: Callable[[Context], list[loop_lib.Hook]], devices=None,
+          check: Callable[[ml_collections.ConfigDict], None] | None = None) -> dict[str, float]:
+  """Trains per the config with hooks(Context), writing logs and checkpoints to workdir; returns
+  the last logged scalars ({} when a stop signal came before the first step).
+
+  Cheap checks come first (config, data sources, check(resolved config), the workdir's lock, the
+  config against the checkpoint's); then the micro-batch is chosen (GPUs), the state restored,
+  the data loaded and the step compiled, each interruptible by a stop signal; then the loop.
   """
   sources = data_lib.open_sources(config)
   devices = jax.devices() if devices is None else devices
-  vocab = sources.tokenizer.vocab_size
-  resolved, _ = config_lib.resolve(config, len(devices), device=devices[0],
-                                   tokenizer_vocab_size=vocab)  # every field checked, nothing built
+  # The run's one resolve: every field checked, nothing built.
+  resolved, run_shape = config_lib.resolve(config, len(devices), device=devices[0],
+                                           tokenizer_vocab_size=sources.tokenizer.vocab_size)
   is_main = multihost.is_main()
-  if resolved.train.lm_eval_tasks:  # a misspelt task fails now, not after the first steps
-    from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
-    lm_eval_lib.check_tasks(resolved.train)
+  if check is not None:
+    check(resolved)
   with _claim(workdir):
-    t, ck = resolved.train, resolved.checkpoint
-    stop = signals.StopSignal(check_every=t.log_every)
+    ck = resolved.checkpoint
+    stop = signals.StopSignal(check_every=resolved.train.log_every)
     checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
                                                async_save=ck.async_save)
     aborted = False
+    lp = None
     try:
-      _resume_changes(resolved, checkpointer)  # refuses a change that does not fit, before work
+      saved = _saved_config(checkpointer)
+      # Refuses a change that does not fit the checkpoint, before any work.
+      changes = config_lib.resume_changes(saved, resolved) if saved else {}
       # train.micro_batch_size=0 on a GPU: a few compiles choose it.
-      config, fitted = stop.wait('choosing the micro-batch', plan.fit_micro_batch, config, devices)
-      s = state_lib.build(config, devices, vocab)
-      config, t = s.config, s.config.train
-      changes = _resume_changes(config, checkpointer)
+      resolved, run_shape, fitted = stop.wait('choosing the micro-batch', memory.fit_micro_batch,
+                                              config, resolved, run_shape, devices)
+      if fitted and saved:
+        changes = config_lib.resume_changes(saved, resolved)  # with the micro-batch chosen
+      s = state_lib.build(resolved, run_shape, devices)
       for field, (before, after) in changes.items():
         multihost.log(f'config change on resume: {field} {before!r} -> {after!r}')
       multihost.log(describe(s, model_lib.count_params(s.abstract_state.params)))
@@ -297,19 +265,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       state = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
       step = int(jax.device_get(state.step))
       if is_main:  # only once the restore succeeded
-        workdir_lib.write_config(workdir, config)
+        workdir_lib.write_config(workdir, resolved)
         workdir_lib.save_tokenizer(workdir, sources.tokenizer)
         workdir_lib.record_launch(workdir, step, changes)
-      data = stop.wait('loading the data', data_lib.build, config, sources, jax.process_index(),
-                       jax.process_count(), step)
+      data = stop.wait('loading the data', data_lib.build, resolved, sources,
+                       jax.process_index(), jax.process_count(), step)
       try:
         train_step = stop.wait('compiling', _compile, s, sources.tokenizer.pad_id)
         writer = metrics_lib.MetricWriter(workdir, enabled=is_main, start_step=step,
-                                          config=config_lib.as_dict(config))
+                                          config=config_lib.as_dict(resolved))
+        prefetcher = data_lib.Prefetcher(data.train, s.batch_sharding)
         try:
           logger = StepLogger(s, writer, step)
-          state = _loop(s, state, step, data, train_step, checkpointer, stop, logger)
+          checkpoints = loop_lib.Checkpointing(checkpointer, config_lib.as_dict(resolved),
+                                               every=ck.every_steps, save_final=ck.save_final)
+          ctx = Context(s, workdir, data, checkpoints, logger, step)
+          skips_at_start = int(jax.device_get(state.nonfinite_count))
+          lp = loop_lib.Loop(train_step, resolved.train.steps, log_every=resolved.train.log_every,
+                             metrics=logger, stop=stop,
+                             checks=[loop_lib.nonfinite_check(resolved.train, checkpoints,
+                                                              skips_at_start)])
+          for hook in hooks(ctx):
+            lp.add(hook)
+          state = lp.run(state, prefetcher, step)
+          if state is None:
+            multihost.log(f'received {stop.name}: saved step {lp.step} to '
+                          f'{checkpointer.directory}; run the same command to resume.')
         finally:
+          prefetcher.close()
           writer.close()
       finally:
         data.train.close()  # stops grain's worker processes, if any
@@ -318,71 +301,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       return {}
     except KeyboardInterrupt:
       aborted = True
+      if lp is not None:
+        multihost.log(f'aborted by a second Ctrl-C after step {lp.step}, without saving. '
+                      f'{checkpointer.last_complete()}')
       raise
     finally:
       stop.restore()
       if not aborted:  # a second Ctrl-C aborts at once: no waiting for a save in flight
         checkpointer.close()
-
-  if state is not None and t.sample_prompt and t.sample_tokens > 0:
-    params = multihost.gather(state.params)  # every process takes part, process 0 samples
-    if is_main:
-      text = sample_lib.generate_text(config_lib.model_config(config), params, sources.tokenizer,
-                                      t.sample_prompt, t.sample_tokens, seed=t.seed)
-      multihost.log(f'sample: {t.sample_prompt!r} -> {text!r}')
   return logger.latest
-
-
-def _loop(s: Setup, state, step: int, data, train_step, checkpointer, stop,
-          logger: StepLogger):
-  """Steps from `step` to train.steps, with evals, saves and stop signals; returns the final
-  state, or None when a stop signal ended the run (its state saved)."""
-  t, ck = s.config.train, s.config.checkpoint
-  eval_step = state_lib.jit_eval_step(s, data.tokenizer.pad_id)
-  config_json = config_lib.as_dict(s.config)
-  last_saved = checkpointer.latest_step()
-  skips_at_start = int(jax.device_get(state.nonfinite_count))
-  stop.step = step + 1
-  prefetcher = Prefetcher(data.train, s.batch_sharding)
-  try:
-    while step < t.steps:
-      state, metrics = train_step(state, next(prefetcher))
-      step += 1
-      if jax.process_count() == 1 or step % t.log_every == 0:  # (a collective with several)
-        checkpointer.check()  # a background save that failed: reported within a step
-      # Step - 1's metrics, read while this step runs.
-      _check_finite(logger.flush(), t, last_saved, skips_at_start)
-      if step % t.log_every == 0 or step == t.steps:
-        logger.record(step, metrics)
-      eval_due = step % t.eval_every == 0 or step == t.steps
-      save_due = bool(ck.every_steps and step % ck.every_steps == 0) or (
-          step == t.steps and ck.save_final)
-      stopping = stop.requested(step)
-      lm_eval_due = bool(t.lm_eval_tasks) and (
-          step % t.lm_eval_every == 0 or step == t.steps if t.lm_eval_every else eval_due)
-      if eval_due or save_due or stopping or lm_eval_due:
-        # Never evaluate or save a state before checking the steps that led to it.
-        logger.record(step, metrics)
-        _check_finite(logger.flush(), t, last_saved, skips_at_start)
-        eval_metrics = run_eval(eval_step, state.params, data, s, logger, step) if eval_due else {}
-        if save_due or (stopping and last_saved != step):
-          checkpointer.save(step, state, config_json,
-                            checkpoint_lib.scalars_for_ranking(eval_metrics))
-          last_saved = step
-        if lm_eval_due:  # after the save: a failing task costs no training
-          run_lm_eval(state.params, data.tokenizer, s, logger, step)
-        logger.pause()
-      if stopping:
-        checkpointer.wait()
-        multihost.log(f'received {stop.name}: saved step {step} to {checkpointer.directory}; run '
-                      'the same command to resume.')
-        return None
-    _check_finite(logger.flush(), t, last_saved, skips_at_start)
-    checkpointer.wait()  # the final save is complete (or its failure reported) before returning
-    return state
-  except KeyboardInterrupt:
-    multihost.log(f'aborted by a second Ctrl-C after step {step}, without saving. '
-                  f'{checkpointer.last_complete()}')
-    raise
-  finally:
-    prefetcher.close()

@@ -123,13 +123,19 @@ class Trained:
 
 
 def _for_devices(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """config (changed in place) for whatever devices state.build gets: data-parallel over all of
+  """config (changed in place) for whatever devices the state is built on: data-parallel over all of
   them, batch splits re-derived, and the attention chosen for them ('auto': the run may have used
   a kernel that these devices lack)."""
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
   config.train.micro_batch_size = config.train.eval_batch_size = 0
   config.model.attention = 'auto'
   return config
+
+
+def _setup(config: ml_collections.ConfigDict, devices, vocab_size: int) -> state_lib.Setup:
+  resolved, run = config_lib.resolve(config, len(devices), device=devices[0],
+                                     tokenizer_vocab_size=vocab_size)
+  return state_lib.build(resolved, run, devices)
 
 
 def load(workdir: str, step: int | None = None, devices=None) -> Trained:
@@ -141,7 +147,7 @@ def load(workdir: str, step: int | None = None, devices=None) -> Trained:
   config = load_config(workdir)
   tokenizer = load_tokenizer(workdir, config)
   devices = jax.devices() if devices is None else devices
-  s = state_lib.build(_for_devices(config), devices, tokenizer.vocab_size)
+  s = _setup(_for_devices(config), devices, tokenizer.vocab_size)
   checkpointer = checkpoint_lib.Checkpointer(workdir, read_only=True)
   try:
     step, params = checkpointer.restore_params(s.abstract_state.params, step)
@@ -163,7 +169,7 @@ def create(workdir: str, config: ml_collections.ConfigDict, params, tokenizer) -
   an imported model takes one copy of its params in memory, and no accelerator's."""
   check_new(workdir)
   devices = jax.devices('cpu')[:1]
-  s = state_lib.build(_for_devices(copy.deepcopy(config)), devices, tokenizer.vocab_size)
+  s = _setup(_for_devices(copy.deepcopy(config)), devices, tokenizer.vocab_size)
   state = state_lib.state_from_host_params(s, params)
   # As few arrays in flight as orbax allows (its limit must hold the largest): the save then adds
   # about the largest array to memory, not the whole state (the largest model 2 GB, not 100%).

@@ -38,15 +38,18 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   # pylint: disable=g-import-not-at-top
   import jax
   from jax_pretrain import config as config_lib
+  from jax_pretrain import memory
   from jax_pretrain import metrics as metrics_lib
   from jax_pretrain import model as model_lib
-  from jax_pretrain import plan
   from jax_pretrain import state as state_lib
 
+  devices = jax.devices()
+  resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
   t0 = time.perf_counter()
-  config, _ = plan.fit_micro_batch(config, jax.devices())  # micro_batch_size=0: as the trainer does
+  # micro_batch_size=0: as the trainer does
+  resolved, run, _ = memory.fit_micro_batch(config, resolved, run, devices)
   fit_s = time.perf_counter() - t0
-  s = state_lib.build(config)
+  s = state_lib.build(resolved, run, devices)
   c = s.config
   state = state_lib.init_state(s)
   t0 = time.perf_counter()
@@ -71,11 +74,11 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   peak = metrics_lib.peak_flops_per_device(device.device_kind, c.train.peak_flops)
   mfu = metrics_lib.mfu(model_lib.flops_per_token(config_lib.model_config(c), c.data.seq_len),
                         tokens_per_sec, s.mesh.size, peak)
-  memory = (device.memory_stats() or {}).get('peak_bytes_in_use')
+  in_use = (device.memory_stats() or {}).get('peak_bytes_in_use')
   return {'micro_batch': c.train.micro_batch_size, 'remat': c.model.remat,
           'attention': c.model.attention, 'step_s': step_time, 'tokens_per_s': tokens_per_sec,
-          'mfu': mfu, 'peak_gib': memory / 2**30 if memory else None, 'compile_s': compile_s,
-          'compiled_gib': plan.peak_bytes(step) / 2**30,
+          'mfu': mfu, 'peak_gib': in_use / 2**30 if in_use else None, 'compile_s': compile_s,
+          'compiled_gib': memory.peak_bytes(step) / 2**30,
           'fit_s': fit_s, 'accumulation': s.run.grad_accum_steps, 'loss': float(metrics['loss']),
           'grad_norm': float(metrics['grad_norm']), 'precision': _precision(c),
           'device': f'{s.mesh.size} × {device.device_kind}'}

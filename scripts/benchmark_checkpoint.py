@@ -28,10 +28,13 @@ def main():
   # pylint: disable=g-import-not-at-top
   import jax
   from jax_pretrain import checkpoint as checkpoint_lib
+  from jax_pretrain import config as config_lib
   from jax_pretrain import model as model_lib
   from jax_pretrain import state as state_lib
 
-  s = state_lib.build(cli.config_value(_CONFIG))
+  resolved, run = config_lib.resolve(cli.config_value(_CONFIG), jax.device_count(),
+                                     device=jax.devices()[0])
+  s = state_lib.build(resolved, run)
   state = jax.block_until_ready(state_lib.init_state(s))
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   directory = _DIR.value or tempfile.mkdtemp(prefix='ckpt_bench_')

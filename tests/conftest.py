@@ -56,6 +56,16 @@ def build_data(config, process_index: int = 0, process_count: int = 1):
   return data_lib.build(resolved, sources, process_index, process_count)
 
 
+def build_setup(config, devices=None):
+  """state.build as the trainer calls it: the config resolved once for these devices (default:
+  all of them), then built."""
+  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import state as state_lib  # pylint: disable=g-import-not-at-top
+  devices = jax.devices() if devices is None else devices
+  resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
+  return state_lib.build(resolved, run, devices)
+
+
 # A trainer run in a subprocess, as users run it: the test preset, a loss logged every step.
 STEPS = 40
 

@@ -98,3 +98,35 @@ def test_presets_load_by_path_and_start_from_the_defaults():
   for name in os.listdir(os.path.join(ROOT, 'configs')):
     c = config_lib.load_file(os.path.join(ROOT, 'configs', name))
     assert set(c) == set(config_lib.defaults()), name
+
+
+def reachable(graph, start: str) -> set[str]:
+  seen, todo = set(), [start]
+  while todo:
+    for w in graph.get(todo.pop(), ()):
+      if w not in seen:
+        seen.add(w)
+        todo.append(w)
+  return seen
+
+
+def test_the_trainer_imports_nothing_that_runs_after_training():
+  graph = import_graph()
+  after = {f'jax_pretrain.{m}' for m in ('lm_eval', 'sample', 'engine', 'serve')}
+  assert not reachable(graph, 'jax_pretrain.train') & after
+  assert not reachable(graph, 'jax_pretrain.loop') & after
+  # pretrain.py composes them into the run (so the check above can fail).
+  composed = reachable(graph, 'jax_pretrain.pretrain')
+  assert {'jax_pretrain.lm_eval', 'jax_pretrain.sample'} <= composed
+
+
+def test_the_training_path_resolves_the_config_once():
+  """config.resolve is called in train.train and nowhere else that a training run goes through
+  (memory.fit_micro_batch re-derives the micro-batch; state.build takes the resolved config)."""
+  calls = {}
+  for name in ('train', 'pretrain', 'loop', 'memory', 'state', 'checkpoint', 'metrics', 'signals'):
+    with open(os.path.join(ROOT, 'jax_pretrain', f'{name}.py'), encoding='utf-8') as f:
+      tree = ast.parse(f.read())
+    calls[name] = sum(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                      and n.func.attr == 'resolve' for n in ast.walk(tree))
+  assert calls == {**{name: 0 for name in calls}, 'train': 1}

@@ -12,9 +12,11 @@ import pytest
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
+from jax_pretrain import pretrain
 from jax_pretrain import state as state_lib
 from jax_pretrain import train
 from jax_pretrain import workdir as workdir_lib
+from tests.conftest import build_setup
 from tests.conftest import STEPS
 from tests.conftest import command
 from tests.conftest import logged_losses
@@ -64,7 +66,7 @@ def small_config(steps=10, **checkpoint):
 
 
 def test_damaged_and_partial_checkpoints_are_skipped(tmp_path, caplog):
-  train.train_and_evaluate(small_config(), str(tmp_path), devices=jax.devices()[:1])
+  pretrain.train_and_evaluate(small_config(), str(tmp_path), devices=jax.devices()[:1])
   ckpt = tmp_path / 'checkpoints'
   assert sorted(int(p) for p in os.listdir(ckpt) if p.isdigit()) == [5, 10]
   # Step 10 loses its array data; a half-written step 15 is left behind under a temporary name.
@@ -73,7 +75,7 @@ def test_damaged_and_partial_checkpoints_are_skipped(tmp_path, caplog):
       if not f.startswith('_'):
         os.remove(os.path.join(root, f))
   (ckpt / '15.orbax-checkpoint-tmp-1234').mkdir()
-  s = state_lib.build(small_config(), devices=jax.devices()[:1])
+  s = build_setup(small_config(), devices=jax.devices()[:1])
   checkpointer = checkpoint_lib.Checkpointer(tmp_path)
   step, state = checkpointer.restore_latest(s.abstract_state)
   checkpointer.close()
@@ -81,24 +83,24 @@ def test_damaged_and_partial_checkpoints_are_skipped(tmp_path, caplog):
   assert 'checkpoint' in caplog.text and 'damaged' in caplog.text
   assert os.path.isdir(ckpt / '10.damaged')  # kept for inspection, out of the way
   # The resumed run trains through step 10 again and saves it.
-  train.train_and_evaluate(small_config(), str(tmp_path), devices=jax.devices()[:1])
+  pretrain.train_and_evaluate(small_config(), str(tmp_path), devices=jax.devices()[:1])
   assert sorted(int(p) for p in os.listdir(ckpt) if p.isdigit()) == [5, 10]
 
 
 def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
-  train.train_and_evaluate(small_config(steps=5), str(tmp_path / 'a'), devices=jax.devices()[:1])
+  pretrain.train_and_evaluate(small_config(steps=5), str(tmp_path / 'a'), devices=jax.devices()[:1])
   c = small_config(steps=10)
   c.model.mlp_dim = 256
   # Resuming: the config is compared with the checkpoint's before anything is read.
   with pytest.raises(config_lib.ConfigError, match=r'model.mlp_dim 128 -> 256 \(the checkpoint '
                      r'holds parameters'):
-    train.train_and_evaluate(c, str(tmp_path / 'a'), devices=jax.devices()[:1])
+    pretrain.train_and_evaluate(c, str(tmp_path / 'a'), devices=jax.devices()[:1])
   # Starting from another run's params: their shapes are checked.
   c.checkpoint.restore_from = str(tmp_path / 'a')
   with pytest.raises(checkpoint_lib.CheckpointError,
                      match=r"'layers/mlp/w_down' has shape \(2, 128, 64\) in the "
                            r'checkpoint but \(2, 256, 64\) in the config'):
-    train.train_and_evaluate(c, str(tmp_path / 'b'), devices=jax.devices()[:1])
+    pretrain.train_and_evaluate(c, str(tmp_path / 'b'), devices=jax.devices()[:1])
 
 
 @pytest.mark.parametrize('save_mesh, restore_mesh', [((1, 8, 1), (1, 1, 1)),
@@ -110,11 +112,11 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, save_mesh, restore_mesh
     return c, jax.devices()[:int(np.prod(mesh))]
 
   c, devices = setup(save_mesh)
-  train.train_and_evaluate(c, str(tmp_path), devices=devices)
+  pretrain.train_and_evaluate(c, str(tmp_path), devices=devices)
   saved = checkpoint_lib.Checkpointer(tmp_path)
-  s = state_lib.build(*setup(save_mesh))
+  s = build_setup(*setup(save_mesh))
   _, state_a = saved.restore_latest(s.abstract_state)
-  s_b = state_lib.build(*setup(restore_mesh))
+  s_b = build_setup(*setup(restore_mesh))
   _, state_b = saved.restore_latest(s_b.abstract_state)
   saved.close()
   for a, b, sharding in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b),
@@ -134,11 +136,11 @@ def test_keeps_the_latest_and_the_best_by_eval_loss(tmp_path):
 
 
 def test_restore_from_starts_a_new_run_from_another_runs_params(tmp_path):
-  train.train_and_evaluate(small_config(steps=5), str(tmp_path / 'a'), devices=jax.devices()[:1])
+  pretrain.train_and_evaluate(small_config(steps=5), str(tmp_path / 'a'), devices=jax.devices()[:1])
   params_a = workdir_lib.load(str(tmp_path / 'a'), devices=jax.devices()[:1]).params
   c = small_config(steps=5, restore_from=str(tmp_path / 'a'))
   c.optim.grad_clip = 0.0  # another optimizer structure: only the params carry over
-  s = state_lib.build(c, devices=jax.devices()[:1])
+  s = build_setup(c, devices=jax.devices()[:1])
   empty = checkpoint_lib.Checkpointer(tmp_path / 'b')
   state = train._initial_state(s, empty, is_main=False)  # pylint: disable=protected-access
   empty.close()
@@ -149,7 +151,7 @@ def test_restore_from_starts_a_new_run_from_another_runs_params(tmp_path):
 
 
 def test_nonfinite_step_drops_the_update_and_counts_it():
-  s = state_lib.build(small_config(), devices=jax.devices()[:1])
+  s = build_setup(small_config(), devices=jax.devices()[:1])
   state = state_lib.init_state(s)
   poisoned = state.params['layers']['mlp']['w_up'].at[0, 0, 0].set(jnp.nan)
   params = dict(state.params, layers=dict(state.params['layers'],
@@ -175,7 +177,7 @@ def test_nonfinite_run_halts_with_a_clear_message(tmp_path, mode, message):
   c.train.max_consecutive_skips = 3
   c.train.log_every = 1
   with pytest.raises(train.NonFiniteError, match=message):
-    train.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
+    pretrain.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
 
 
 def test_digests_are_the_weighted_sums_of_the_bits_and_need_no_array_of_the_whole_state():

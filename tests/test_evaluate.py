@@ -10,7 +10,7 @@ import pytest
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import evaluate
-from jax_pretrain import train
+from jax_pretrain import pretrain
 from jax_pretrain.data import corpus
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from tests.conftest import run_cli
@@ -26,7 +26,7 @@ def _train_once(tmp_path_factory) -> tuple[str, dict]:
     workdir = str(tmp_path_factory.mktemp('run'))
     c = config_lib.preset('test')
     c.train.steps, c.optim.warmup_steps, c.train.eval_every, c.train.eval_steps = 30, 3, 30, 24
-    final = train.train_and_evaluate(c, workdir, devices=jax.devices()[:1])
+    final = pretrain.train_and_evaluate(c, workdir, devices=jax.devices()[:1])
     _RUNS['run'] = workdir, final
   return _RUNS['run']
 

@@ -8,7 +8,7 @@ import numpy as np
 from safetensors.flax import load_file
 
 from jax_pretrain import config as config_lib
-from jax_pretrain import train
+from jax_pretrain import pretrain
 from jax_pretrain import workdir as workdir_lib
 from tests.conftest import ROOT
 from tests.conftest import subprocess_env
@@ -17,7 +17,7 @@ from tests.conftest import subprocess_env
 def test_export_writes_all_params_in_the_requested_dtype(tmp_path):
   c = config_lib.preset('test')
   c.train.steps, c.optim.warmup_steps = 2, 1
-  train.train_and_evaluate(c, str(tmp_path / 'run'), devices=jax.devices()[:1])
+  pretrain.train_and_evaluate(c, str(tmp_path / 'run'), devices=jax.devices()[:1])
   params = workdir_lib.load(str(tmp_path / 'run'), devices=jax.devices()[:1]).params
   flat = {'.'.join(str(k.key) for k in path): np.asarray(x)
           for path, x in jax.tree_util.tree_leaves_with_path(params)}

@@ -16,8 +16,8 @@ from jax_pretrain import config as config_lib
 from jax_pretrain import evaluate
 from jax_pretrain import hf
 from jax_pretrain import model as model_lib
+from jax_pretrain import pretrain
 from jax_pretrain import sample
-from jax_pretrain import train
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import corpus
 from jax_pretrain.data import tokenizer as tokenizer_lib
@@ -146,7 +146,7 @@ def test_continued_pretraining_of_a_hugging_face_checkpoint(tmp_path, shape):
   config.data.train = str(data)
   config.train.steps, config.train.batch_size, config.optim.warmup_steps = 3, 4, 1
   config.train.eval_steps, config.train.eval_every = 1, 3
-  train.train_and_evaluate(config, trained_dir, devices=jax.devices()[:1])
+  pretrain.train_and_evaluate(config, trained_dir, devices=jax.devices()[:1])
   trained = workdir_lib.load(trained_dir, devices=jax.devices()[:1])
   assert trained.step == 3 and trained.tokenizer.identity == tok.identity
   assert not np.array_equal(np.asarray(trained.params['embedding']),

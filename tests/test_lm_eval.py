@@ -21,9 +21,9 @@ import pytest
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import lm_eval as lm_eval_lib
+from jax_pretrain import pretrain
 from jax_pretrain import sample
 from jax_pretrain import state as state_lib
-from jax_pretrain import train
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import corpus
 from tests import tiny_run
@@ -193,7 +193,7 @@ def test_downstream_evals_during_training_are_logged(tasks, tmp_path):
   c.train.steps, c.optim.warmup_steps, c.train.eval_every = 20, 2, 20
   c.train.lm_eval_tasks, c.train.lm_eval_include_path = 'local_mc', tasks[0]
   c.train.lm_eval_every, c.train.lm_eval_limit = 10, 8
-  final = train.train_and_evaluate(c, str(tmp_path / 'run'), devices=jax.devices()[:1])
+  final = pretrain.train_and_evaluate(c, str(tmp_path / 'run'), devices=jax.devices()[:1])
   lines = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl', encoding='utf-8')]
   logged = {m['step']: m['lm_eval/local_mc/acc'] for m in lines if 'lm_eval/local_mc/acc' in m}
   assert sorted(logged) == [10, 20] and all(acc in np.arange(9) / 8 for acc in logged.values())
@@ -202,7 +202,7 @@ def test_downstream_evals_during_training_are_logged(tasks, tmp_path):
 
   c.train.lm_eval_tasks = 'local_mc,no_such_task'
   with pytest.raises(config_lib.ConfigError, match='no_such_task'):
-    train.train_and_evaluate(c, str(tmp_path / 'other'), devices=jax.devices()[:1])
+    pretrain.train_and_evaluate(c, str(tmp_path / 'other'), devices=jax.devices()[:1])
 
 
 def _hf_python() -> str | None:

@@ -7,6 +7,7 @@ import pytest
 from jax_pretrain import config as config_lib
 from jax_pretrain import optim
 from jax_pretrain import state as state_lib
+from tests.conftest import build_setup
 
 
 def resolved_test_config(**overrides):
@@ -52,10 +53,10 @@ def test_weight_decay_applies_only_where_masked():
 @pytest.mark.parametrize('accum', [2, 4])
 def test_accumulated_micro_batches_equal_one_large_batch(accum):
   batch_size = 16
-  big = state_lib.build(resolved_test_config(batch_size=batch_size), devices=jax.devices()[:1])
-  small = state_lib.build(resolved_test_config(batch_size=batch_size,
-                                               micro_batch_size=batch_size // accum),
-                          devices=jax.devices()[:1])
+  big = build_setup(resolved_test_config(batch_size=batch_size), devices=jax.devices()[:1])
+  small = build_setup(resolved_test_config(batch_size=batch_size,
+                                           micro_batch_size=batch_size // accum),
+                      devices=jax.devices()[:1])
   assert small.run.grad_accum_steps == accum and big.run.grad_accum_steps == 1
   tokens = jax.random.randint(jax.random.key(0), (batch_size, 33), 0, 259)
   tokens = tokens.at[3, 20:].set(258)  # padding counts the same in both
@@ -74,7 +75,7 @@ def test_bfloat16_first_moments_halve_their_memory_and_train_like_float32():
   def run(mu_dtype):
     c = resolved_test_config()
     c.optim.mu_dtype = mu_dtype
-    s = state_lib.build(c, devices=jax.devices()[:1])
+    s = build_setup(c, devices=jax.devices()[:1])
     state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
     tokens = jax.random.randint(jax.random.key(0), (16, 33), 0, 256)
     losses = []

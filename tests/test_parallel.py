@@ -10,6 +10,7 @@ import pytest
 from jax_pretrain import config as config_lib
 from jax_pretrain import hlo
 from jax_pretrain import state as state_lib
+from tests.conftest import build_setup
 from tests.conftest import ROOT
 
 MESHES = {  # (data, fsdp, tensor)
@@ -30,8 +31,8 @@ def mesh_config(mesh, steps=5, attention='xla'):
 
 
 def run_steps(mesh, batches, attention='xla'):
-  s = state_lib.build(mesh_config(mesh, attention=attention),
-                      devices=jax.devices()[:int(np.prod(mesh))])
+  s = build_setup(mesh_config(mesh, attention=attention),
+                  devices=jax.devices()[:int(np.prod(mesh))])
   state = state_lib.init_state(s)
   step = state_lib.jit_train_step(s, pad_id=258)
   losses = []
@@ -71,7 +72,7 @@ def test_pallas_attention_under_shard_map_agrees_on_a_mesh(batches, single_devic
 
 
 def test_parameter_shardings_follow_the_rules_table():
-  s = state_lib.build(mesh_config((2, 2, 2)), devices=jax.devices())
+  s = build_setup(mesh_config((2, 2, 2)), devices=jax.devices())
   p = s.state_shardings.params
   assert p['embedding'].spec == jax.P('tensor', 'fsdp')  # ('vocab', 'embed')
   assert p['layers']['attn']['wq'].spec == jax.P(None, 'fsdp', 'tensor', None)
@@ -85,7 +86,7 @@ def test_parameter_shardings_follow_the_rules_table():
 
 
 def test_fsdp8_holds_an_eighth_of_params_and_optimizer_state_per_device():
-  s = state_lib.build(mesh_config((1, 8, 1)), devices=jax.devices())
+  s = build_setup(mesh_config((1, 8, 1)), devices=jax.devices())
   state = state_lib.init_state(s)
   # Norm scales ([layers, d_model] when scanned) are replicated: they are tiny and 1-D per layer.
   arrays = [x for path, x in jax.tree_util.tree_leaves_with_path((state.params, state.opt_state))
@@ -113,7 +114,7 @@ def parse(preset, *overrides):
 def test_every_preset_compiles_for_fsdp8(preset):
   """Ahead-of-time: lower and compile the train step on abstract inputs, no parameters made."""
   c = parse(preset, '--config.mesh.data=1', '--config.mesh.fsdp=8')
-  s = state_lib.build(c, devices=jax.devices())
+  s = build_setup(c, devices=jax.devices())
   compiled = state_lib.jit_train_step(s, pad_id=0).lower(
       s.abstract_state, state_lib.abstract_batch(s, c.train.batch_size)).compile()
   assert compiled is not None
@@ -127,7 +128,7 @@ def test_data_parallel_gradients_are_reduced_once_per_step_in_float32():
   reduction of every gradient (4 bytes per parameter) plus the loss and target count."""
   c = mesh_config((8, 1, 1))
   c.train.micro_batch_size = 1  # 16 sequences over 8 devices: 2 micro-batches
-  s = state_lib.build(c, devices=jax.devices())
+  s = build_setup(c, devices=jax.devices())
   assert s.run.grad_accum_steps == 2
   text = state_lib.jit_train_step(s, pad_id=258).lower(
       s.abstract_state, state_lib.abstract_batch(s, c.train.batch_size)).compile().as_text()

@@ -15,6 +15,7 @@ import pytest
 from jax_pretrain import config as config_lib
 from jax_pretrain import gpu_targets
 from jax_pretrain import hlo
+from jax_pretrain import memory
 from jax_pretrain import model as model_lib
 from jax_pretrain import plan
 from jax_pretrain import runtime
@@ -72,16 +73,16 @@ def test_micro_batch_search_finds_the_largest_fitting_in_few_compiles():
 
   def measure(m):  # 10 GiB of state, 1.5 GiB per sequence; from 48 on, XLA recomputes 10% more
     compiled.append(m)
-    return (10 + 1.5 * m) * plan.GIB, 1e9 * (1.1 if m >= 48 else 1.0)
+    return (10 + 1.5 * m) * memory.GIB, 1e9 * (1.1 if m >= 48 else 1.0)
 
-  assert plan.micro_batch_candidates(96) == [1, 2, 4, 8, 16, 32, 96]
-  chosen, tried = plan.search_micro_batch(plan.micro_batch_candidates(256), measure,
-                                          60 * plan.GIB)
+  assert memory.micro_batch_candidates(96) == [1, 2, 4, 8, 16, 32, 96]
+  chosen, tried = memory.search_micro_batch(memory.micro_batch_candidates(256), measure,
+                                            60 * memory.GIB)
   assert chosen == 32 and compiled == [1, 256, 32] and set(tried) == {1, 32, 256}
-  assert plan.search_micro_batch([1, 2, 4], measure, 11 * plan.GIB)[0] is None  # not even one
-  assert plan.search_micro_batch([1, 2, 4], measure, 99 * plan.GIB)[0] == 4
+  assert memory.search_micro_batch([1, 2, 4], measure, 11 * memory.GIB)[0] is None  # not even one
+  assert memory.search_micro_batch([1, 2, 4], measure, 99 * memory.GIB)[0] == 4
   # 96 fits the memory but recomputes 10% more: 32 is faster.
-  assert plan.search_micro_batch([1, 2, 32, 96], measure, 999 * plan.GIB)[0] == 32
+  assert memory.search_micro_batch([1, 2, 32, 96], measure, 999 * memory.GIB)[0] == 32
 
 
 def test_user_xla_flags_win_over_the_defaults():
@@ -159,3 +160,18 @@ def test_xlarge_data8_all_reduces_gradients_once_per_step_on_h100():
   assert list(collectives) == ['all-reduce']
   assert collectives['all-reduce'] <= 1.1 * 4 * r['params']
   np.testing.assert_allclose(r['flops_ratio'], 1.04, atol=0.01)
+
+
+@pytest.mark.parametrize('micro_batch, eval_batch_size', [(1, 0), (2, 0), (4, 0), (2, 24)])
+def test_a_fitted_micro_batch_is_what_resolving_with_it_gives(micro_batch, eval_batch_size):
+  """The trainer resolves once; the micro-batch fit re-derives the resolved config for each
+  candidate instead of resolving again, and must agree with resolve field by field."""
+  c = config_lib.preset('test')
+  c.train.batch_size, c.train.eval_batch_size = 16, eval_batch_size
+  resolved, run = config_lib.resolve(c, 4, backend='cpu')  # data=4: 4 sequences per device
+  assert resolved.train.micro_batch_size == 4 and run.grad_accum_steps == 1
+  fitted, fitted_run = memory.with_micro_batch(c, resolved, run, micro_batch)
+  c.train.micro_batch_size = micro_batch
+  expected, expected_run = config_lib.resolve(c, 4, backend='cpu')
+  assert fitted.to_dict() == expected.to_dict() and fitted_run == expected_run
+  assert fitted_run.grad_accum_steps == 4 // micro_batch

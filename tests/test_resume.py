@@ -15,7 +15,7 @@ import pytest
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
-from jax_pretrain import train
+from jax_pretrain import pretrain
 from jax_pretrain import workdir as workdir_lib
 from tests.conftest import ROOT
 from tests.conftest import command
@@ -34,7 +34,7 @@ def small_config(steps=10, **overrides):
 
 
 def run(workdir, **overrides):
-  return train.train_and_evaluate(small_config(**overrides), str(workdir),
+  return pretrain.train_and_evaluate(small_config(**overrides), str(workdir),
                                   devices=jax.devices()[:1])
 
 

@@ -20,6 +20,7 @@ from jax_pretrain.data import sft
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.data.errors import DataError
 from tests.conftest import ROOT
+from tests.conftest import build_setup
 from tests.conftest import build_data
 from tests.conftest import logged_losses
 from tests.conftest import run_cli
@@ -301,7 +302,7 @@ def test_sft_steps_on_a_mesh_with_accumulation_agree_with_one_device():
     c.model.num_heads = c.model.num_kv_heads = 4
     c.train.batch_size, c.train.micro_batch_size, c.train.steps = 16, micro_batch_size, 5
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
-    s = state_lib.build(c, devices=jax.devices()[:int(np.prod(mesh))])
+    s = build_setup(c, devices=jax.devices()[:int(np.prod(mesh))])
     state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=PAD)
     losses = []
     for batch in batches:

@@ -12,7 +12,7 @@ import pytest
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import evaluate
-from jax_pretrain import train
+from jax_pretrain import pretrain
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import corpus
 from jax_pretrain.data import prepare
@@ -96,7 +96,7 @@ def test_prepare_train_sample_and_evaluate_with_a_tokenizer_json(trained, tmp_pa
     c = config_lib.preset('test')
     c.data.train, c.data.tokenizer, c.model.vocab_size = data_train, tokenizer, 768
     c.train.steps, c.optim.warmup_steps, c.train.eval_every = 2, 1, 2
-    train.train_and_evaluate(c, workdir, devices=jax.devices()[:1])
+    pretrain.train_and_evaluate(c, workdir, devices=jax.devices()[:1])
     run = workdir_lib.load(workdir, devices=jax.devices()[:1])
     assert run.tokenizer.identity == tokenizer_lib.load(trained).identity
     assert run.tokenizer.encode(TEXT).tolist() == tokenizer_lib.load(trained).encode(TEXT).tolist()

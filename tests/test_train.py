@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from jax_pretrain import config as config_lib
-from jax_pretrain import train
+from jax_pretrain import pretrain
 from jax_pretrain.data import corpus
 from jax_pretrain.data.tokenizer import ByteTokenizer
 
@@ -23,7 +23,7 @@ def run(workdir, steps=150, **train_overrides):
   c.train.eval_every = steps
   for k, v in train_overrides.items():
     c.train[k] = v
-  return train.train_and_evaluate(c, str(workdir), devices=jax.devices()[:1])
+  return pretrain.train_and_evaluate(c, str(workdir), devices=jax.devices()[:1])
 
 
 def losses(workdir):

@@ -10,8 +10,8 @@ import pytest
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
+from jax_pretrain import pretrain
 from jax_pretrain import state as state_lib
-from jax_pretrain import train
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
 
@@ -21,7 +21,7 @@ def run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp('run'))
   c = config_lib.preset('test')
   c.train.steps, c.optim.warmup_steps = 3, 1
-  train.train_and_evaluate(c, workdir, devices=jax.devices()[:1])
+  pretrain.train_and_evaluate(c, workdir, devices=jax.devices()[:1])
   return workdir
 
 

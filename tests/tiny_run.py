@@ -2,7 +2,7 @@
 import jax
 
 from jax_pretrain import config as config_lib
-from jax_pretrain import train
+from jax_pretrain import pretrain
 
 SEQ_LEN = 64
 _RUNS = {}
@@ -15,6 +15,6 @@ def train_once(tmp_path_factory) -> str:
     c = config_lib.preset('test')
     c.data.seq_len = SEQ_LEN
     c.train.steps, c.optim.warmup_steps, c.train.eval_every = 60, 6, 60
-    train.train_and_evaluate(c, workdir, devices=jax.devices()[:1])
+    pretrain.train_and_evaluate(c, workdir, devices=jax.devices()[:1])
     _RUNS['run'] = workdir
   return _RUNS['run']

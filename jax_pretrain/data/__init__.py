@@ -11,6 +11,7 @@
   eval_batches() a fresh pass over the fixed held-out set, the same batches every call; rows past
                  the end of the data are filled with pad_id (the loss ignores them)
 Each process gets only its own rows: local_batch = batch_size // process_count.
+  data.Prefetcher(batches.train, batch_sharding) puts them on the devices ahead of use (a thread).
 
 Sources (config.data.train / .val, see docs/data.md): prepared directories (scripts/prepare_data.py,
 recommended for real runs), token files (.npy/.bin), raw text (.jsonl/.txt, also gzip or zstd
@@ -25,5 +26,7 @@ from jax_pretrain.data.loader import Sources
 from jax_pretrain.data.loader import build
 from jax_pretrain.data.loader import eval_components
 from jax_pretrain.data.loader import open_sources
+from jax_pretrain.data.prefetch import Prefetcher
 
-__all__ = ['Data', 'DataError', 'Sources', 'build', 'eval_components', 'open_sources']
+__all__ = ['Data', 'DataError', 'Prefetcher', 'Sources', 'build', 'eval_components',
+           'open_sources']

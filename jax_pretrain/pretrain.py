@@ -1,0 +1,88 @@
+"""A pretraining run: train.py's setup and loop with the pretraining hooks, listed in `hooks`.
+
+  pretrain.train_and_evaluate(config, workdir)   # what `python -m jax_pretrain.main` runs
+
+The hooks that run after training has produced a state (lm_eval, the end-of-run sample) live here,
+so that train.py imports none of lm_eval, sample, engine or serve.
+"""
+import time
+
+from absl import logging
+import ml_collections
+
+from jax_pretrain import config as config_lib
+from jax_pretrain import loop as loop_lib
+from jax_pretrain import multihost
+from jax_pretrain import sample as sample_lib
+from jax_pretrain import train as train_lib
+
+
+def hooks(ctx: train_lib.Context) -> list[loop_lib.Hook]:
+  """Every hook of a pretraining run (loop.py says when each phase runs). The step metrics (the
+  console line, TensorBoard, W&B) and the non-finite check are the loop's `metrics` and `checks`
+  (train.py)."""
+  t = ctx.config.train
+  return [
+      *train_lib.profile_hooks(ctx),  # BEFORE_STEP / AFTER_STEP: train.profile_steps
+      train_lib.eval_hook(ctx),  # EVAL: every train.eval_every steps and at the end
+      *train_lib.checkpoint_hooks(ctx),  # SAVE: checkpoint.every_steps, the end, a stop
+      *([lm_eval_hook(ctx)] if t.lm_eval_tasks else []),  # AFTER_SAVE
+      *([sample_hook(ctx)] if t.sample_prompt and t.sample_tokens > 0 else []),  # END
+  ]
+
+
+def check(resolved: ml_collections.ConfigDict) -> None:
+  """Checks before any work: a misspelt lm_eval task fails now, not after the first steps."""
+  if resolved.train.lm_eval_tasks:
+    from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
+    lm_eval_lib.check_tasks(resolved.train)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       devices=None) -> dict[str, float]:
+  """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics."""
+  return train_lib.train(config, workdir, hooks, devices, check=check)
+
+
+def run_lm_eval(params, tokenizer, config: ml_collections.ConfigDict,
+                logger: train_lib.StepLogger, step: int) -> None:
+  """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC. A failure
+  (a task's download, a task the model cannot run) is a warning: training goes on."""
+  from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
+  params = multihost.gather(params, on_device=True)  # every process takes part, 0 evaluates
+  if multihost.is_main():
+    t0 = time.perf_counter()
+    try:
+      scalars = lm_eval_lib.evaluate_during_training(config, params, tokenizer)
+    except Exception as e:  # pylint: disable=broad-except  (the harness raises many kinds)
+      logging.warning('lm_eval at step %d failed, training goes on: %s: %s', step,
+                      type(e).__name__, str(e).splitlines()[0] if str(e) else '')
+      return
+    logger.write(step, scalars)
+    shown = ' | '.join(f'{k[len("lm_eval/"):]} {v:.4f}' for k, v in scalars.items())
+    multihost.log(f'lm_eval at step {step} | {shown} ({time.perf_counter() - t0:.1f}s)')
+
+
+def lm_eval_hook(ctx: train_lib.Context) -> loop_lib.Hook:
+  """train.lm_eval_tasks after the save (a failing task costs no training), every
+  train.lm_eval_every steps (0: at every eval) and at the end."""
+  t = ctx.config.train
+
+  def lm_eval(info: loop_lib.StepInfo) -> None:
+    run_lm_eval(info.state.params, ctx.data.tokenizer, ctx.config, ctx.logger, info.step)
+  return loop_lib.Hook(lm_eval, every=t.lm_eval_every or t.eval_every, phase=loop_lib.AFTER_SAVE,
+                       name='lm_eval')
+
+
+def sample_hook(ctx: train_lib.Context) -> loop_lib.Hook:
+  """A continuation of train.sample_prompt from the final model, printed."""
+  t = ctx.config.train
+
+  def sample(info: loop_lib.StepInfo) -> None:
+    params = multihost.gather(info.state.params)  # every process takes part, process 0 samples
+    if multihost.is_main():
+      text = sample_lib.generate_text(config_lib.model_config(ctx.config), params,
+                                      ctx.data.tokenizer, t.sample_prompt, t.sample_tokens,
+                                      seed=t.seed)
+      multihost.log(f'sample: {t.sample_prompt!r} -> {text!r}')
+  return loop_lib.Hook(sample, phase=loop_lib.END, name='sample')

@@ -1,0 +1,146 @@
+"""The loop's rules with a counting step (no model): the order of the hooks in a step, their
+cadences, a stop that finishes the step and saves, the checks before evaluating and saving; and
+train.profile_steps writing a trace of the train step."""
+import glob
+import gzip
+import os
+
+import jax
+import ml_collections
+import pytest
+
+from jax_pretrain import config as config_lib
+from jax_pretrain import loop as loop_lib
+from jax_pretrain import pretrain
+
+
+class Logger:
+  """The loop's metrics protocol, recording what it is asked, in order."""
+
+  def __init__(self, events):
+    self.events, self.kept = events, None
+
+  def record(self, step, metrics):
+    self.kept = (step, metrics)
+
+  def flush(self):
+    if self.kept is None:
+      return None
+    step, m = self.kept
+    self.kept = None
+    self.events.append(('flush', step))
+    return {'step': step, **m}
+
+  def pause(self):
+    pass
+
+
+class Stop:
+  """signals.StopSignal's interface: a stop requested at a given step."""
+  name = 'SIGTERM'
+
+  def __init__(self, at):
+    self.at, self.step = at, None
+
+  def requested(self, step):
+    return step >= self.at
+
+
+class Checkpointer:
+  """checkpoint.Checkpointer's interface, recording saves."""
+
+  def __init__(self, events):
+    self.events = events
+
+  def latest_step(self):
+    return None
+
+  def save(self, step, state, config_json, ranking):
+    self.events.append(('save', step, ranking))
+
+  def check(self):
+    pass
+
+  def wait(self):
+    self.events.append(('wait',))
+
+
+def make_loop(events, steps=6, stop=None, bad_step=None, save_every=4):
+  def step_fn(state, batch):
+    return state + batch, {'loss': float(state), 'bad': state + batch == bad_step}
+
+  def check(m):
+    events.append(('check', m['step']))
+    if m['bad']:
+      raise loop_lib.NonFiniteError(f'step {m["step"]}')
+
+  lp = loop_lib.Loop(step_fn, steps, log_every=2, metrics=Logger(events), stop=stop,
+                     checks=[check])
+  ckpt = loop_lib.Checkpointing(Checkpointer(events), {}, every=save_every)
+
+  def hook(name, value=None):
+    def fn(info):
+      events.append((name, info.step))
+      return value
+    return fn
+  lp.add_hook(hook('after_save'), every=3, phase=loop_lib.AFTER_SAVE)
+  for h in ckpt.hooks():
+    lp.add(h)
+  lp.add_hook(hook('eval', {'eval/loss': 1.5}), every=3, phase=loop_lib.EVAL)
+  lp.add_hook(hook('end'), phase=loop_lib.END)
+  return lp
+
+
+def test_hooks_run_at_their_cadence_in_the_loops_order():
+  events = []
+  assert make_loop(events).run(0, iter([1] * 10), 0) == 6
+  due = [e for e in events if e[0] != 'flush']
+  assert due == [
+      ('check', 2),  # logged (log_every=2), read one step late
+      ('check', 3), ('eval', 3), ('after_save', 3),  # checked before eval; eval before after_save
+      ('check', 4), ('save', 4, None),
+      ('check', 6), ('eval', 6), ('save', 6, {'eval/loss': 1.5}), ('after_save', 6),  # the end
+      ('wait',), ('end', 6)]  # the final save complete before the end hooks
+
+
+def test_a_stop_finishes_the_step_saves_it_and_ends_the_run():
+  events = []
+  lp = make_loop(events, stop=Stop(at=2))
+  assert lp.run(0, iter([1] * 10), 0) is None and lp.step == 2
+  assert [e for e in events if e[0] != 'flush'] == [('check', 2), ('save', 2, None), ('wait',)]
+
+
+def test_a_bad_step_is_caught_before_it_is_evaluated_or_saved():
+  events = []
+  with pytest.raises(loop_lib.NonFiniteError, match='step 3'):
+    make_loop(events, bad_step=3).run(0, iter([1] * 10), 0)
+  assert not [e for e in events if e[0] in ('eval', 'save', 'after_save')]
+
+
+def test_a_resumed_loop_starts_at_its_step():
+  events = []
+  assert make_loop(events).run(4, iter([1] * 10), 4) == 6
+  assert ('save', 4, None) not in events and ('save', 6, {'eval/loss': 1.5}) in events
+
+
+def test_profile_steps_must_be_a_range():
+  t = ml_collections.ConfigDict({'profile_steps': '3:2'})
+  with pytest.raises(config_lib.ConfigError, match='train.profile_steps'):
+    config_lib.profile_steps(t)
+  t.profile_steps = '2:3'
+  assert config_lib.profile_steps(t) == (2, 3)
+
+
+def test_profile_steps_writes_a_trace_naming_the_train_step(tmp_path):
+  c = config_lib.preset('test')
+  c.train.steps, c.train.eval_every, c.train.sample_prompt = 4, 4, ''
+  c.optim.warmup_steps = 1
+  c.train.profile_steps = '2:3'
+  pretrain.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
+  traces = glob.glob(os.path.join(tmp_path, 'profile', 'plugins', 'profile', '*', '*.xplane.pb'))
+  assert traces, os.listdir(tmp_path)
+  with open(traces[0], 'rb') as f:
+    assert b'jit(train_step)' in f.read()  # the trainer's jitted step, by name
+  perfetto = glob.glob(os.path.join(os.path.dirname(traces[0]), '*.trace.json.gz'))
+  with gzip.open(perfetto[0], 'rt', encoding='utf-8') as f:  # what ui.perfetto.dev opens
+    assert 'train_step' in f.read()
