@@ -11,6 +11,7 @@ from jax_pretrain import config as config_lib
 from jax_pretrain import fp8
 from jax_pretrain import plan
 from jax_pretrain import state as state_lib
+from tests.conftest import build_setup
 from tests.test_plan import requires_plugin
 
 
@@ -40,7 +41,7 @@ def _losses(fp8_on: bool, steps: int = 10) -> np.ndarray:
   c = config_lib.preset('test')
   c.model.fp8, c.model.dtype, c.model.attention = fp8_on, 'bfloat16', 'xla'
   c.train.steps = steps
-  s = state_lib.build(c, jax.devices()[:1])
+  s = build_setup(c, jax.devices()[:1])
   state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
   rng, losses = np.random.default_rng(0), []
   for _ in range(steps):
