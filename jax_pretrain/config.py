@@ -48,6 +48,8 @@ def defaults() -> ml_collections.ConfigDict:
   m.scan_layers = True         # scan over stacked layers (compile time independent of depth)
   m.dtype = 'bfloat16'         # compute dtype; params and optimizer state stay float32
   m.param_dtype = 'float32'    # master parameter dtype
+  m.fp8 = False                # attention and MLP projections in FP8 (Hopper/Ada GPUs; simulated
+                               # on the CPU): per-tensor current scaling, jax_pretrain/fp8.py
 
   c.data = d = ml_collections.ConfigDict()
   d.seq_len = 2048             # tokens per training sequence
@@ -250,6 +252,12 @@ def _resolve_model(m: ml_collections.ConfigDict, backend: str | None, tokenizer_
     # there 'full' recomputes each layer instead (1.25× the matmul FLOPs).
     m.remat = 'full' if m.attention == 'xla' else 'dots'
     choices.append(f'remat {m.remat} (auto: attention {m.attention})')
+  if m.fp8 and backend == 'gpu':
+    capability = getattr(device, 'compute_capability', None)
+    _check(capability is None or tuple(int(x) for x in capability.split('.')[:2]) >= (8, 9),
+           f'model.fp8=True needs FP8 matmuls (an NVIDIA GPU of compute capability >= 8.9: '
+           f'Hopper, Ada); this {getattr(device, "device_kind", "GPU")} has {capability}. '
+           'Leave model.fp8 off.')
   _choice(m, 'model', 'rope_scaling', model_lib.ROPE_SCALINGS)
   if m.rope_scaling != 'none':
     _check(m.rope_factor > 0, f'model.rope_factor={m.rope_factor} must be positive.')
@@ -389,7 +397,7 @@ RESUME_REFUSED = {
 RESUME_SAFE = {
     'model.init_std',  # used only at initialization
     'model.max_position_embeddings',  # what a Hugging Face export states
-    'model.attention', 'model.remat', 'model.dtype',  # how the same function is computed
+    'model.attention', 'model.remat', 'model.dtype', 'model.fp8',  # how it is computed
     'data.tfds_data_dir', 'data.on_bad_record', 'data.num_workers', 'data.read_threads',
     'data.prefetch',
     'train.steps', 'train.total_tokens', 'train.micro_batch_size', 'train.log_every',

@@ -216,7 +216,7 @@ class Kernel:
   """One launch site, with its cost per execution and how often it runs per program run."""
   name: str
   opcode: str
-  kind: str  # 'matmul', 'attention', 'attention_backward', 'other'
+  kind: str  # 'matmul', 'matmul_fp8', 'attention', 'attention_backward', 'other'
   flops: float
   hbm_bytes: float
   times: float
@@ -225,7 +225,9 @@ class Kernel:
 @dataclasses.dataclass
 class Stats:
   flops: float = 0.0
-  matmul_flops: float = 0.0
+  matmul_flops: float = 0.0  # FP8 ones included
+  fp8_matmul_flops: float = 0.0
+  fp8_matmuls: int = 0  # dots whose operands are FP8, in the program's text (not times run)
   attention_flops: float = 0.0
   hbm_bytes: float = 0.0
   kernels: list[Kernel] = dataclasses.field(default_factory=list)
@@ -240,6 +242,12 @@ def _dot_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
   lhs = shape_dims(shapes.get(instruction.operands[0], ''))
   contracted = math.prod(lhs[int(d)] for d in m.group(1).split(',') if d) if m and lhs else 1
   return 2.0 * math.prod(shape_dims(instruction.shape)) * contracted
+
+
+def _dot_kind(instruction: Instruction, shapes: dict[str, str]) -> str:
+  """'matmul_fp8' for a dot of FP8 operands (model.fp8), else 'matmul'."""
+  fp8 = any(shapes.get(o, '').startswith('f8') for o in instruction.operands[:2])
+  return 'matmul_fp8' if fp8 else 'matmul'
 
 
 def _gemm_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
@@ -316,14 +324,15 @@ def analyze(text: str, devices_per_node: int = 8) -> Stats:
   computations, entry = parse(text)
   by_name = {i.name: i for body in computations.values() for i in body}
   shapes = {name: i.shape for name, i in by_name.items()}
-  stats = Stats()
+  stats = Stats(fp8_matmuls=sum(_dot_kind(i, shapes) == 'matmul_fp8' for i in by_name.values()
+                                if i.opcode == 'dot'))
 
   def flops_inside(name: str, seen=()) -> tuple[float, str]:
     """FLOPs and kind of a fusion body (dots inside it)."""
     flops, kind = 0.0, 'other'
     for i in computations.get(name, []):
       if i.opcode == 'dot':
-        flops, kind = flops + _dot_flops(i, shapes), 'matmul'
+        flops, kind = flops + _dot_flops(i, shapes), _dot_kind(i, shapes)
       elif i.opcode == 'custom-call':
         cost = _custom_call_cost(i, shapes)
         if cost:
@@ -392,7 +401,7 @@ def analyze(text: str, devices_per_node: int = 8) -> Stats:
         continue
       kind, flops = 'other', 0.0
       if op == 'dot':
-        kind, flops = 'matmul', _dot_flops(i, shapes)
+        kind, flops = _dot_kind(i, shapes), _dot_flops(i, shapes)
       elif op == 'custom-call':
         cost = _custom_call_cost(i, shapes)
         if cost:
@@ -415,8 +424,10 @@ def analyze(text: str, devices_per_node: int = 8) -> Stats:
       stats.kernels.append(Kernel(i.name, op, kind, flops, hbm, times))
       stats.flops += flops * times
       stats.hbm_bytes += hbm * times
-      if kind == 'matmul':
+      if kind.startswith('matmul'):
         stats.matmul_flops += flops * times
+      if kind == 'matmul_fp8':
+        stats.fp8_matmul_flops += flops * times
       elif kind.startswith('attention'):
         stats.attention_flops += flops * times
 

@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 import ml_collections
 
+from jax_pretrain import fp8
 from jax_pretrain import sharding
 from jax_pretrain.kernels import attention
 
@@ -62,6 +63,7 @@ class ModelConfig:
   scan_layers: bool = True
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
+  fp8: bool = False  # the dense projections (attention and MLP) in FP8: fp8.py
 
   @classmethod
   def from_config(cls, m: ml_collections.ConfigDict) -> 'ModelConfig':
@@ -140,6 +142,18 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -
   return out.astype(x_BxTxNxH.dtype)
 
 
+def _dense_einsum(c: ModelConfig):
+  """The einsum of the attention and MLP projections: FP8 with model.fp8 (not the embedding or
+  the output head, whose logits feed the loss directly)."""
+  if not c.fp8:
+    return jnp.einsum
+
+  def fp8_einsum(equation: str, x, w):
+    inputs = equation.split('->')[0].split(',')
+    return fp8.dense(x, w, contract=len(set(inputs[0]) & set(inputs[1])))
+  return fp8_einsum
+
+
 class RMSNorm(nn.Module):
   config: ModelConfig
 
@@ -168,10 +182,10 @@ class Attention(nn.Module):
     wv_DxKxH = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
     wo_NxHxD = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), out_std)
 
-    dt = c.dtype
-    q_BxTxNxH = jnp.einsum('btd,dnh->btnh', x_BxTxD, wq_DxNxH.astype(dt))
-    k_BxTxKxH = jnp.einsum('btd,dkh->btkh', x_BxTxD, wk_DxKxH.astype(dt))
-    v_BxTxKxH = jnp.einsum('btd,dkh->btkh', x_BxTxD, wv_DxKxH.astype(dt))
+    dt, dense = c.dtype, _dense_einsum(c)
+    q_BxTxNxH = dense('btd,dnh->btnh', x_BxTxD, wq_DxNxH.astype(dt))
+    k_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wk_DxKxH.astype(dt))
+    v_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wv_DxKxH.astype(dt))
     q_BxTxNxH = sharding.constrain(q_BxTxNxH, ('batch', 'length', 'act_heads', None), self.mesh)
     k_BxTxKxH = sharding.constrain(k_BxTxKxH, ('batch', 'length', 'act_kv_heads', None), self.mesh)
     v_BxTxKxH = sharding.constrain(v_BxTxKxH, ('batch', 'length', 'act_kv_heads', None), self.mesh)
@@ -186,7 +200,7 @@ class Attention(nn.Module):
       kv = _write_cache(kv, k_BxTxKxH, v_BxTxKxH, positions_BxT)
       o_BxTxNxH = _cached_attention(q_BxTxNxH, *kv, positions_BxT).astype(dt)
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, 'attn_out')
-    return jnp.einsum('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD.astype(dt)), kv
+    return dense('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD.astype(dt)), kv
 
 
 def _write_cache(kv, k_BxTxKxH, v_BxTxKxH, positions_BxT):
@@ -227,13 +241,13 @@ class Mlp(nn.Module):
     w_up_DxF = _param(self, 'w_up', (D, F), ('embed', 'mlp'), c.init_std)
     w_down_FxD = _param(self, 'w_down', (F, D), ('mlp', 'embed'),
                         c.init_std / math.sqrt(2 * c.num_layers))
-    dt = c.dtype
-    gate_BxTxF = jnp.einsum('btd,df->btf', x_BxTxD, w_gate_DxF.astype(dt))
-    up_BxTxF = jnp.einsum('btd,df->btf', x_BxTxD, w_up_DxF.astype(dt))
+    dt, dense = c.dtype, _dense_einsum(c)
+    gate_BxTxF = dense('btd,df->btf', x_BxTxD, w_gate_DxF.astype(dt))
+    up_BxTxF = dense('btd,df->btf', x_BxTxD, w_up_DxF.astype(dt))
     h_BxTxF = nn.silu(gate_BxTxF) * up_BxTxF
     h_BxTxF = sharding.constrain(h_BxTxF, ('batch', 'length', 'act_mlp'), self.mesh)
     h_BxTxF = checkpoint_name(h_BxTxF, 'mlp_hidden')
-    return jnp.einsum('btf,fd->btd', h_BxTxF, w_down_FxD.astype(dt))
+    return dense('btf,fd->btd', h_BxTxF, w_down_FxD.astype(dt))
 
 
 class Block(nn.Module):

@@ -77,7 +77,8 @@ def roofline(stats, target: gpu_targets.Target) -> Roofline | None:
   forward, both = target.cudnn_attention_flops
   # The backward kernel alone, from forward and forward+backward (2.5× and 3.5× forward's FLOPs).
   backward = 2.5 / (3.5 / both - 1.0 / forward)
-  speed = {'matmul': target.matmul_flops, 'attention': forward, 'attention_backward': backward}
+  speed = {'matmul': target.matmul_flops, 'attention': forward, 'attention_backward': backward,
+           'matmul_fp8': target.fp8_matmul_flops or target.matmul_flops}
   compute = sum(k.times * max(k.flops / speed.get(k.kind, target.matmul_flops),
                               k.hbm_bytes / target.hbm_bandwidth) for k in stats.kernels)
   link = gpu_targets.COLLECTIVE_EFFICIENCY * target.link_bandwidth
@@ -126,6 +127,8 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
       'fits': peak <= usable,
       'compute_flops_per_step': stats.flops,
       'matmul_flops_per_step': stats.matmul_flops,
+      'fp8_matmul_flops_per_step': stats.fp8_matmul_flops,
+      'fp8_matmuls': stats.fp8_matmuls,
       'attention_flops_per_step': stats.attention_flops,
       'model_flops_per_step': model_flops,
       'flops_ratio': stats.flops / model_flops,
@@ -190,6 +193,9 @@ def format_report(r: dict) -> str:
       f'{r["attention_flops_per_step"] / 1e12:,.1f}); model {r["model_flops_per_step"] / 1e12:,.1f}'
       f' (6·N·tokens + attention): {r["flops_ratio"]:.2f}×',
   ]
+  if r['fp8_matmuls']:
+    lines.append(f'             FP8: {r["fp8_matmuls"]} matmuls of FP8 operands in the program, '
+                 f'{r["fp8_matmul_flops_per_step"] / 1e12:,.1f} TFLOP per step')
   if r['uncounted_kernels']:
     lines.append(f'             not counted: {r["uncounted_kernels"]} (kernels of unknown FLOPs)')
   counts, sizes = r['collective_counts_per_step'], r['collective_bytes_per_step']

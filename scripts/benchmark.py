@@ -80,8 +80,12 @@ def benchmark(config, steps: int, warmup: int) -> dict:
           'mfu': mfu, 'peak_gib': in_use / 2**30 if in_use else None, 'compile_s': compile_s,
           'compiled_gib': memory.peak_bytes(step) / 2**30,
           'fit_s': fit_s, 'accumulation': s.run.grad_accum_steps, 'loss': float(metrics['loss']),
-          'grad_norm': float(metrics['grad_norm']),
+          'grad_norm': float(metrics['grad_norm']), 'precision': _precision(c),
           'device': f'{s.mesh.size} × {device.device_kind}'}
+
+
+def _precision(c) -> str:
+  return f'{c.model.dtype}{" + fp8" if c.model.fp8 else ""}'
 
 
 def row(r: dict) -> str:
@@ -99,8 +103,8 @@ HEADER = (f'{"micro":>5} {"remat":>14} {"attn":>7} {"step_s":>8} {"tokens/s":>12
 # Peak memory: XLA's buffer assignment of the step (what the plan predicts), and the device
 # allocator's high-water mark, which only grows within a process (so, after the first row, it is
 # the largest so far).
-MARKDOWN_HEADER = ('| attention, remat, micro-batch × accumulation | tokens/s | MFU | step s | '
-                   'peak GiB: XLA / device so far | compile s (+ micro-batch search) | loss, grad '
+MARKDOWN_HEADER = ('| attention, remat, micro-batch × accumulation, precision | tokens/s | MFU | '
+                   'step s | peak GiB: XLA / device so far | compile s (+ micro-batch search) | loss, grad '
                    'norm after the last step |\n|---|---|---|---|---|---|---|')
 
 
@@ -110,8 +114,8 @@ def markdown_row(r: dict) -> str:
     return f'| {setting} | failed: {r["error"]} | | | | | |'
   mfu = f'{r["mfu"]:.1%}' if r['mfu'] is not None else 'n/a'
   mem = f'{r["peak_gib"]:.1f}' if r['peak_gib'] is not None else 'n/a'
-  return (f'| {setting} × {r["accumulation"]} | {r["tokens_per_s"]:,.0f} | {mfu} | '
-          f'{r["step_s"]:.3f} | {r["compiled_gib"]:.1f} / {mem} | {r["compile_s"]:.1f} '
+  return (f'| {setting} × {r["accumulation"]}, {r["precision"]} | {r["tokens_per_s"]:,.0f} | '
+          f'{mfu} | {r["step_s"]:.3f} | {r["compiled_gib"]:.1f} / {mem} | {r["compile_s"]:.1f} '
           f'(+ {r["fit_s"]:.1f}) | {r["loss"]:.4f}, {r["grad_norm"]:.4f} |')
 
 

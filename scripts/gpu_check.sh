@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a session with an H100 must measure, in one command (under 9 minutes on one H100),
+# Everything a session with an H100 must measure, in one command (about 12 minutes on one H100),
 # printed as Markdown ready for BENCHMARKS.md:
 #   1. attention (scripts/benchmark_attention.py, B8 T2048 16 heads × 128, bf16, causal): cuDNN and
 #      our Pallas kernel against XLA on the GPU (relative error of the output and of the three
@@ -11,10 +11,15 @@
 #      all three: their loss and gradient norm after the last step agree to bf16 rounding when the
 #      attention implementations agree (the model-level check of item 1);
 #   3. the asynchronous checkpoint of xlarge (scripts/benchmark_checkpoint.py): the stall, the
-#      write, the restore.
+#      write, the restore;
+#   4. precision (issue 19): the xlarge step in bfloat16, in float16 with dynamic loss scaling (what
+#      model.dtype 'auto' picks on a V100 or T4) and with model.fp8 (Hopper's FP8 matmuls):
+#      tokens/s, memory, and loss and gradient norm after the last step (same seed and tokens).
 # The plan's predictions to compare with: BENCHMARKS.md, "Compiled for the GPU, not measured".
 #
-# Usage: bash scripts/gpu_check.sh [--dry-run]
+# Usage: [STEPS="attention train_step checkpoint precision"] bash scripts/gpu_check.sh [--dry-run]
+#   STEPS      which of the four to run (default all; where one command may last 10 minutes at most,
+#              run STEPS="attention train_step checkpoint", then STEPS=precision)
 #   --dry-run  the same steps at tiny shapes on the CPU, in about a minute: checks the script
 #              (tests/test_gpu_check.py), measures nothing that matters.
 # Environment: PYTHON (default .venv/bin/python, set up with requirements-gpu.txt), OUT (where the
@@ -37,7 +42,10 @@ if [[ ${1:-} == --dry-run ]]; then
               --variant= --variant=model.attention=pallas
               --variant=model.remat=full,train.micro_batch_size=1)
   checkpoint_args=(--config=configs/test.py --saves 1)
-  limits=(300 300 120)
+  precision_args=(--config=configs/test.py --config.train.batch_size=16 --steps 2 --warmup 1
+                  --config.model.attention=xla --variant=model.dtype=bfloat16
+                  --variant=model.dtype=float16 --variant=model.dtype=bfloat16,model.fp8=True)
+  limits=(300 300 120 300)
 else
   attention_args=(--batch 8 --seq 2048 --heads 16 --kv_heads 16 --head_dim 128 --iters 20)
   # 32 sequences per step: the preset's micro-batches, fewer of them (tokens/s does not depend on
@@ -46,8 +54,15 @@ else
               --variant= --variant=model.attention=xla,model.remat=full,train.micro_batch_size=8
               --variant=model.attention=cudnn,model.remat=full,train.micro_batch_size=16)
   checkpoint_args=(--config=configs/xlarge.py --saves 2 --dir="$out/checkpoint")
-  limits=(100 330 90)
+  precision_args=(--config=configs/xlarge.py --config.train.batch_size=32 --steps 5 --warmup 2
+                  --config.model.attention=cudnn --config.model.remat=dots
+                  --config.train.micro_batch_size=8 --variant=model.dtype=bfloat16
+                  --variant=model.dtype=float16 --variant=model.dtype=bfloat16,model.fp8=True)
+  limits=(100 330 90 200)
 fi
+
+steps=" ${STEPS:-attention train_step checkpoint precision} "
+want() { [[ $steps == *" $1 "* ]]; }
 
 # run NAME LIMIT COMMAND...: runs it with a time limit, logs to $out/NAME.log, prints its Markdown
 # (from the first table line on), or why there is none.
@@ -77,16 +92,17 @@ echo
   --format=csv,noheader | sed 's/^/nvidia-smi: /'
 echo "Command: bash scripts/gpu_check.sh ${1:-} (logs: $out)"
 
-echo
-echo "### Attention: cuDNN and Pallas against XLA"
+want attention && echo && echo "### Attention: cuDNN and Pallas against XLA" &&
 run attention "${limits[0]}" "$python" scripts/benchmark_attention.py "${attention_args[@]}" \
   --reference xla --markdown
 
-echo
-echo "### Train step: the default and two alternatives"
+want train_step && echo && echo "### Train step: the default and two alternatives" &&
 run train_step "${limits[1]}" "$python" scripts/benchmark.py "${train_args[@]}" --markdown
 
-echo
-echo "### Checkpoint: asynchronous save and restore"
+want checkpoint && echo && echo "### Checkpoint: asynchronous save and restore" &&
 run checkpoint "${limits[2]}" "$python" scripts/benchmark_checkpoint.py "${checkpoint_args[@]}" \
   --markdown
+
+want precision && echo && echo "### Precision: bfloat16, float16 with loss scaling, FP8" &&
+run precision "${limits[3]}" "$python" scripts/benchmark.py "${precision_args[@]}" --markdown
+true  # (a step left out by STEPS is not a failure)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRESETS = ('default', 'tiny', 'small', 'medium', 'medium_large', 'large', 'xlarge')
+PRESETS = ('default', 'tiny', 'small', 'medium', 'medium_large', 'large', 'xlarge', 'xxlarge')
 
 
 def run_plan(preset: str, target: str, devices: int, overrides: list[str]) -> dict:

@@ -14,8 +14,10 @@ def test_gpu_check_dry_run_prints_every_table(tmp_path):
   text = out.stdout
   for heading in ('### Attention: cuDNN and Pallas against XLA',
                   '### Train step: the default and two alternatives',
-                  '### Checkpoint: asynchronous save and restore'):
+                  '### Checkpoint: asynchronous save and restore',
+                  '### Precision: bfloat16, float16 with loss scaling, FP8'):
     assert heading in text
+  text, precision = text.split('### Precision')
   rows = {line.split('|')[1].strip(): line for line in text.splitlines()
           if line.startswith('| ') and not line.startswith('| attention')}
   # Attention: cuDNN cannot run on the CPU and says so; Pallas agrees with XLA.
@@ -28,3 +30,9 @@ def test_gpu_check_dry_run_prints_every_table(tmp_path):
   losses = {line.split('|')[7].strip() for line in steps}
   assert len(losses) == 1, steps
   assert re.search(r'\| \d+M params, [\d.]+ GiB \| [\d.]+ s', text)
+  # Precision: the same model in bfloat16, float16 (loss scaling) and FP8, each trained.
+  rows = re.findall(r'^\| xla, \w+, mb \d+ × \d+, (\w+(?: \+ fp8)?) \| [\d,]+ \|'
+                    r'.*\| ([\d.]+), [\d.]+ \|$', precision, re.M)
+  assert [r[0] for r in rows] == ['bfloat16', 'float16', 'bfloat16 + fp8'], precision
+  losses = [float(r[1]) for r in rows]
+  assert max(losses) - min(losses) < 0.05 * max(losses), rows

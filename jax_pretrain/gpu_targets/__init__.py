@@ -16,6 +16,18 @@ The roofline's speeds are not in those files. Where each number comes from:
   a100-40   the H100's measured fractions of its peak (80% and 43% / 34%) applied to 312, not
             measured. NVLink 3: 600 GB/s both ways, 300 GB/s each way; network: one 200 Gb/s NIC
             per GPU (DGX A100, ConnectX-6), 25 GB/s.
+  v100      (Tesla V100 SXM2 16 GB, compute capability 7.0: no bfloat16, float16 with loss scaling)
+            peak 125 TFLOP/s dense fp16 tensor core (NVIDIA V100 datasheet); NVLink 2: 300 GB/s
+            both ways, 150 GB/s each way; network 100 Gb/s, 12.5 GB/s (DGX-1 class).
+  rtx-a6000 (48 GB, compute capability 8.6: the GA102 chip of the RTX 3090; plan a 24 GB 3090/4090
+            with --memory_gib=24) peak 154.8 TFLOP/s dense bf16 with float32 accumulation (NVIDIA
+            RTX A6000 datasheet; a GeForce 3090 accumulates in float32 at half that); PCIe 4.0
+            x16 between cards, 32 GB/s each way; network 100 Gb/s. Speeds for both: the H100's
+            measured fractions of its peak applied to theirs, not measured.
+            XLA describes no T4 or A10 (the CUDA plugin's descriptions: A100s, H100s, H200, B200/
+            B300/GB200/GB300, RTX A6000, RTX PRO 6000, V100, P100): those cannot be planned here.
+  h100 FP8  matmuls at twice the measured bf16 rate: the datasheet's dense FP8 peak is twice its
+            bf16 peak (1979 vs 989 TFLOP/s); not measured. A100s have no FP8 GEMMs.
 Collectives are assumed to reach COLLECTIVE_EFFICIENCY of the link (NCCL ring bus bandwidth, as in
 docs/scaling.md).
 """
@@ -28,6 +40,7 @@ COLLECTIVE_EFFICIENCY = 0.8
 _DIR = os.path.dirname(os.path.abspath(__file__))
 
 _H100_PEAK, _A100_PEAK = 989e12, 312e12
+_V100_PEAK, _A6000_PEAK = 125e12, 154.8e12
 _H100_MATMUL, _H100_ATTENTION = 794e12, (430e12, 333e12)
 
 
@@ -42,6 +55,7 @@ class Target:
   network_bandwidth: float = 0.0  # bytes/s per device each way across nodes
   devices_per_node: int = 8
   memory_override: float | None = None  # bytes: a card of this family with less memory
+  fp8_matmul_flops: float | None = None  # FP8 matmul FLOP/s (None: the card has no FP8 GEMMs)
 
   def config_text(self) -> str:
     with open(os.path.join(_DIR, self.file), encoding='utf-8') as f:
@@ -71,17 +85,25 @@ class Target:
     return re.search(r'device_description_str:\s*"([^"]*)"', self.config_text()).group(1)
 
 
+def _scaled(name: str, file: str, peak: float, link: float, network: float) -> Target:
+  """A card whose matmul and attention speeds are the H100's measured fractions of its peak."""
+  scale = peak / _H100_PEAK
+  return Target(name, file, peak, _H100_MATMUL * scale,
+                (_H100_ATTENTION[0] * scale, _H100_ATTENTION[1] * scale), link, network)
+
+
 def _a100(name: str, file: str) -> Target:
-  scale = _A100_PEAK / _H100_PEAK
-  return Target(name, file, _A100_PEAK, _H100_MATMUL * scale,
-                (_H100_ATTENTION[0] * scale, _H100_ATTENTION[1] * scale), 300e9, 25e9)
+  return _scaled(name, file, _A100_PEAK, 300e9, 25e9)
 
 
 TARGETS = {
     'h100': Target('h100', 'h100_sxm.txtpb', _H100_PEAK, _H100_MATMUL, _H100_ATTENTION, 450e9,
-                   50e9),
+                   50e9, fp8_matmul_flops=2 * _H100_MATMUL),
     'a100-80': _a100('a100-80', 'a100_sxm_80.txtpb'),
     'a100-40': _a100('a100-40', 'a100_sxm_40.txtpb'),
+    # Older cards (model.dtype 'auto' gives float16 on the V100, bfloat16 on the A6000).
+    'v100': _scaled('v100', 'v100_sxm2_16.txtpb', _V100_PEAK, 150e9, 12.5e9),
+    'rtx-a6000': _scaled('rtx-a6000', 'rtx_a6000.txtpb', _A6000_PEAK, 32e9, 12.5e9),
     'cpu': Target('cpu', None),
 }
 
