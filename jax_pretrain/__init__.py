@@ -1,4 +1,4 @@
-"""jax_pretrain: pretrain decoder-only language models with JAX/Flax on one GPU, one node or many."""
+"""jax_pretrain: pretrain decoder-only language models with JAX/Flax, one GPU to many nodes."""
 
 import os as _os
 

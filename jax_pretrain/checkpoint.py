@@ -1,9 +1,9 @@
 """Checkpoints with orbax: asynchronous saves, last K plus best N by eval loss, verified restores.
 
 A checkpoint holds the whole train state (params, optimizer state, step, non-finite counters; the
-step is also the data position), the resolved config, and a digest of every array. Arrays restore into whatever
-shardings the caller's abstract state carries, so a checkpoint written on 8 devices restores on 1
-and the other way round.
+step is also the data position), the resolved config, and a digest of every array. Arrays restore
+into whatever shardings the caller's abstract state carries, so a checkpoint written on 8 devices
+restores on 1 and the other way round.
 
 What can go wrong, and what happens:
 - A process killed mid-save leaves only a temporary directory, which is never restored.
@@ -51,8 +51,8 @@ def _path_str(path) -> str:
 
 def check_shapes(saved, wanted, where: str) -> None:
   """Raises CheckpointError naming the first parameter whose shape or presence differs."""
-  saved_leaves = {_path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(saved)
-                  if hasattr(x, 'shape')}
+  saved_leaves = {_path_str(p): tuple(x.shape)
+                  for p, x in jax.tree_util.tree_leaves_with_path(saved) if hasattr(x, 'shape')}
   for path, x in jax.tree_util.tree_leaves_with_path(wanted):
     name = _path_str(path)
     if name not in saved_leaves:
@@ -199,7 +199,7 @@ class Checkpointer:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config),
           digests=ocp.args.JsonSave(digests(state))), metrics=metrics, force=True)
-    except Exception as e:  # pylint: disable=broad-except  (disk full, permissions, ...)
+    except Exception as e:  # noqa: BLE001  (disk full, permissions, ...)
       self._failed(step, e)
     self._pending = step
 
@@ -219,7 +219,7 @@ class Checkpointer:
     error = None
     try:
       self._manager.wait_until_finished()
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       error = e
     if multihost.any_process(error is not None):
       self._failed(step, error or RuntimeError('the save failed on another process'))
@@ -257,7 +257,7 @@ class Checkpointer:
     try:
       return dict(self._manager.restore(step, args=ocp.args.Composite(
           config=ocp.args.JsonRestore()))['config'])
-    except Exception:  # pylint: disable=broad-except  (damaged: restore_latest deals with it)
+    except Exception:  # noqa: BLE001  (damaged: restore_latest deals with it)
       return None
 
   def _saved_digests(self, step: int) -> dict | None:
@@ -266,7 +266,7 @@ class Checkpointer:
     try:
       return dict(self._manager.restore(step, args=ocp.args.Composite(
           digests=ocp.args.JsonRestore()))['digests'])
-    except Exception:  # pylint: disable=broad-except
+    except Exception:  # noqa: BLE001
       return None
 
   def restore_latest(self, abstract_state):
@@ -285,7 +285,7 @@ class Checkpointer:
         _verify(state, self._saved_digests(step))
       except CheckpointError:
         raise
-      except Exception as e:  # pylint: disable=broad-except  (truncated, missing, altered files)
+      except Exception as e:  # noqa: BLE001  (truncated, missing, altered files)
         self._set_aside(step, e)
         continue
       return step, state

@@ -16,9 +16,8 @@ from ml_collections import config_flags
 from jax_pretrain import PRESETS_DIR
 from jax_pretrain.errors import UserError
 
-
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow (under clu, tfds) is noisy
-os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # (TF computes nothing here; silences its banner)
+os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # (TF computes nothing here: no banner)
 
 
 @contextlib.contextmanager
@@ -52,7 +51,7 @@ def run(main) -> None:
     except KeyboardInterrupt:
       print('error: interrupted (Ctrl-C).', file=sys.stderr, flush=True)
       sys.stdout.flush()
-      os._exit(130)  # pylint: disable=protected-access  (threads may be inside XLA: don't wait)
+      os._exit(130)
   app.run(wrapped, flags_parser=_parse_flags)
 
 
@@ -69,7 +68,7 @@ def _unknown_config_field(error: Exception):
   name, _, hint = text.partition('\n')
   flags_given = [a.split('=')[0] for a in sys.argv[1:] if a.startswith('--config.')]
   wrong = [f for f in flags_given if f.endswith('.' + name.strip("'"))] or flags_given
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top  (heavy)
+  from jax_pretrain import config as config_lib  # noqa: PLC0415  (heavy)
   moved = [config_lib.MOVED[(f.split('.')[1], f.split('.')[2])] for f in wrong
            if f.count('.') == 2 and (f.split('.')[1], f.split('.')[2]) in config_lib.MOVED]
   if moved:

@@ -20,6 +20,7 @@ from jax_pretrain import sharding
 from jax_pretrain.errors import UserError
 from jax_pretrain.kernels import attention
 
+
 def defaults() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
 
@@ -80,7 +81,7 @@ def defaults() -> ml_collections.ConfigDict:
   t.eval_steps = 20            # eval batches per eval
   t.eval_batch_size = 0        # 0: micro_batch_size × data-parallel devices (one pass, no OOM)
   t.peak_flops = 0.0           # device peak dense bf16 FLOP/s for MFU; 0: look up by device kind
-  t.on_nonfinite = 'halt'      # non-finite loss or grad norm: 'halt' (stop, checkpoints intact) | 'skip'
+  t.on_nonfinite = 'halt'      # non-finite loss or grad norm: 'halt' (checkpoints intact) | 'skip'
   t.max_consecutive_skips = 10  # with 'skip': halt after this many non-finite steps in a row
   t.sample_prompt = 'The '     # prompt of the continuation printed at the end ('' disables)
   t.sample_tokens = 64         # tokens generated for that continuation
@@ -117,7 +118,7 @@ def defaults() -> ml_collections.ConfigDict:
   ck.keep_best = 3             # and also the best this many by eval loss (0: none)
   ck.async_save = True         # write in the background while training continues
   ck.save_final = True         # save the state at the end of training
-  ck.restore_from = ''         # another run's workdir: start from its params (fresh optimizer, data)
+  ck.restore_from = ''         # another run's workdir: start from its params (new optimizer, data)
   return c
 
 
@@ -203,7 +204,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, backend: str | 
   model.attention='auto' and gives the backend. Without it, backend alone decides ('gpu' is taken
   to be a recent NVIDIA GPU).
   """
-  c = from_dict(config.to_dict(), strict=True)  # a copy in today's layout; the caller's is untouched
+  c = from_dict(config.to_dict(), strict=True)  # a copy in today's layout; the caller's unchanged
   choices = _resolve_model(c.model, backend, tokenizer_vocab_size, device)
   mesh_shape = _resolve_mesh(c, num_devices)
   accum, tokens_per_step = _resolve_batch(c)

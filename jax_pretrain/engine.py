@@ -226,7 +226,7 @@ class Engine:
           return
       try:
         self.step()
-      except Exception as e:  # pylint: disable=broad-except  (reported to each request)
+      except Exception as e:  # noqa: BLE001  (reported to each request)
         for i, seq in enumerate(self._busy):
           if seq is not None:
             seq.error = f'{type(e).__name__}: {e}'
@@ -286,8 +286,10 @@ class Engine:
 
   def _most_rows(self, P: int) -> int:
     """Prompts per prefill call at most for prompts padded to P: a power of two that keeps the
-    call within prefill_tokens (its logits are [rows, P, vocab]), and no more than the slots need."""
-    return min(1 << (max(1, self.prefill_tokens // P).bit_length() - 1), bucket(self.slots, 1 << 30))
+    call within prefill_tokens (its logits are [rows, P, vocab]), and no more than the slots
+    need."""
+    fitting = 1 << (max(1, self.prefill_tokens // P).bit_length() - 1)
+    return min(fitting, bucket(self.slots, 1 << 30))
 
   def _state(self):
     """The cache and last logits, allocated at the first use, where the params are (replicated

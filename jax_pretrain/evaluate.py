@@ -131,11 +131,12 @@ def evaluate(workdir: str, data: str = '', *, step: int | None = None, max_token
 
 def _evaluate_sft(run, eval_step, data: str, max_tokens: int, batch_size: int) -> list[Result]:
   """Completion-token loss of packed SFT examples, per source (data/sft.py)."""
-  from jax_pretrain.data import sft  # pylint: disable=g-import-not-at-top
+  from jax_pretrain.data import sft  # noqa: PLC0415
   config, T = run.config, run.config.data.seq_len
   if data:
-    sources = loader.Sources([], sources_lib.parse(data, '--data'), run.tokenizer,
-                             sources_lib.ReadOptions.from_config(config.data), config.data.tokenizer)
+    options = sources_lib.ReadOptions.from_config(config.data)
+    sources = loader.Sources([], sources_lib.parse(data, '--data'), run.tokenizer, options,
+                             config.data.tokenizer)
   else:
     sources = dataclasses.replace(data_lib.open_sources(config), tokenizer=run.tokenizer)
   results = []

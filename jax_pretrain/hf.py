@@ -19,7 +19,8 @@ model.safetensors and the tokenizer as tokenizer.json + tokenizer_config.json, w
 AutoTokenizer loads and which encode text to our ids. Needs safetensors and tokenizers; never
 transformers or torch.
 """
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from collections.abc import Iterable
 import dataclasses
 import json
 import os
@@ -27,7 +28,7 @@ import os
 from flax.linen import meta
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # pylint: disable=unused-import  (numpy's bfloat16, which safetensors reads)
+import ml_dtypes  # noqa: F401  (numpy's bfloat16, which safetensors reads)
 import numpy as np
 import tokenizers
 
@@ -210,7 +211,7 @@ def read_params(hf_dir: str, c: model_lib.ModelConfig, hf_vocab: int | None = No
   are checked from the safetensors headers first; then each tensor is read in its stored dtype
   and converted into its place, shard by shard. hf_vocab: config.json's vocab_size (default:
   c.vocab_size)."""
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  from safetensors import safe_open  # noqa: PLC0415
   found, file_of = {}, {}
   for path in _tensor_files(hf_dir):
     with safe_open(path, framework='numpy') as f:
@@ -362,7 +363,7 @@ def read_config(hf_dir: str) -> dict:
 def save(out_dir: str, params, c: model_lib.ModelConfig, *, max_position_embeddings: int,
          tokenizer=None) -> list[str]:
   """Writes config.json, model.safetensors and the tokenizer (if given); returns notes."""
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file  # noqa: PLC0415
   os.makedirs(out_dir, exist_ok=True)
   ids = {k: getattr(tokenizer, k, None) for k in ('bos_id', 'eos_id', 'pad_id')}
   config = hf_config(c, max_position_embeddings=max_position_embeddings, **ids)
@@ -414,7 +415,7 @@ def _sentencepiece_tokenizer(tokenizer):
   merges ranked by the merged piece's id, as transformers' own conversion ranks them), byte
   fallback, and sentencepiece's normalization rebuilt from the model's spec: a '▁' prepended
   (dummy prefix) and, where the model says so, whitespace stripped and collapsed."""
-  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
+  from sentencepiece import sentencepiece_model_pb2  # noqa: PLC0415
   decoders, models, normalizers = tokenizers.decoders, tokenizers.models, tokenizers.normalizers
   proto = sentencepiece_model_pb2.ModelProto()
   with open(tokenizer.path, 'rb') as f:
@@ -483,8 +484,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def export(workdir: str, out_dir: str, step: int | None = None) -> list[str]:
   """A run's checkpoint as a LlamaForCausalLM directory; returns notes for the user."""
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jax_pretrain import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
+  from jax_pretrain import workdir as workdir_lib  # noqa: PLC0415
   run = workdir_lib.load(workdir, step, devices=jax.devices()[:1])
   length = max(run.config.model.max_position_embeddings, run.config.data.seq_len)
   return save(out_dir, jax.device_get(run.params), config_lib.model_config(run.config),
@@ -500,8 +501,8 @@ def import_run(hf_dir: str, workdir: str, config):
   The tokenizer is data.tokenizer if set, else the checkpoint's tokenizer.json (or
   tokenizer.model); the run keeps it in WORKDIR/tokenizer/.
   """
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jax_pretrain import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
+  from jax_pretrain import workdir as workdir_lib  # noqa: PLC0415
   workdir_lib.check_new(workdir)
   hf_config = read_config(hf_dir)
   config.model.update(model_fields(hf_config, os.path.join(hf_dir, 'config.json')))

@@ -184,7 +184,7 @@ def evaluate(lm: JaxLM, tasks: list[str], *, include_path: str = '', limit: floa
              num_fewshot: int | None = None, log_samples: bool = False,
              task_manager=None) -> dict:
   """lm_eval's results dict (results, configs, versions, n-samples, and samples if log_samples)."""
-  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
+  from lm_eval.tasks import TaskManager  # noqa: PLC0415
   task_manager = task_manager or TaskManager(include_path=include_path or None)
   check_known(tasks, task_manager)
   return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, limit=limit,
@@ -220,7 +220,7 @@ _TASK_MANAGERS = {}
 
 def _training_tasks(t) -> tuple[list[str], object]:
   """The train.lm_eval_tasks names and their task index (built once per include path)."""
-  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
+  from lm_eval.tasks import TaskManager  # noqa: PLC0415
   if t.lm_eval_include_path not in _TASK_MANAGERS:
     _TASK_MANAGERS[t.lm_eval_include_path] = TaskManager(
         include_path=t.lm_eval_include_path or None)
@@ -246,8 +246,8 @@ def evaluate_during_training(config, params, tokenizer) -> dict[str, float]:
 
 
 def main():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
+  from absl import flags  # noqa: PLC0415
+  from lm_eval.tasks import TaskManager  # noqa: PLC0415
   f = flags.FLAGS
   t0 = time.perf_counter()
   task_manager = TaskManager(include_path=f.include_path or None)
@@ -272,7 +272,7 @@ def main():
 
 
 if __name__ == '__main__':
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import flags
   cli.define_run_flags()
   flags.DEFINE_list('tasks', None, 'lm_eval tasks, comma-separated (e.g. hellaswag,arc_easy).',
                     required=True)

@@ -200,7 +200,7 @@ class Checkpointing:
                            checkpoint_lib.scalars_for_ranking(info.scalars))
     self.last_saved = info.step
 
-  def check(self, info: StepInfo) -> None:  # pylint: disable=unused-argument
+  def check(self, info: StepInfo) -> None:
     self.checkpointer.check()
 
   def hooks(self, check_every: int = 1) -> list[Hook]:

@@ -10,7 +10,8 @@ from absl import flags
 from jax_pretrain import cli
 
 _CONFIG = cli.define_config(
-    'default.py', 'Config file (configs/*.py); fields are overridden with --config.group.field=value.')
+    'default.py',
+    'Config file (configs/*.py); fields are overridden with --config.group.field=value.')
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
                                'Directory for config, logs, TensorBoard and checkpoints.')
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None,
@@ -24,12 +25,12 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
 
 
 def main():
-  from jax_pretrain import runtime  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import runtime  # noqa: PLC0415
   runtime.configure()  # before jax starts its backend; train.describe prints the settings
-  from jax_pretrain import multihost  # pylint: disable=g-import-not-at-top  (after configure)
+  from jax_pretrain import multihost  # noqa: PLC0415  (after configure)
   multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                        _HEARTBEAT_TIMEOUT.value)
-  from jax_pretrain import pretrain  # pylint: disable=g-import-not-at-top  (after distributed init)
+  from jax_pretrain import pretrain  # noqa: PLC0415  (after distributed init)
   with multihost.peer_failures():
     pretrain.train_and_evaluate(cli.config_value(_CONFIG), _WORKDIR.value)
 

@@ -33,7 +33,7 @@ def compile_step(config: ml_collections.ConfigDict, run: config_lib.RunShape, de
   autotune=False skips XLA:GPU's kernel autotuning (a memory estimate needs no fast kernels; a
   compile without a GPU never autotunes).
   """
-  from jax_pretrain import state as state_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import state as state_lib  # noqa: PLC0415
   s = state_lib.build(config, run, devices)
   lowered = state_lib.jit_train_step(s, pad_id=-1).lower(
       s.abstract_state, state_lib.abstract_batch(s, s.config.train.batch_size))
@@ -89,7 +89,7 @@ def search_micro_batch(candidates: list[int], measure, budget: float,
 def usable_memory(device, target: gpu_targets.Target | None = None) -> float:
   """Bytes JAX may allocate on a device: its allocator's limit on a real GPU; for a compile-only
   device, the target's memory times the preallocated fraction (runtime.MEM_FRACTION)."""
-  from jax_pretrain import runtime  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import runtime  # noqa: PLC0415
   if target is not None:
     if target.file is None:
       return target.device_memory
@@ -132,11 +132,11 @@ def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.
   local = [d for d in devices if d.process_index == devices[0].client.process_index()]
   limit = usable_memory((local or devices)[0], target)
   if target is None:
-    from jax_pretrain import multihost  # pylint: disable=g-import-not-at-top  (imports jax)
+    from jax_pretrain import multihost  # noqa: PLC0415  (imports jax)
     limit = multihost.minimum(limit)
 
   def measure(m):
-    from jax_pretrain import hlo  # pylint: disable=g-import-not-at-top
+    from jax_pretrain import hlo  # noqa: PLC0415
     s, compiled = compile_step(*with_micro_batch(config, resolved, run, m), devices,
                                autotune=False)
     flops = hlo.analyze(compiled.as_text()).flops

@@ -1,7 +1,8 @@
 """Scalars out: TensorBoard (through clu), metrics.jsonl, Weights & Biases, and the console; MFU.
 
 Only process 0 writes. clu's TensorBoard writer imports TensorFlow; where TensorFlow is missing
-(e.g. a GPU image without it) the scalars go only to the console and metrics.jsonl, after one warning.
+(e.g. a GPU image without it) the scalars go only to the console and metrics.jsonl, after one
+warning.
 metrics.jsonl is always written: one JSON object per logged step, with the same scalar names.
 With train.wandb_project set, the same scalars also go to wandb (files under WORKDIR/wandb); the
 run's wandb id is kept in WORKDIR/wandb_run_id, so a resumed run continues the same wandb run.
@@ -69,7 +70,7 @@ def _tensorboard_writer(workdir: str, start_step: int):
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's start-up banner, not ours
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
   try:
-    from clu import metric_writers  # pylint: disable=g-import-not-at-top  (imports TensorFlow)
+    from clu import metric_writers  # noqa: PLC0415  (imports TensorFlow)
   except ImportError as e:
     logging.warning('TensorBoard event files are not written: %s. metrics.jsonl still is. '
                     'Install tensorflow-cpu and tensorboard to get them.', e)
@@ -90,7 +91,7 @@ class _WandbWriter:
   """The scalars to a wandb run whose id is kept in the workdir (made on the first start)."""
 
   def __init__(self, workdir: str, train: dict, config: dict):
-    import wandb  # pylint: disable=g-import-not-at-top  (optional; config.py checks it is there)
+    import wandb  # noqa: PLC0415  (optional; config.py checks it is there)
     path = os.path.join(workdir, WANDB_ID_FILE)
     if os.path.isfile(path):
       with open(path, encoding='utf-8') as f:
@@ -138,7 +139,7 @@ class MetricWriter:
     self._writers = [_tensorboard_writer(workdir, start_step)]
     if config and config['train'].get('wandb_project'):
       self._writers.append(_WandbWriter(workdir, config['train'], config))
-    self._jsonl = open(self._path, 'ab')  # pylint: disable=consider-using-with
+    self._jsonl = open(self._path, 'ab')  # noqa: SIM115
     self._last: tuple[int, dict] | None = None  # (file offset, row) of the last line
     self._failures = 0
 
@@ -200,8 +201,8 @@ def _mark_session_start(directory: str, step: int) -> None:
   TensorBoard takes every START after a run's first as a restart and drops the points of steps
   after `step` that earlier files hold. Named to sort after those files and before the new
   writer's (TensorBoard reads a directory's files in name order)."""
-  from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  from tensorboard.summary.writer import record_writer  # pylint: disable=g-import-not-at-top
+  from tensorboard.compat.proto import event_pb2  # noqa: PLC0415
+  from tensorboard.summary.writer import record_writer  # noqa: PLC0415
   os.makedirs(directory, exist_ok=True)
   now = time.time()
   # One second earlier than the writer about to be made; after every earlier file (they were

@@ -21,8 +21,8 @@ from typing import Any
 import flax
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
 from jax.sharding import Mesh
 import ml_collections
 
@@ -313,7 +313,7 @@ class Transformer(nn.Module):
     else:
       kvs = []
       for i in range(c.num_layers):
-        layer_kv_args = jax.tree.map(lambda a: a[i], kv_args[:1]) + kv_args[1:]
+        layer_kv_args = jax.tree.map(lambda a, i=i: a[i], kv_args[:1]) + kv_args[1:]
         x_BxTxD, kv_i = block(c, self.mesh, name=f'layers_{i}')(
             x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT, *layer_kv_args)
         kvs.append(kv_i)

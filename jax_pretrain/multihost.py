@@ -176,7 +176,7 @@ class _Watchdog:
                                      allow_overwrite=True)
         beats = {int(key.rsplit('/', 1)[-1]): value
                  for key, value in self._client.key_value_dir_get(_HEARTBEAT_DIR)}
-      except Exception:  # pylint: disable=broad-except  (the service is gone: jax aborts anyway)
+      except Exception:  # noqa: BLE001  (the service is gone: jax aborts anyway)
         continue
       now = time.monotonic()
       for p in peers:
@@ -209,7 +209,7 @@ def _report_lost(lost: list[int], count: int, timeout: float, interval: float) -
   if _resume_hint is not None:
     try:
       hint = f'; {_resume_hint()}'
-    except Exception:  # pylint: disable=broad-except  (the line matters more than the hint)
+    except Exception:  # noqa: BLE001  (the line matters more than the hint)
       hint = ''
   then = (' to resume from it' if 'checkpoint is step' in hint else
           ' to start again' if hint else '')
@@ -223,7 +223,7 @@ def _report_lost(lost: list[int], count: int, timeout: float, interval: float) -
     # survivors before they print their line. They find the same lost process within two
     # heartbeats.
     time.sleep(2 * interval + 1)
-  os._exit(EXIT_LOST_PEER)  # pylint: disable=protected-access  (the main thread may be in XLA)
+  os._exit(EXIT_LOST_PEER)
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -245,11 +245,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                process_id=process_id, heartbeat_timeout_seconds=jax_timeout)
   else:
     jax.distributed.initialize(heartbeat_timeout_seconds=jax_timeout)  # SLURM / Open MPI
-  from absl import logging  # pylint: disable=g-import-not-at-top
+  from absl import logging  # noqa: PLC0415
   logging.warning('process %d of %d, %d local devices', jax.process_index(),
                   jax.process_count(), jax.local_device_count())
   # The coordination service's client (no public API for it).
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  from jax._src import distributed  # noqa: PLC0415
   client = getattr(distributed.global_state, 'client', None)
   if client is None or jax.process_count() == 1:
     return
@@ -275,7 +275,7 @@ def peer_failures():
   errors, and this one if no process was lost, go on as they are."""
   try:
     yield
-  except Exception as e:  # pylint: disable=broad-except  (re-raised unless a peer was lost)
+  except Exception as e:
     if _watchdog is not None and _from_lost_peer(e):
       _watchdog.lost.wait(_watchdog.timeout + 4 * _watchdog.interval + 5)
       if _watchdog.lost.is_set():  # the heartbeat thread is printing its line and exiting

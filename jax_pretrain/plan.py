@@ -27,13 +27,14 @@ from jax_pretrain import gpu_targets
 from jax_pretrain import memory
 from jax_pretrain.errors import UserError
 
+
 class PlanError(UserError):
   """The plan cannot be made here (e.g. jax's CUDA plugin is missing); the message says why."""
 
 
 def devices_for(target: gpu_targets.Target, num_devices: int) -> list:
   """Compile-only devices of a GPU target (nodes of 8), or this process's CPU devices."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax  # noqa: PLC0415
   if target.file is None:
     cpus = jax.devices('cpu')
     if len(cpus) < num_devices:
@@ -49,7 +50,7 @@ def devices_for(target: gpu_targets.Target, num_devices: int) -> list:
   if num_devices % per_node:
     raise PlanError(f'--num_devices={num_devices}: more than one node needs a multiple of '
                     f'{target.devices_per_node} devices.')
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # noqa: PLC0415
   try:
     topology = topologies.get_topology_desc(
         platform='cuda', target_config=target.config_text(),
@@ -92,11 +93,11 @@ def roofline(stats, target: gpu_targets.Target) -> Roofline | None:
 def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = None,
            choices=()) -> dict:
   """The plan of a compiled step (see the module docstring), as a JSON-ready dict."""
-  # pylint: disable=g-import-not-at-top
-  from jax_pretrain import config as config_lib
-  from jax_pretrain import hlo
-  from jax_pretrain import model as model_lib
-  from jax_pretrain import runtime
+  # (imported here: importing them starts jax, which `main` configures first)
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
+  from jax_pretrain import hlo  # noqa: PLC0415
+  from jax_pretrain import model as model_lib  # noqa: PLC0415
+  from jax_pretrain import runtime  # noqa: PLC0415
   c, run = s.config, s.run
   n = s.mesh.size
   stats = hlo.analyze(compiled.as_text(), target.devices_per_node)
@@ -156,7 +157,7 @@ def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | Non
 
   Raises PlanError (no CUDA plugin, too few CPU devices) and config.ConfigError.
   """
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
   t = gpu_targets.TARGETS[target]
   if memory_gib:
     t = dataclasses.replace(t, memory_override=memory_gib * memory.GIB)
@@ -213,11 +214,12 @@ def format_report(r: dict) -> str:
 
 def main():
   f = flags.FLAGS
-  # pylint: disable=g-import-not-at-top  (after flags: the runtime settings precede jax's backend)
-  import json
-  from jax_pretrain import runtime
+  # After flags: the runtime settings precede jax's backend.
+  import json  # noqa: PLC0415
+
+  from jax_pretrain import runtime  # noqa: PLC0415
   runtime.configure(cache=False)
-  import jax
+  import jax  # noqa: PLC0415
   if not os.environ.get('JAX_PLATFORMS'):
     # A GPU target compiles without a GPU; with CUDA among the platforms, a machine without one
     # fails the CUDA plugin's driver check, while the plugin still compiles with the CPU platform.

@@ -34,7 +34,7 @@ def hooks(ctx: train_lib.Context) -> list[loop_lib.Hook]:
 def check(resolved: ml_collections.ConfigDict) -> None:
   """Checks before any work: a misspelt lm_eval task fails now, not after the first steps."""
   if resolved.train.lm_eval_tasks:
-    from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
+    from jax_pretrain import lm_eval as lm_eval_lib  # noqa: PLC0415
     lm_eval_lib.check_tasks(resolved.train)
 
 
@@ -48,13 +48,13 @@ def run_lm_eval(params, tokenizer, config: ml_collections.ConfigDict,
                 logger: train_lib.StepLogger, step: int) -> None:
   """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC. A failure
   (a task's download, a task the model cannot run) is a warning: training goes on."""
-  from jax_pretrain import lm_eval as lm_eval_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import lm_eval as lm_eval_lib  # noqa: PLC0415
   params = multihost.gather(params, on_device=True)  # every process takes part, 0 evaluates
   if multihost.is_main():
     t0 = time.perf_counter()
     try:
       scalars = lm_eval_lib.evaluate_during_training(config, params, tokenizer)
-    except Exception as e:  # pylint: disable=broad-except  (the harness raises many kinds)
+    except Exception as e:  # noqa: BLE001  (the harness raises many kinds)
       logging.warning('lm_eval at step %d failed, training goes on: %s: %s', step,
                       type(e).__name__, str(e).splitlines()[0] if str(e) else '')
       return

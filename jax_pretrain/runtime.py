@@ -70,7 +70,7 @@ def configure(cache: bool = True) -> list[str]:
   os.environ['XLA_FLAGS'] = merge_xla_flags(os.environ.get('XLA_FLAGS', ''))
   if not any(os.environ.get(v) for v in _MEM_FRACTION_VARIABLES):
     os.environ['XLA_CLIENT_MEM_FRACTION'] = MEM_FRACTION
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax  # noqa: PLC0415
   if not cache:
     jax.config.update('jax_enable_compilation_cache', False)
   elif not jax.config.jax_compilation_cache_dir:
@@ -81,11 +81,12 @@ def configure(cache: bool = True) -> list[str]:
 def describe(platform: str) -> list[str]:
   """The settings in force, one line each, for a run on `platform` ('gpu', 'cpu', ...): the GPU
   ones only on a GPU."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax  # noqa: PLC0415
   cache = (jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache
            else 'off') or 'off'
   lines = [f'compile cache     {cache} (JAX_COMPILATION_CACHE_DIR)']
   if platform == 'gpu':
     lines = [f'XLA_FLAGS         {os.environ.get("XLA_FLAGS", "")}',
-             f'GPU memory        {mem_fraction():.0%} preallocated (XLA_CLIENT_MEM_FRACTION)'] + lines
+             f'GPU memory        {mem_fraction():.0%} preallocated (XLA_CLIENT_MEM_FRACTION)',
+             *lines]
   return lines

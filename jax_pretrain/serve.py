@@ -369,9 +369,10 @@ def create_app(server: Server) -> fastapi.FastAPI:
 
 
 def main():
-  import os  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  import uvicorn  # pylint: disable=g-import-not-at-top
+  import os  # noqa: PLC0415
+
+  from absl import flags  # noqa: PLC0415
+  import uvicorn  # noqa: PLC0415
   f = flags.FLAGS
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   context = f.context or run.config.data.seq_len
@@ -388,7 +389,7 @@ def main():
 
 
 if __name__ == '__main__':
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import flags
   cli.define_run_flags()
   flags.DEFINE_string('host', '127.0.0.1', 'Address to listen on (0.0.0.0: every interface).')
   flags.DEFINE_integer('port', 8000, 'Port to listen on.')

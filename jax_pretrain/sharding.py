@@ -8,8 +8,11 @@ from collections.abc import Sequence
 import math
 
 import jax
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 

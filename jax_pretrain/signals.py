@@ -79,7 +79,7 @@ class StopSignal:
     def target():
       try:
         result.append(fn(*args))
-      except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
+      except BaseException as e:  # noqa: BLE001  (re-raised below)
         error.append(e)
 
     self.phase = phase

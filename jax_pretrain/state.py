@@ -251,7 +251,7 @@ def summed_loss(eval_step, params, batches, batch_sharding) -> tuple[float, floa
   for batch in batches:
     device_batch = {k: jax.make_array_from_process_local_data(batch_sharding, v)
                     for k, v in batch.items()}
-    l, w = eval_step(params, device_batch)
-    nll, count = nll + l, count + w
+    batch_nll, batch_count = eval_step(params, device_batch)
+    nll, count = nll + batch_nll, count + batch_count
   nll, count = jax.device_get((nll, count))
   return float(nll), float(count)

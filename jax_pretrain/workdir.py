@@ -52,7 +52,7 @@ def claim(workdir: str):
     raise WorkdirError(f'--workdir={workdir}: is a file, not a directory.')
   try:
     os.makedirs(workdir, exist_ok=True)
-    f = open(os.path.join(workdir, LOCK_FILE), 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
+    f = open(os.path.join(workdir, LOCK_FILE), 'a+', encoding='utf-8')  # noqa: SIM115
   except OSError as e:
     raise WorkdirError(f'--workdir={workdir}: cannot write there ({e.strerror or e}).') from None
   try:
@@ -108,7 +108,7 @@ def load_tokenizer(workdir: str, config: ml_collections.ConfigDict | None = None
   directory = os.path.join(workdir, TOKENIZER_DIR)
   if os.path.isdir(directory):
     return tokenizer_lib.load(directory)
-  from jax_pretrain import data as data_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import data as data_lib  # noqa: PLC0415
   return data_lib.open_sources(config or load_config(workdir)).tokenizer
 
 

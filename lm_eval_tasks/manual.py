@@ -11,8 +11,9 @@ The YAMLs name these functions (`custom_dataset: !function manual.mc`); lm_eval 
 the task's metadata. They read the manual as jax_pretrain.data.corpus does, without importing
 jax_pretrain, so that any lm_eval installation runs them (its Hugging Face backend on an export).
 """
-import datasets
 from pydoc_data import topics
+
+import datasets
 
 HELD_OUT_CHARS = 20_000  # the end of the manual: inside the 5% that training holds out
 CONTEXT, CONTINUATION, STRIDE = 64, 24, 100

@@ -35,8 +35,8 @@ _MARKDOWN = flags.DEFINE_bool('markdown', False, 'Print the results as a Markdow
 
 
 def benchmark(config, steps: int, warmup: int) -> dict:
-  # pylint: disable=g-import-not-at-top
   import jax
+
   from jax_pretrain import config as config_lib
   from jax_pretrain import memory
   from jax_pretrain import metrics as metrics_lib
@@ -104,8 +104,8 @@ HEADER = (f'{"micro":>5} {"remat":>14} {"attn":>7} {"step_s":>8} {"tokens/s":>12
 # allocator's high-water mark, which only grows within a process (so, after the first row, it is
 # the largest so far).
 MARKDOWN_HEADER = ('| attention, remat, micro-batch × accumulation, precision | tokens/s | MFU | '
-                   'step s | peak GiB: XLA / device so far | compile s (+ micro-batch search) | loss, grad '
-                   'norm after the last step |\n|---|---|---|---|---|---|---|')
+                   'step s | peak GiB: XLA / device so far | compile s (+ micro-batch search) | '
+                   'loss, grad norm after the last step |\n|---|---|---|---|---|---|---|')
 
 
 def markdown_row(r: dict) -> str:
@@ -142,16 +142,16 @@ def settings(config) -> list:
 
 
 def main():
-  from jax_pretrain import runtime  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import runtime
   runtime.configure()  # the trainer's XLA flags, memory fraction, cache
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   print('\n'.join(runtime.describe(jax.default_backend())))
   config = cli.config_value(_CONFIG)
   results = []
   for c in settings(config):
     try:
       results.append(benchmark(c, _STEPS.value, _WARMUP.value))
-    except Exception as e:  # pylint: disable=broad-except  (OOM, unsupported kernel, ...)
+    except Exception as e:  # noqa: BLE001  (OOM, unsupported kernel, ...)
       results.append({'micro_batch': c.train.micro_batch_size, 'remat': c.model.remat,
                       'attention': c.model.attention,
                       'error': f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'})

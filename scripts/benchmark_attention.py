@@ -114,7 +114,7 @@ def main(argv=None):
       o, pullback = jax.jit(lambda q, k, v, a=attend: jax.vjp(a, q, k, v))(q0, k0, v0)
       results[impl] = (o, *jax.jit(lambda pb, ct: pb(ct))(pullback, ct0))
       jax.block_until_ready(results[impl])
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       errors[impl] = short(e)
   preferred = (args.reference,) if args.reference else ('cudnn', 'xla')
   ref_name = next((r for r in preferred if r in results), None)
@@ -150,7 +150,7 @@ def main(argv=None):
       }
       del bwd_sets
       rows.append((impl, ms, rel[impl]))
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       rows.append((impl, short(e)))
 
   if args.markdown:

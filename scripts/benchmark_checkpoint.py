@@ -13,7 +13,6 @@ import statistics
 import tempfile
 import time
 
-
 from absl import flags
 
 from jax_pretrain import cli
@@ -25,8 +24,8 @@ _MARKDOWN = flags.DEFINE_bool('markdown', False, 'Print the result as a Markdown
 
 
 def main():
-  # pylint: disable=g-import-not-at-top
   import jax
+
   from jax_pretrain import checkpoint as checkpoint_lib
   from jax_pretrain import config as config_lib
   from jax_pretrain import model as model_lib

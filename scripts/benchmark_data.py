@@ -74,7 +74,7 @@ def benchmark_pipeline(a, source_list: str) -> float:
 
 def benchmark_prepare(a, directory: str) -> None:
   """Tokenizes ~prepare_mb MB of JSONL (reshuffled Python manual pages) with a BPE tokenizer."""
-  from jax_pretrain.data import corpus  # pylint: disable=g-import-not-at-top
+  from jax_pretrain.data import corpus
   docs = corpus.embedded_documents()
   rnd = random.Random(0)
   path = os.path.join(directory, 'text.jsonl')

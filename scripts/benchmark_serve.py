@@ -14,13 +14,12 @@ generated. Every client count runs once untimed first.
 import argparse
 import concurrent.futures
 import json
+from pydoc_data import topics
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-
-from pydoc_data import topics
 
 
 def prompts(n: int) -> list[str]:

@@ -19,10 +19,10 @@ _DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Tensor 
 
 
 def main():
-  # pylint: disable=g-import-not-at-top
   import jax
   import numpy as np
   from safetensors.numpy import save_file
+
   from jax_pretrain import config as config_lib
   from jax_pretrain import workdir
 

@@ -18,7 +18,7 @@ _OUT = flags.DEFINE_string('out', None, 'Output directory (created).', required=
 
 
 def main():
-  from jax_pretrain import hf  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import hf
   for note in hf.export(_WORKDIR.value, _OUT.value, _STEP.value):
     print(f'note: {note}')
   print(f'wrote {", ".join(sorted(os.listdir(_OUT.value)))} to {_OUT.value}')

@@ -28,8 +28,9 @@ _CONFIG = cli.define_config(
     'default.py', 'Config for everything but the model (which comes from the checkpoint); '
     'overridable with --config.group.field=value.', lock=False)
 
-_CONFIG_PY = '''"""The run config of a model imported by scripts/import_hf.py: training with it starts
-from the imported params. Override fields as usual: --config.data.train=... --config.train.steps=...
+_CONFIG_PY = '''"""The run config of a model imported by scripts/import_hf.py: training with it
+starts from the imported params. Override fields as usual: --config.data.train=...
+--config.train.steps=...
 """
 import os
 
@@ -42,7 +43,7 @@ def get_config():
 
 
 def main():
-  from jax_pretrain import hf  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import hf
   run = hf.import_run(_HF.value, _WORKDIR.value, cli.config_value(_CONFIG))
   with open(os.path.join(_WORKDIR.value, 'config.py'), 'w', encoding='utf-8') as f:
     f.write(_CONFIG_PY)

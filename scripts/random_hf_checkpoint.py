@@ -39,9 +39,10 @@ def main() -> None:
   p.add_argument('--shard-gb', type=float, default=1.0, help='largest shard, in GB')
   a = p.parse_args()
   with cli.user_errors():
-    from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-    from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-    from jax_pretrain import hf  # pylint: disable=g-import-not-at-top
+    from safetensors.numpy import save_file
+
+    from jax_pretrain import config as config_lib
+    from jax_pretrain import hf
     hf_config = dict(architectures=['LlamaForCausalLM'], model_type='llama', hidden_act='silu',
                      rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, torch_dtype='bfloat16',
                      **SHAPES[a.shape])

@@ -6,7 +6,7 @@ import sys
 import tempfile
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # (TF computes nothing here; silences its banner)
+os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # (TF computes nothing here: no banner)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,12 +21,12 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 # native library crashes the process (SIGSEGV) if TensorFlow (clu's TensorBoard writer, tfds) was
 # loaded before it; loaded first, both work. (A test worker runs metric tests before the HF ones.)
 try:
-  import triton  # pylint: disable=g-import-not-at-top,unused-import
+  import triton  # noqa: F401
 except ImportError:
   pass
 
-import jax  # pylint: disable=g-import-not-at-top
-import pytest  # pylint: disable=g-import-not-at-top
+import jax  # noqa: E402  (after triton: see above)
+import pytest  # noqa: E402
 
 jax.config.update('jax_num_cpu_devices', 8)
 
@@ -48,8 +48,8 @@ def run_cli(*args) -> str:
 
 def build_data(config, process_index: int = 0, process_count: int = 1):
   """data.build as the trainer calls it: sources opened once, the config resolved (one device)."""
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jax_pretrain import data as data_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
+  from jax_pretrain import data as data_lib  # noqa: PLC0415
   sources = data_lib.open_sources(config)
   resolved, _ = config_lib.resolve(config, num_devices=1, backend='cpu',
                                    tokenizer_vocab_size=sources.tokenizer.vocab_size)
@@ -59,8 +59,8 @@ def build_data(config, process_index: int = 0, process_count: int = 1):
 def build_setup(config, devices=None):
   """state.build as the trainer calls it: the config resolved once for these devices (default:
   all of them), then built."""
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jax_pretrain import state as state_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
+  from jax_pretrain import state as state_lib  # noqa: PLC0415
   devices = jax.devices() if devices is None else devices
   resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
   return state_lib.build(resolved, run, devices)

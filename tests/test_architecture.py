@@ -94,7 +94,7 @@ def test_agreement_between_processes_only_through_multihost():
 
 
 def test_presets_load_by_path_and_start_from_the_defaults():
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
   for name in os.listdir(os.path.join(ROOT, 'configs')):
     c = config_lib.load_file(os.path.join(ROOT, 'configs', name))
     assert set(c) == set(config_lib.defaults()), name

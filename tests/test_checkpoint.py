@@ -16,13 +16,14 @@ from jax_pretrain import pretrain
 from jax_pretrain import state as state_lib
 from jax_pretrain import train
 from jax_pretrain import workdir as workdir_lib
-from tests.conftest import build_setup
+from tests.conftest import ROOT
 from tests.conftest import STEPS
+from tests.conftest import build_setup
 from tests.conftest import command
 from tests.conftest import logged_losses
 from tests.conftest import run_and_signal
 from tests.conftest import subprocess_env
-from tests.conftest import ROOT
+
 
 def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_exact(tmp_path, uninterrupted):
   out, rc = run_and_signal(tmp_path, signal.SIGTERM, 10)
@@ -142,7 +143,7 @@ def test_restore_from_starts_a_new_run_from_another_runs_params(tmp_path):
   c.optim.grad_clip = 0.0  # another optimizer structure: only the params carry over
   s = build_setup(c, devices=jax.devices()[:1])
   empty = checkpoint_lib.Checkpointer(tmp_path / 'b')
-  state = train._initial_state(s, empty, is_main=False)  # pylint: disable=protected-access
+  state = train._initial_state(s, empty, is_main=False)  # noqa: SLF001
   empty.close()
   assert int(state.step) == 0
   for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(state.params)):
@@ -183,7 +184,7 @@ def test_nonfinite_run_halts_with_a_clear_message(tmp_path, mode, message):
 def test_digests_are_the_weighted_sums_of_the_bits_and_need_no_array_of_the_whole_state():
   """checkpoint._digest_one (axis by axis) equals the definition on the flat bits: [sum b_i,
   sum b_i * (2i + 1)] mod 2**32, for the dtypes a state holds; its temporaries are one array's."""
-  digest_one = checkpoint_lib._digest_one  # pylint: disable=protected-access
+  digest_one = checkpoint_lib._digest_one  # noqa: SLF001
   rng = np.random.default_rng(0)
   for shape, dtype in (((), np.int32), ((7,), np.float32), ((3, 5, 4), np.float32),
                        ((4, 6), jnp.bfloat16), ((70000, 70), np.float32), ((2, 3, 4, 5), np.int8)):

@@ -81,7 +81,8 @@ def test_tokens_derive_steps_and_both_are_kept():
       '--config.model.head_dim=16'), 8, r'mesh.fsdp=8 must divide model.d_model=68'),
     (('--config.model.attention=flash',), 1, r"attention='flash'"),
     (('--config.model.remat=some',), 1, r"remat='some'"),
-    (('--config.optim.warmup_steps=50',), 1, r'warmup_steps=50 must be smaller than train.steps=20'),
+    (('--config.optim.warmup_steps=50',), 1,
+     r'warmup_steps=50 must be smaller than train.steps=20'),
 ])
 def test_inconsistent_values_fail_with_the_numbers(overrides, devices, message):
   c = parse(f'--config={ROOT}/configs/test.py', *overrides)

@@ -35,8 +35,8 @@ def data(tmp_path_factory):
   for split, docs in (('train', TRAIN), ('test', TEST)):
     with open(d / 'jsonl' / f'{split}.jsonl', 'w', encoding='utf-8') as f:
       f.writelines(json.dumps({'body': t}) + '\n' for t in docs)
-  import pyarrow as pa  # pylint: disable=g-import-not-at-top
-  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  import pyarrow as pa  # noqa: PLC0415
+  import pyarrow.parquet as pq  # noqa: PLC0415
   os.makedirs(d / 'parquet')
   pq.write_table(pa.table({'text': TRAIN[:15]}), str(d / 'parquet' / 'a.parquet'), row_group_size=4)
   pq.write_table(pa.table({'text': TRAIN[15:]}), str(d / 'parquet' / 'b.parquet'), row_group_size=4)

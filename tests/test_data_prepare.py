@@ -152,8 +152,9 @@ def test_prepare_refuses_to_replace_a_directory_it_did_not_write(tmp_path):
 
 
 def test_compressed_corpora_and_a_byte_order_mark_read_like_plain_files(tmp_path):
-  import gzip  # pylint: disable=g-import-not-at-top
-  import zstandard  # pylint: disable=g-import-not-at-top
+  import gzip  # noqa: PLC0415
+
+  import zstandard  # noqa: PLC0415
   docs = corpus.embedded_documents()[:40]
   plain = ''.join(json.dumps({'text': t}) + '\n' for t in docs).encode('utf-8')
   bom = b'\xef\xbb\xbf'
@@ -180,7 +181,7 @@ def test_compressed_corpora_and_a_byte_order_mark_read_like_plain_files(tmp_path
 
 
 def test_bad_compressed_input_names_the_file_and_line(tmp_path):
-  import gzip  # pylint: disable=g-import-not-at-top
+  import gzip  # noqa: PLC0415
   (tmp_path / 'bad.jsonl.gz').write_bytes(gzip.compress(b'{"text": "ok"}\n{"text": oops}\n'))
   with pytest.raises(DataError, match=rf'{tmp_path}/bad.jsonl.gz:2: invalid JSON'):
     run_prepare(str(tmp_path / 'bad.jsonl.gz'), str(tmp_path / 'p1'))

@@ -3,7 +3,8 @@ import re
 import subprocess
 import sys
 
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import ROOT
+from tests.conftest import subprocess_env
 
 
 def test_gpu_check_dry_run_prints_every_table(tmp_path):

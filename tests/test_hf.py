@@ -9,9 +9,9 @@ import os
 import subprocess
 import sys
 
+from flax.linen import meta
 import jax
 import jax.numpy as jnp
-from flax.linen import meta
 import ml_dtypes
 import numpy as np
 import pytest

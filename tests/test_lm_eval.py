@@ -15,7 +15,7 @@ import sys
 os.environ.setdefault('HF_DATASETS_OFFLINE', '1')  # before lm_eval imports datasets
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
-import jax  # pylint: disable=g-import-not-at-top
+import jax
 import numpy as np
 import pytest
 

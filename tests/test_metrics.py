@@ -89,7 +89,7 @@ def test_a_failing_metrics_write_warns_once_and_training_goes_on(tmp_path, caplo
   def full_disk(data):
     raise OSError(28, 'No space left on device')
 
-  writer._jsonl.write = full_disk  # pylint: disable=protected-access
+  writer._jsonl.write = full_disk  # noqa: SLF001
   writer.write(1, {'train/loss': 1.0})
   writer.write(2, {'train/loss': 2.0})
   warnings = [r for r in caplog.records if 'No space left on device' in r.getMessage()]
@@ -103,7 +103,7 @@ def wandb_history(path: str) -> dict[int, dict]:
   (a LevelDB-style log of protobuf Records: 7-byte file header ':W&B' + magic + version, then in
   32 KiB blocks, records framed by checksum (4 bytes), length (2), type (1: whole, 2: first,
   3: middle, 4: last part)) and parses the records with wandb's own protobuf classes."""
-  from wandb.proto import wandb_internal_pb2  # pylint: disable=g-import-not-at-top
+  from wandb.proto import wandb_internal_pb2  # noqa: PLC0415
   with open(path, 'rb') as f:
     data = f.read()
   assert data[:4] == b':W&B', data[:7]

@@ -18,7 +18,7 @@ def small_config(**overrides) -> model_lib.ModelConfig:
 def init(cfg, seed=0, T=16):
   model = model_lib.Transformer(cfg)
   params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, T), jnp.int32))['params']
-  from flax.linen import meta
+  from flax.linen import meta  # noqa: PLC0415
   return model, meta.unbox(params)
 
 
@@ -149,7 +149,7 @@ def numpy_forward(cfg: model_lib.ModelConfig, params, tokens_T):
   x = p['embedding'][tokens_T]
   causal = np.tril(np.ones((T, T), bool))
   for i in range(cfg.num_layers):
-    layer = jax.tree.map(lambda a: a[i], p['layers'])
+    layer = jax.tree.map(lambda a, i=i: a[i], p['layers'])
     h = _np_rmsnorm(x, layer['attn_norm']['scale'], cfg.norm_eps)
     q = _np_rope(np.einsum('td,dnh->tnh', h, layer['attn']['wq']), cfg.rope_theta)
     k = _np_rope(np.einsum('td,dkh->tkh', h, layer['attn']['wk']), cfg.rope_theta)
@@ -204,7 +204,7 @@ def test_pallas_attention_model_matches_xla_attention_model():
   tokens = random_tokens(9, 2, 32, cfg.vocab_size)
   loss = lambda m: lambda p: jnp.mean(m.apply({'params': p}, tokens) ** 2)
   with jax.default_matmul_precision('float32'):
-    (l_ref, g_ref), (l, g) = (jax.value_and_grad(loss(m))(params) for m in (model, pallas))
-  assert rel_err(l, l_ref) < 1e-5
+    (l_ref, g_ref), (l_pallas, g) = (jax.value_and_grad(loss(m))(params) for m in (model, pallas))
+  assert rel_err(l_pallas, l_ref) < 1e-5
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
     assert rel_err(a, b) < 1e-4

@@ -61,7 +61,7 @@ def test_agreements_between_two_processes():
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=subprocess_env(), cwd=ROOT) for i in range(2)]
   outputs = [p.communicate(timeout=300) for p in procs]
-  for p, (out, err) in zip(procs, outputs):
+  for p, (_, err) in zip(procs, outputs):
     assert p.returncode == 0, err
   # any: True, all: False, process 0's flag: True, the smaller number: 3.0, a full array on both.
   assert outputs[0][0].splitlines()[-1].split() == ['True', 'False', 'True', '3.0', 'True', 'True']

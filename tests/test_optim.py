@@ -35,7 +35,8 @@ def test_weight_decay_mask_skips_norm_scales():
                        'attn_norm': {'scale': jnp.zeros((2, 4))}},  # scanned: [layers, d]
             'final_norm': {'scale': jnp.zeros((4,))}}
   mask = optim.weight_decay_mask(params)
-  assert mask == {'embedding': True, 'layers': {'attn': {'wq': True}, 'attn_norm': {'scale': False}},
+  assert mask == {'embedding': True,
+                  'layers': {'attn': {'wq': True}, 'attn_norm': {'scale': False}},
                   'final_norm': {'scale': False}}
 
 

@@ -10,8 +10,8 @@ import pytest
 from jax_pretrain import config as config_lib
 from jax_pretrain import hlo
 from jax_pretrain import state as state_lib
-from tests.conftest import build_setup
 from tests.conftest import ROOT
+from tests.conftest import build_setup
 
 MESHES = {  # (data, fsdp, tensor)
     'data=8': (8, 1, 1),

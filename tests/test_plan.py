@@ -19,7 +19,9 @@ from jax_pretrain import memory
 from jax_pretrain import model as model_lib
 from jax_pretrain import plan
 from jax_pretrain import runtime
-from tests.conftest import ROOT, run_cli, subprocess_env
+from tests.conftest import ROOT
+from tests.conftest import run_cli
+from tests.conftest import subprocess_env
 
 requires_plugin = pytest.mark.skipif(
     gpu_targets.plugin_library() is None,

@@ -103,7 +103,8 @@ def test_safe_changes_are_accepted_printed_and_kept_in_the_history(tmp_path, cap
     first, second = map(json.loads, f)
   assert first['start_step'] == 0 and first['changes'] == {}
   assert second['start_step'] == 5 and second['changes']['optim.learning_rate'] == [3e-3, 1e-3]
-  assert json.load(open(tmp_path / 'config.json', encoding='utf-8'))['optim']['learning_rate'] == 1e-3
+  saved = json.load(open(tmp_path / 'config.json', encoding='utf-8'))
+  assert saved['optim']['learning_rate'] == 1e-3
   assert config_lib.RESUME_SAFE.isdisjoint(config_lib.RESUME_REFUSED)
   every_field = {f'{g}.{n}' for g, fields in config_lib.defaults().items() for n in fields}
   assert every_field == config_lib.RESUME_SAFE | set(config_lib.RESUME_REFUSED)  # all decided
@@ -138,8 +139,8 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_stops_the_run_at_the_save_naming_it_and_the_last_checkpoint(small_disk):
   with pytest.raises(checkpoint_lib.CheckpointError,
-                     match=r'saving step 10: .* has .*B free, but the checkpoint needs about .*B\. The last '
-                           r'complete checkpoint is step 5\.'):
+                     match=r'saving step 10: .* has .*B free, but the checkpoint needs about .*B\. '
+                           r'The last complete checkpoint is step 5\.'):
     run(small_disk / 'run')
   assert sorted(os.listdir(small_disk / 'run' / 'checkpoints')) == ['5']
   assert max(logged_losses(small_disk / 'run')) == 10
@@ -149,7 +150,7 @@ def test_a_failed_background_save_is_reported_within_a_step(small_disk, monkeypa
   # The free-space check passes (as if another program filled the disk after it): orbax's write
   # itself fails in the background.
   monkeypatch.setattr(checkpoint_lib.shutil, 'disk_usage',
-                      lambda path: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40))  # pylint: disable=protected-access
+                      lambda path: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40))  # noqa: SLF001
   with pytest.raises(checkpoint_lib.CheckpointError) as e:
     run(small_disk / 'run', **{'train.steps': 200, 'checkpoint.every_steps': 50})
   assert str(e.value).startswith('saving step 100 ')
@@ -162,13 +163,13 @@ def test_a_failed_background_save_is_reported_within_a_step(small_disk, monkeypa
 def test_check_reports_a_failed_background_save_the_first_time_it_is_called(small_disk,
                                                                            monkeypatch):
   monkeypatch.setattr(checkpoint_lib.shutil, 'disk_usage',
-                      lambda path: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40))  # pylint: disable=protected-access
+                      lambda path: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40))  # noqa: SLF001
   checkpointer = checkpoint_lib.Checkpointer(str(small_disk / 'run'))
   state = {'w': jax.random.normal(jax.random.key(0), (300_000,))}  # 1.2 MB, incompressible
   checkpointer.save(1, state, {})
   checkpointer.wait()
   checkpointer.save(2, state, {})  # the disk fills up in the background
-  while checkpointer._manager.is_saving_in_progress():  # pylint: disable=protected-access
+  while checkpointer._manager.is_saving_in_progress():  # noqa: SLF001
     time.sleep(0.01)
   with pytest.raises(checkpoint_lib.CheckpointError, match=r'saving step 2 .* No space left on '
                      r'device.* The last complete checkpoint is step 1\.'):
@@ -210,7 +211,7 @@ def test_a_killed_and_resumed_run_logs_each_step_once_in_order(tmp_path, uninter
     discarded = [json.loads(line)['step'] for line in f]
   # Logged before the kill (at step 17, or the one after if the line was read late), then redone.
   assert discarded == list(range(resumed_from + 1, discarded[-1] + 1)) and discarded[-1] >= 17
-  from tensorboard.backend.event_processing import plugin_event_accumulator  # pylint: disable=g-import-not-at-top
+  from tensorboard.backend.event_processing import plugin_event_accumulator  # noqa: PLC0415
   events = plugin_event_accumulator.EventAccumulator(  # TensorBoard's loader, every point kept
       str(tmp_path / 'tensorboard'), size_guidance={'tensors': 0})
   events.Reload()
@@ -228,12 +229,13 @@ def test_first_ctrl_c_is_acknowledged_at_once_and_saves_that_step(tmp_path):
   n = int(lines[ack].split('stopping after step ')[1].split(' ')[0])
   assert lines[ack].endswith('(Ctrl-C again to abort without saving)')
   assert f'received SIGINT: saved step {n} to' in out
-  assert os.path.isdir(tmp_path / 'checkpoints' / str(n)) and n >= 5  # (steps take ms: not 5 itself)
+  # (steps take milliseconds: not 5 itself)
+  assert os.path.isdir(tmp_path / 'checkpoints' / str(n)) and n >= 5
 
 
 def test_second_ctrl_c_aborts_without_saving_in_one_line(tmp_path):
-  slow = ('--config.train.steps=100000', '--config.model.num_layers=8', '--config.model.d_model=256',
-          '--config.model.mlp_dim=512', '--config.data.seq_len=128')  # steps of about a second
+  slow = ('--config.train.steps=100000', '--config.model.num_layers=8',  # steps of about a second
+          '--config.model.d_model=256', '--config.model.mlp_dim=512', '--config.data.seq_len=128')
   proc = subprocess.Popen(command(tmp_path, *slow), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=ROOT)
   out = []

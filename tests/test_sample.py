@@ -2,9 +2,9 @@
 the full forward pass each step, per-row prompt lengths, EOS, top-k / top-p."""
 import dataclasses
 
+from flax.linen import meta
 import jax
 import jax.numpy as jnp
-from flax.linen import meta
 import numpy as np
 import pytest
 

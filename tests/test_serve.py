@@ -155,7 +155,7 @@ def test_echo_and_logprobs(client):
   assert c.text.startswith('The for') and len(lp.tokens) == len('The for') + 6
   assert ''.join(lp.tokens) == c.text and lp.text_offset == list(range(len(c.text)))
   assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-  for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+  for logprob, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
     assert len(top) == 3 and logprob <= 0 and max(top.values()) >= logprob
   for token, logprob, top in zip(lp.tokens[7:], lp.token_logprobs[7:], lp.top_logprobs[7:]):
     assert top[token] == pytest.approx(logprob, abs=1e-5) == max(top.values())  # greedy

@@ -20,8 +20,8 @@ from jax_pretrain.data import sft
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.data.errors import DataError
 from tests.conftest import ROOT
-from tests.conftest import build_setup
 from tests.conftest import build_data
+from tests.conftest import build_setup
 from tests.conftest import logged_losses
 from tests.conftest import run_cli
 from tests.conftest import subprocess_env
@@ -98,7 +98,7 @@ def test_packed_batch_equals_examples_one_by_one():
   alone = [sft.PackedRows(examples.take(k, k + 1), T, PAD)[0] for k in range(len(examples))]
   one_by_one = [loss_fn(params, stack([row])) for row in alone]
   assert float(count) == sum(float(c) for _, c in one_by_one) == examples.is_target.sum() == 22
-  np.testing.assert_allclose(float(total), sum(float(l) for l, _ in one_by_one), rtol=2e-6)
+  np.testing.assert_allclose(float(total), sum(float(loss) for loss, _ in one_by_one), rtol=2e-6)
   # Without the segment mask the examples would see each other: the loss differs.
   unmasked = stack([packed[i] for i in range(len(packed))])
   del unmasked['segments']
@@ -207,8 +207,8 @@ def test_sft_run_through_the_trainer_resumes_bitwise(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout + out.stderr
 
-  run(base, f'{ROOT}/configs/test.py', *shape, '--config.train.steps=6', '--config.optim.warmup_steps=2',
-      '--config.train.eval_every=6')
+  run(base, f'{ROOT}/configs/test.py', *shape, '--config.train.steps=6',
+      '--config.optim.warmup_steps=2', '--config.train.eval_every=6')
   data = write_jsonl(tmp_path / 'sft.jsonl', [{'prompt': f'{i} + {i} = ', 'completion': str(2 * i)}
                                               for i in range(60)])
   sft_args = [f'--config.data.train={data}', '--config.train.eval_every=5',
@@ -317,8 +317,9 @@ def test_sft_steps_on_a_mesh_with_accumulation_agree_with_one_device():
 def test_fused_attention_path_passes_the_segment_mask_under_shard_map(monkeypatch):
   """The cuDNN path (GPU only) with its kernel replaced by XLA's: the mask reaches each device's
   rows under shard_map, and a packed batch gives the loss of the 'xla' path."""
-  import functools  # pylint: disable=g-import-not-at-top
-  from jax_pretrain.kernels import attention  # pylint: disable=g-import-not-at-top
+  import functools  # noqa: PLC0415
+
+  from jax_pretrain.kernels import attention  # noqa: PLC0415
   monkeypatch.setattr(attention, '_fused', lambda implementation: functools.partial(
       jax.nn.dot_product_attention, is_causal=True, implementation='xla'))
   examples = random_examples([7, 12, 5, 9, 11, 3, 8, 6], [3, 6, 1, 4, 10, 1, 2, 2], seed=5)

@@ -4,7 +4,7 @@ import numpy as np
 
 
 def embedded_documents() -> list[str]:
-  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+  from pydoc_data import topics  # noqa: PLC0415
   return [topics.topics[k] for k in sorted(topics.topics)]
 
 

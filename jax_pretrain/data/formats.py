@@ -11,13 +11,13 @@ A new format is one class with a `register` decorator (CompressedJsonl below is 
 walk-through in docs/architecture.md). Compressed text (gzip, zstd) is read as a stream, one work
 item per file; a leading UTF-8 byte order mark is dropped.
 """
+from collections.abc import Iterator
 import contextlib
 import dataclasses
 import gzip
 import io
 import json
 import os
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -220,7 +220,7 @@ def _decompressed(path: str):
   """A binary file object streaming the decompressed content (gzip or zstd, by the file name)."""
   if path.lower().endswith('.gz'):
     return gzip.open(path, 'rb')
-  import zstandard  # pylint: disable=g-import-not-at-top
+  import zstandard  # noqa: PLC0415
   return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, 'rb'),
                                                                       closefd=True))
 
@@ -236,7 +236,7 @@ class _Compressed(TextFormat):
 
   @classmethod
   def read(cls, item: WorkItem) -> Iterator[Record]:
-    import zstandard  # pylint: disable=g-import-not-at-top
+    import zstandard  # noqa: PLC0415
     try:
       with _decompressed(item.path) as f:
         yield from cls.records(f, item)
@@ -278,18 +278,18 @@ class Parquet(TextFormat):
   def _open(path: str):
     """A pyarrow ParquetFile of a path, or of a URL that fsspec opens (hf://, s3://, ...), closed
     on leaving."""
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    import pyarrow.parquet as pq  # noqa: PLC0415
     if '://' in path:
-      import fsspec  # pylint: disable=g-import-not-at-top
+      import fsspec  # noqa: PLC0415
       opened = fsspec.open(path, 'rb')
     else:
-      opened = open(path, 'rb')  # pylint: disable=consider-using-with
+      opened = open(path, 'rb')  # noqa: SIM115
     with opened as f:
       yield pq.ParquetFile(f)
 
   @classmethod
   def plan(cls, path: str, field: str) -> list[WorkItem]:
-    import pyarrow  # pylint: disable=g-import-not-at-top
+    import pyarrow  # noqa: PLC0415
     try:
       with cls._open(path) as pf:
         schema, metadata = pf.schema_arrow, pf.metadata

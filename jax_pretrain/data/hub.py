@@ -30,7 +30,7 @@ _ROWS_PER_ITEM = 2048  # rows of a local dataset per work item
 
 def _datasets():
   try:
-    import datasets  # pylint: disable=g-import-not-at-top  (slow, and optional)
+    import datasets  # noqa: PLC0415  (slow, and optional)
   except ImportError:
     raise DataError('hf: sources need the datasets package: `pip install datasets`.') from None
   datasets.disable_progress_bars()  # our own log lines say what was read
@@ -61,7 +61,7 @@ def open_dataset(name: str, split: str):
     return datasets.load_dataset(name, split=split or 'train', streaming=streamed), streamed
   except DataError:
     raise
-  except Exception as e:  # pylint: disable=broad-except  (datasets raises many types)
+  except Exception as e:  # noqa: BLE001  (datasets raises many types)
     raise DataError(f'{where}: cannot open it ({type(e).__name__}: {str(e).strip()[:300]}).'
                     ) from None
 
@@ -113,14 +113,14 @@ def glob(pattern: str) -> list[str]:
   """The Parquet files a URL glob matches (hf://datasets/OWNER/NAME[@REVISION]/..., or any URL
   fsspec opens: s3://, gs://, file://), sorted, as URLs."""
   try:
-    import fsspec  # pylint: disable=g-import-not-at-top
+    import fsspec  # noqa: PLC0415
     fs, path = fsspec.core.url_to_fs(pattern)
   except (ImportError, ValueError) as e:
     raise DataError(f'{pattern}: cannot open this URL ({e}); hf:// paths need huggingface_hub: '
                     '`pip install huggingface_hub`.') from None
   try:
     urls = [fs.unstrip_protocol(p) for p in sorted(fs.glob(path))]
-  except Exception as e:  # pylint: disable=broad-except  (network, permissions, no such repo)
+  except Exception as e:  # noqa: BLE001  (network, permissions, no such repo)
     raise DataError(f'{pattern}: cannot list it ({type(e).__name__}: {str(e).strip()[:300]}).'
                     ) from None
   if not urls:

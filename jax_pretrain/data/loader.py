@@ -4,9 +4,10 @@
 data is read); `build(config, sources, ...)` resolves them into token streams, holds out eval data
 and returns a `Data` with the grain iterators. See data/__init__.py for what Data holds.
 """
+from collections.abc import Callable
+from collections.abc import Iterator
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
 
 from absl import logging
 import ml_collections
@@ -23,7 +24,7 @@ Batch = dict[str, np.ndarray]
 
 @dataclasses.dataclass
 class Data:
-  tokenizer: object  # data.tokenizer's ByteTokenizer | SentencePieceTokenizer | HfTokenizer | IdTokenizer
+  tokenizer: object  # data.tokenizer's Byte-, SentencePiece-, Hf- or IdTokenizer
   train: Iterator[Batch]  # pipeline.LockedIterator over grain's
   eval_batches: Callable[[], Iterator[Batch]]
 
@@ -68,8 +69,8 @@ def open_sources(config: ml_collections.ConfigDict) -> Sources:
   d = config.data
   if not d.train:
     raise DataError("data.train is empty: name the training data, e.g. --config.data.train="
-                    "data/mix1 (a directory written by scripts/prepare_data.py), 'data/*.jsonl', or "
-                    "'embedded' (the Python manual that ships with Python); see docs/data.md.")
+                    "data/mix1 (a directory written by scripts/prepare_data.py), 'data/*.jsonl', "
+                    "or 'embedded' (the Python manual that ships with Python); see docs/data.md.")
   train = sources_lib.parse(d.train, 'data.train')
   val = sources_lib.parse(d.val, 'data.val') if d.val else []
   setting = d.tokenizer
@@ -116,11 +117,11 @@ def build(config: ml_collections.ConfigDict, sources: Sources, process_index: in
           process_count: int = 1, start_batch: int = 0) -> Data:
   """config: resolved (config.resolve); sources: open_sources(config); start_batch: the first
   global batch to draw (a run resumed after step N draws batch N next)."""
-  from jax_pretrain.data import pipeline  # pylint: disable=g-import-not-at-top
+  from jax_pretrain.data import pipeline  # noqa: PLC0415
   # (grain, and the jax it imports, load here: prepare's worker processes start without them)
   d, t, tokenizer = config.data, config.train, sources.tokenizer
   if d.format == 'sft':
-    from jax_pretrain.data import sft  # pylint: disable=g-import-not-at-top
+    from jax_pretrain.data import sft  # noqa: PLC0415
     train_rows, val_rows = sft.packed_sources(sources, d.seq_len, d.val_ratio, tokenizer.pad_id)
     return _data(config, tokenizer, train_rows, [r.examples.weight for r in train_rows],
                  val_rows, [r.examples.weight for r in val_rows], process_index, process_count,
@@ -160,7 +161,7 @@ def _data(config: ml_collections.ConfigDict, tokenizer, train_sources: list,
           train_weights: list[float], eval_sources: list, eval_weights: list[float],
           process_index: int, process_count: int, start_batch: int) -> Data:
   """The Data of grain random-access sources of rows (windows, or packed SFT rows)."""
-  from jax_pretrain.data import pipeline  # pylint: disable=g-import-not-at-top
+  from jax_pretrain.data import pipeline  # noqa: PLC0415
   d, t = config.data, config.train
   ds = pipeline.train_dataset(train_sources, train_weights, t.batch_size, t.seed,
                               process_index, process_count, start_batch)

@@ -25,7 +25,7 @@ class Prefetcher:
         host = next(self._iterator)
         self._queue.put({k: jax.make_array_from_process_local_data(self._sharding, v)
                          for k, v in host.items()})
-    except Exception as e:  # pylint: disable=broad-except  (re-raised in the consumer)
+    except Exception as e:  # noqa: BLE001  (re-raised in the consumer)
       self._queue.put(e)
 
   def __iter__(self):

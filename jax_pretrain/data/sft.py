@@ -46,8 +46,8 @@ class ChatTemplate:
   extension, tojson, raise_exception, strftime_now, and the special tokens as variables)."""
 
   def __init__(self, template: str, specials: dict[str, str], path: str):
-    import jinja2  # pylint: disable=g-import-not-at-top
-    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
+    import jinja2  # noqa: PLC0415
+    from jinja2 import sandbox  # noqa: PLC0415
 
     def raise_exception(message):
       raise jinja2.exceptions.TemplateError(message)

@@ -11,12 +11,12 @@ is true parses the entry. A kind turns itself into token streams (`components`);
 cut themselves into work items (`plan`) that `encode` reads and tokenizes in any process. A new
 kind is one class plus `@register`.
 """
+from collections.abc import Iterator
 import dataclasses
 import functools
 import glob
 import json
 import os
-from collections.abc import Iterator
 
 from absl import logging
 import numpy as np
@@ -134,7 +134,7 @@ class Embedded(TextSource, formats.Reader):
 
   @classmethod
   def read(cls, item: formats.WorkItem) -> Iterator[formats.Record]:
-    from jax_pretrain.data import corpus  # pylint: disable=g-import-not-at-top
+    from jax_pretrain.data import corpus  # noqa: PLC0415
     yield from ((i + 1, doc, None) for i, doc in enumerate(corpus.embedded_documents()))
 
   @classmethod
@@ -156,10 +156,10 @@ class Synthetic(Source):
 
 @functools.lru_cache(maxsize=16)
 def _tfds_source(name: str, split: str, data_dir: str):
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow; only if used)
+  import tensorflow_datasets as tfds  # noqa: PLC0415  (slow; only if used)
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
-  except Exception as e:  # pylint: disable=broad-except  (tfds raises many types)
+  except Exception as e:  # noqa: BLE001  (tfds raises many types)
     where = data_dir or '~/tensorflow_datasets'
     raise DataError(f'tfds:{name}@{split}: cannot open it from data_dir {where} ({e}). Build it '
                     f'there with array_record files first, e.g. `tfds build {name} --data_dir '
@@ -311,7 +311,7 @@ class Files(Source):
     return found
 
   @property
-  def is_text(self) -> bool:  # pylint: disable=invalid-overridden-method
+  def is_text(self) -> bool:
     return issubclass(self.files[0][1], formats.TextFormat)
 
   def tokenizer_records(self) -> list[TokenizerRecord]:

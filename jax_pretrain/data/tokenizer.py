@@ -51,7 +51,7 @@ class SentencePieceTokenizer:
   file_name = 'tokenizer.model'  # its name where a record keeps it (tokenizer.save)
 
   def __init__(self, path: str):
-    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+    import sentencepiece as spm  # noqa: PLC0415
     if not os.path.isfile(path):
       raise DataError(f'{path}: tokenizer file not found.')
     with open(path, 'rb') as f:
@@ -123,7 +123,7 @@ class HfTokenizer:
 
   def __init__(self, path: str, special_ids: tuple[int, int, int] | None = None):
     try:
-      import tokenizers  # pylint: disable=g-import-not-at-top
+      import tokenizers  # noqa: PLC0415
     except ImportError:
       raise DataError(f'{path}: reading a tokenizer.json needs the tokenizers package: '
                       '`pip install tokenizers`.') from None
@@ -133,7 +133,7 @@ class HfTokenizer:
       data = f.read()
     try:
       self._tok = tokenizers.Tokenizer.from_str(data.decode('utf-8'))
-    except Exception as e:  # pylint: disable=broad-except  (tokenizers raises Exception itself)
+    except Exception as e:  # noqa: BLE001  (tokenizers raises Exception itself)
       raise DataError(f'{path}: not a Hugging Face tokenizer.json ({str(e).strip()[:120]}).'
                       ) from None
     self.path = path
@@ -292,7 +292,7 @@ def train_sentencepiece(texts, output: str, vocab_size: int, model_type: str = '
   split, and byte fallback makes every string encodable. Ids: unk 0, BOS 1, EOS 2, pad 3.
   Sentencepiece trains on lines: documents are split at newlines (which byte fallback encodes).
   """
-  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  import sentencepiece as spm  # noqa: PLC0415
   if model_type not in ('bpe', 'unigram'):
     raise DataError(f'model type {model_type!r}: choose bpe or unigram.')
   if not output.endswith('.model'):
@@ -346,7 +346,7 @@ def train_bytelevel_bpe(texts, output: str, vocab_size: int) -> HfTokenizer:
   split one by one. Ids: <|endoftext|> 0 (EOS, also BOS), <|pad|> 1, then bytes and merges.
   """
   try:
-    import tokenizers  # pylint: disable=g-import-not-at-top
+    import tokenizers  # noqa: PLC0415
   except ImportError:
     raise DataError('training a byte-level BPE needs the tokenizers package: '
                     '`pip install tokenizers`.') from None

@@ -170,7 +170,7 @@ class Writer:
 
   def __init__(self, stem: str, dtype: np.dtype):
     self.stem, self.dtype = stem, np.dtype(dtype)
-    self._file = open(stem + '.bin', 'wb')  # pylint: disable=consider-using-with
+    self._file = open(stem + '.bin', 'wb')  # noqa: SIM115
     self._doc_lengths: list[np.ndarray] = []
     self.num_tokens, self.max_id = 0, -1
 

@@ -111,7 +111,7 @@ TARGETS = {
 def plugin_library() -> str | None:
   """Path of the installed jax CUDA plugin's shared library, or None."""
   try:
-    import jax_plugins  # pylint: disable=g-import-not-at-top
+    import jax_plugins  # noqa: PLC0415
   except ImportError:
     return None
   for path in jax_plugins.__path__:

@@ -64,7 +64,7 @@ def _fused(implementation: str):
   if implementation != 'pallas':  # e.g. 'auto' that skipped config.resolve
     raise ValueError(f'attention implementation {implementation!r} is not one of '
                      f'{IMPLEMENTATIONS}; resolve the config first.')
-  from jax_pretrain.kernels import flash_attention  # pylint: disable=g-import-not-at-top
+  from jax_pretrain.kernels import flash_attention  # noqa: PLC0415
   return functools.partial(flash_attention.flash_attention, causal=True)
 
 

@@ -40,9 +40,9 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+import jax.numpy as jnp
 
 try:  # The Triton backend's compiler params; absent from some jaxlib builds.
   from jax.experimental.pallas import triton as plgpu
@@ -97,8 +97,7 @@ def _compiler_params(cfg: _Config, head_dim: int, tile_elems: int,
   """Triton launch settings; None in interpret mode (they would be ignored)."""
   if cfg.interpret or plgpu is None:
     return None
-  params_cls = getattr(plgpu, "CompilerParams", None) or getattr(
-      plgpu, "TritonCompilerParams")
+  params_cls = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
   # Register budget (checked with ptxas for sm_90): a 128x128 f32 score tile
   # or a 64x128 f32 accumulator pair spills at 4 warps, so big tiles get 8
   # warps; smaller ones run 4 warps and fit two programs per SM.
