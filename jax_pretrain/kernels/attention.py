@@ -28,7 +28,7 @@ IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
 AUTO = 'auto'
 # NVIDIA GPUs before Ampere (compute capability < 8.0), which cuDNN's fused attention does not run
 # on, by the names jax gives them (device_kind) where the device reports no compute capability.
-_PRE_AMPERE = ('V100', 'P100', 'T4', 'TITAN V', 'Quadro', 'RTX 20')
+PRE_AMPERE = ('V100', 'P100', 'T4', 'TITAN V', 'Quadro', 'RTX 20')
 
 
 def choose(backend: str, device_kind: str, compute_capability: str | None, dtype: str,
@@ -40,7 +40,7 @@ def choose(backend: str, device_kind: str, compute_capability: str | None, dtype
   if compute_capability is not None:
     ampere = tuple(int(x) for x in compute_capability.split('.')[:2]) >= (8, 0)
   else:
-    ampere = not any(name in device_kind for name in _PRE_AMPERE)
+    ampere = not any(name in device_kind for name in PRE_AMPERE)
   if not ampere:
     return 'xla', f'{device_kind} predates Ampere; cuDNN fused attention needs sm_80+'
   if dtype not in ('bfloat16', 'float16'):
