@@ -3,11 +3,14 @@ for each 8-device mesh (data, fsdp, tensor) its shapes allow, with each remat po
 Markdown table: one row per preset and mesh, one column per remat policy (ok, or the error).
 
   python scripts/mesh_matrix.py [--presets tiny,small] [--remats full,dots] [--meshes 2x2x2,8x1x1]
-          [--layers 2] [--seq_len 256] [--rows 1] [-- --config.x=y ...]
+          [--layers 2] [--seq_len 256] [--rows 1] [--out results.jsonl] [--table-only]
+      [-- --config.x=y ...]
 
 A crash of XLA's compiler (a failed CHECK aborts the process) must not end the sweep: the cases
 compile in a worker process that reports each result as it finishes; when the worker dies, the case
-it was compiling is marked with its last line of output and a new worker takes the rest.
+it was compiling is marked with its CHECK line (or last line of output) and a new worker takes the
+rest. With --out, results are appended there as they come and cases already there are skipped;
+--table-only prints the table of --out.
 
 Reductions, to fit a 2-core machine: --layers (default 2) layers, since the layers are scanned
 (model.scan_layers) and the compiled program does not depend on their number; --seq_len (default
@@ -19,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,14 +107,25 @@ def sweep(args, todo: list[dict]) -> list[dict]:
   while todo:
     command = [sys.executable, __file__, '--worker', f'--layers={args.layers}',
                f'--seq_len={args.seq_len}', f'--rows={args.rows}', '--', *args.overrides]
+    err_file = tempfile.TemporaryFile('w+')  # a pipe could fill while stdout is read
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(''.join(json.dumps(c) + '\n' for c in todo))
-    done = [json.loads(line[len('RESULT '):]) for line in out.splitlines()
-            if line.startswith('RESULT ')]
-    for r in done:
-      print(f'{r["preset"]} {r["mesh"]} {r["remat"]}: {r["result"]} ({r["seconds"]} s)',
-            file=sys.stderr, flush=True)
+                            stdout=subprocess.PIPE, stderr=err_file, text=True)
+    proc.stdin.write(''.join(json.dumps(c) + '\n' for c in todo))
+    proc.stdin.close()
+    done = []
+    for line in proc.stdout:  # as each finishes
+      if line.startswith('RESULT '):
+        r = json.loads(line[len('RESULT '):])
+        done.append(r)
+        print(f'{r["preset"]} {r["mesh"]} {r["remat"]}: {r["result"]} ({r["seconds"]} s)',
+              file=sys.stderr, flush=True)
+        if args.out:
+          with open(args.out, 'a', encoding='utf-8') as f:
+            f.write(json.dumps(r) + '\n')
+    proc.wait()
+    err_file.seek(0)
+    err = err_file.read()
+    err_file.close()
     results += done
     todo = todo[len(done):]
     if todo:  # the worker died compiling todo[0]
@@ -121,6 +136,9 @@ def sweep(args, todo: list[dict]) -> list[dict]:
       print(f'{crashed["preset"]} {crashed["mesh"]} {crashed["remat"]}: {crashed["result"]}',
             file=sys.stderr, flush=True)
       results.append(crashed)
+      if args.out:
+        with open(args.out, 'a', encoding='utf-8') as f:
+          f.write(json.dumps(crashed) + '\n')
       todo = todo[1:]
   return results
 
@@ -145,6 +163,8 @@ def main() -> None:
   p.add_argument('--layers', type=int, default=2)
   p.add_argument('--seq_len', type=int, default=256)
   p.add_argument('--rows', type=int, default=1, help='sequences per data-parallel device')
+  p.add_argument('--out', default='', help='JSON lines: appended to, and cases there skipped')
+  p.add_argument('--table-only', action='store_true')
   p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
   p.add_argument('overrides', nargs='*', help='--config.x=y after --')
   args = p.parse_args()
@@ -155,7 +175,16 @@ def main() -> None:
     worker(args)
     return
   t0 = time.perf_counter()
-  results = sweep(args, cases(args))
+  previous = []
+  if args.out and os.path.exists(args.out):
+    with open(args.out, encoding='utf-8') as f:
+      previous = [json.loads(line) for line in f if line.strip()]
+  if args.table_only:
+    print(table(previous, args.remats))
+    return
+  seen = {(r['preset'], tuple(r['mesh']), r['remat']) for r in previous}
+  todo = [c for c in cases(args) if (c['preset'], tuple(c['mesh']), c['remat']) not in seen]
+  results = previous + sweep(args, todo)
   print(table(results, args.remats))
   bad = [r for r in results if r['result'] != 'ok']
   print(f'\n{len(results)} compiles, {len(bad)} failed, {time.perf_counter() - t0:.0f} s '
