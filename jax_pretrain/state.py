@@ -29,6 +29,9 @@ LOSS_SCALE_INIT = 2.0 ** 16
 LOSS_SCALE_GROWTH = 2.0
 LOSS_SCALE_BACKOFF = 0.5
 LOSS_SCALE_GROWTH_INTERVAL = 2000
+# Below this scale, non-finite gradients are not an overflow of the scaling but a blow-up: the
+# non-finite guard's (train.on_nonfinite), not silently skipped for ever.
+LOSS_SCALE_MIN = 1.0
 
 
 @flax.struct.dataclass
@@ -183,7 +186,8 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     if loss_scaling:
       # Overflowing gradients of a finite loss are the scaler's to skip (and halve the scale);
       # the non-finite guard counts (and halts on) a non-finite loss only.
-      overflow = jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
+      overflow = (jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
+                  & (state.loss_scale.scale >= LOSS_SCALE_MIN))
       loss_scale = state.loss_scale.update(jnp.isfinite(grad_norm), overflow)
       guarded = finite | overflow
     new_state = state.replace(

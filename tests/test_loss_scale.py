@@ -125,3 +125,9 @@ def test_a_float16_checkpoint_without_a_loss_scale_is_refused_with_one_clear_lin
   with pytest.raises(checkpoint_lib.CheckpointError, match='has no loss scale.*restore_from'):
     saved.restore_latest(s.abstract_state)
   saved.close()
+
+
+def test_a_non_finite_loss_is_the_guards_not_the_scalers():
+  _, after, metrics = _one_step('float16', True, float('inf'))
+  assert not np.isfinite(metrics['loss'])
+  assert int(after.nonfinite_count) == 1 and int(after.loss_scale.skips) == 0
