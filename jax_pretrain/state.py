@@ -105,7 +105,7 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   """A pure (state, batch) -> (state, metrics) function; jit it once.
 
   loss_scaling (float16 runs; state.loss_scale is then a LossScale): each micro-batch's gradient
-  is that of loss × scale, and the summed gradients are divided by the scale before clipping. Non-
+  is that of its mean loss × scale (see local_sums), and the summed gradients are divided by the scale before clipping. Non-
   finite gradients with a finite loss (an overflow) skip the step like the non-finite guard does,
   but count in loss_scale.skips, not nonfinite_count.
 
@@ -129,8 +129,9 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
 
     With a loss scale, the backward pass starts from scale × the micro-batch's mean loss (over its
     B/A·T target positions), the magnitude GradScaler's defaults are set for (PyTorch losses are
-    means; a sum would overflow float16 at any scale above ~1/T); the summed float32 gradients
-    are unscaled here, before the psum, the norm and the clipping."""
+    means; the sum's gradients, B/A·T times larger, overflowed float16 at the initial scale:
+    BENCHMARKS.md); the summed float32 gradients are unscaled here, before the psum, the norm and
+    the clipping."""
     factor = None
     if scale is not None:
       B, T1 = batch['tokens'].shape if isinstance(batch, dict) else batch.shape
