@@ -55,6 +55,11 @@ def check_shapes(saved, wanted, where: str) -> None:
                   for p, x in jax.tree_util.tree_leaves_with_path(saved) if hasattr(x, 'shape')}
   for path, x in jax.tree_util.tree_leaves_with_path(wanted):
     name = _path_str(path)
+    if name not in saved_leaves and name.startswith('loss_scale/'):
+      raise CheckpointError(f'{where} has no loss scale, which float16 training keeps: it was '
+                            'written before float16 runs had loss scaling. Start a new run from '
+                            'its params: --config.checkpoint.restore_from=WORKDIR --workdir=NEW '
+                            '(fresh optimizer and data order).')
     if name not in saved_leaves:
       raise CheckpointError(f'{where} has no {name!r}, which the config needs (shape '
                             f'{tuple(x.shape)}): was it written by a different model?')

@@ -47,7 +47,10 @@ def defaults() -> ml_collections.ConfigDict:
   m.remat = 'auto'             # 'auto' (dots with fused attention, else full) | 'none' | 'full' |
                                # 'dots' | 'dots_no_batch' | 'minimal'
   m.scan_layers = True         # scan over stacked layers (compile time independent of depth)
-  m.dtype = 'bfloat16'         # compute dtype; params and optimizer state stay float32
+  m.dtype = 'auto'             # compute dtype: 'auto' (bfloat16 on TPUs and NVIDIA sm_80+,
+                               # float16 with loss scaling on older NVIDIA GPUs, float32 on the
+                               # CPU) | 'bfloat16' | 'float16' | 'float32'; params and optimizer
+                               # state stay float32
   m.param_dtype = 'float32'    # master parameter dtype
   m.fp8 = False                # attention and MLP projections in FP8 (Hopper/Ada GPUs; simulated
                                # on the CPU): per-tensor current scaling, jax_pretrain/fp8.py
@@ -215,6 +218,28 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, backend: str | 
                      tokens_per_step=tokens_per_step, choices=tuple(choices))
 
 
+_AUTO_DTYPE = 'auto'
+
+
+def _auto_dtype(backend: str, device) -> tuple[str, str]:
+  """What model.dtype='auto' means on this device (real or compile-only): (dtype, the reason)."""
+  kind = getattr(device, 'device_kind', '') or backend
+  if backend == 'tpu':
+    return 'bfloat16', f'{kind} computes in bfloat16'
+  if backend != 'gpu':
+    return 'float32', f'{kind}: no fast bfloat16 matmuls on the {backend}'
+  capability = getattr(device, 'compute_capability', None)
+  if capability is not None:
+    ampere = tuple(int(x) for x in str(capability).split('.')[:2]) >= (8, 0)
+  else:  # a GPU that states no capability: judged by its name, like attention.choose
+    ampere = not any(name in kind for name in attention.PRE_AMPERE)
+    capability = 'unknown'
+  if ampere:
+    return 'bfloat16', f'{kind}, compute capability {capability} has bfloat16'
+  return 'float16', (f'{kind}, compute capability {capability} has no bfloat16: float16 with '
+                     'dynamic loss scaling')
+
+
 def _resolve_model(m: ml_collections.ConfigDict, backend: str | None, tokenizer_vocab_size: int,
                    device) -> list[str]:
   """Checks the model group and decides its 'auto' fields; returns what they became, and why."""
@@ -223,8 +248,8 @@ def _resolve_model(m: ml_collections.ConfigDict, backend: str | None, tokenizer_
     backend = device.platform
   _choice(m, 'model', 'attention', attention.IMPLEMENTATIONS + (attention.AUTO,))
   _choice(m, 'model', 'remat', tuple(model_lib.REMAT_POLICIES) + (model_lib.AUTO_REMAT,))
-  for field in ('dtype', 'param_dtype'):
-    _choice(m, 'model', field, _DTYPES)
+  _choice(m, 'model', 'dtype', _DTYPES + (_AUTO_DTYPE,))
+  _choice(m, 'model', 'param_dtype', _DTYPES)
   for field in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'mlp_dim', 'vocab_size'):
     _check(m[field] > 0, f'model.{field} must be positive, got {m[field]}.')
   _check(m.num_heads % m.num_kv_heads == 0,
@@ -235,10 +260,14 @@ def _resolve_model(m: ml_collections.ConfigDict, backend: str | None, tokenizer_
            'set model.head_dim explicitly.')
     m.head_dim = m.d_model // m.num_heads
   _check(m.head_dim % 2 == 0, f'model.head_dim={m.head_dim} must be even (rotary embeddings).')
+  if (m.attention == attention.AUTO or m.dtype == _AUTO_DTYPE) and device is None and (
+      backend is None):
+    device = jax.devices()[0]
+    backend = device.platform
+  if m.dtype == _AUTO_DTYPE:
+    m.dtype, why = _auto_dtype(backend, device)
+    choices.append(f'dtype {m.dtype} (auto: {why})')
   if m.attention == attention.AUTO:
-    if device is None and backend is None:
-      device = jax.devices()[0]
-      backend = device.platform
     kind = device.device_kind if device is not None else (
         'NVIDIA GPU' if backend == 'gpu' else backend)
     m.attention, why = attention.choose(backend, kind, getattr(device, 'compute_capability', None),
@@ -383,6 +412,8 @@ _SHAPE = ('the checkpoint holds parameters and optimizer state of the old shape,
 _TRAINED_WITH = 'the parameters were trained with the old value'
 _STREAM = ('the checkpoint\'s data position counts batches of the old data stream, and '
            'train/tokens counts tokens of the old batch shape')
+_LOSS_SCALE = ("a float16 run's train state holds its dynamic loss scale, other dtypes' do not "
+               '(to resume on another card, give the old dtype: --config.model.dtype=OLD)')
 RESUME_REFUSED = {
     **{f'model.{f}': _SHAPE for f in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads',
                                       'head_dim', 'mlp_dim', 'vocab_size', 'tie_embeddings',
@@ -431,6 +462,9 @@ def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> dict[str, 
       reason = RESUME_REFUSED.get(field)
       if field == 'optim.grad_clip' and (before > 0) != (after > 0):
         reason = _SHAPE  # clipping on or off: another optimizer state
+      if (field == 'model.dtype' and (before == 'float16') != (after == 'float16')
+          and _AUTO_DTYPE not in (before, after)):
+        reason = _LOSS_SCALE  # float16 on or off: the train state gains or loses its loss scale
       if reason:
         refused.setdefault(reason, []).append(f'{field} {before!r} -> {after!r}')
   if refused:

@@ -288,7 +288,15 @@ class Transformer(nn.Module):
                            c.init_std)
     # The lookup reads a replicated compute-dtype copy of the table (V·D·2 bytes): XLA's SPMD
     # partitioner aborts on a gather from a sharded table inside the train step's shard_map.
-    table_VxD = sharding.constrain(embedding_VxD.astype(c.dtype), (None, None), self.mesh)
+    table_VxD = embedding_VxD.astype(c.dtype)
+    if c.tie_embeddings and table_VxD.dtype == embedding_VxD.dtype:
+      # No cast separates the replicated copy from the sharded output projection (float32
+      # compute): XLA's SPMD partitioner then aborts (spmd_partitioner_util.cc:498, a CHECK on
+      # replica groups) on the backward of the train step for some meshes, e.g. data=2, fsdp=2,
+      # tensor=2 with 4 rows per data-parallel device (tests/test_parallel.py). A barrier gives
+      # the lookup its own value; it computes nothing.
+      table_VxD = jax.lax.optimization_barrier(table_VxD)
+    table_VxD = sharding.constrain(table_VxD, (None, None), self.mesh)
     x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
     inv_freq_H2 = rope_frequencies(c)
     if cache is None:

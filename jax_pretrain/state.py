@@ -23,6 +23,46 @@ from jax_pretrain import optim
 from jax_pretrain import sharding
 
 
+# Dynamic loss scaling (float16 compute only), with PyTorch's GradScaler defaults
+# (torch.amp.GradScaler: init_scale 2**16, growth_factor 2.0, backoff_factor 0.5,
+# growth_interval 2000; flax's DynamicScale uses the same numbers).
+LOSS_SCALE_INIT = 2.0 ** 16
+LOSS_SCALE_GROWTH = 2.0
+LOSS_SCALE_BACKOFF = 0.5
+LOSS_SCALE_GROWTH_INTERVAL = 2000
+# Below this scale, non-finite gradients are not an overflow of the scaling but a blow-up: the
+# non-finite guard's (train.on_nonfinite), not silently skipped for ever.
+LOSS_SCALE_MIN = 1.0
+
+
+@flax.struct.dataclass
+class LossScale:
+  """The dynamic loss scale of a float16 run: the loss is multiplied by `scale` before the
+  backward pass and the gradients divided by it after; a step with non-finite gradients is
+  skipped and halves it, LOSS_SCALE_GROWTH_INTERVAL finite steps in a row double it."""
+  scale: jax.Array  # float32
+  good_steps: jax.Array  # int32, finite steps since the scale last changed
+  skips: jax.Array  # int32, steps skipped for overflowing gradients (a finite loss)
+
+  @classmethod
+  def initial(cls) -> 'LossScale':
+    zero = jnp.zeros((), jnp.int32)
+    return cls(scale=jnp.asarray(LOSS_SCALE_INIT, jnp.float32), good_steps=zero, skips=zero)
+
+  def update(self, grads_finite: jax.Array, overflow: jax.Array) -> 'LossScale':
+    good = jnp.where(grads_finite, self.good_steps + 1, 0)
+    grow = good >= LOSS_SCALE_GROWTH_INTERVAL
+    scale = jnp.where(grads_finite, jnp.where(grow, self.scale * LOSS_SCALE_GROWTH, self.scale),
+                      self.scale * LOSS_SCALE_BACKOFF)
+    return LossScale(scale=scale, good_steps=jnp.where(grow, 0, good),
+                     skips=self.skips + overflow.astype(jnp.int32))
+
+
+def uses_loss_scale(config: ml_collections.ConfigDict) -> bool:
+  """Whether this (resolved) config trains with dynamic loss scaling: float16 compute."""
+  return config.model.dtype == 'float16'
+
+
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array
@@ -30,6 +70,7 @@ class TrainState:
   opt_state: Any
   nonfinite_count: jax.Array  # steps whose update was dropped for a non-finite loss or grad norm
   consecutive_nonfinite: jax.Array  # of those, how many in a row up to now
+  loss_scale: LossScale | None = None  # float16 runs only (None: no leaves, as before)
 
 
 def make_loss_fn(model: nn.Module, pad_id: int):
@@ -61,8 +102,13 @@ def make_loss_fn(model: nn.Module, pad_id: int):
 
 
 def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id: int,
-                    mesh=None):
+                    mesh=None, loss_scaling: bool = False):
   """A pure (state, batch) -> (state, metrics) function; jit it once.
+
+  loss_scaling (float16 runs; state.loss_scale is then a LossScale): each micro-batch's gradient
+  is that of its mean loss × scale (see local_sums), and the summed gradients are divided by the scale before clipping. Non-
+  finite gradients with a finite loss (an overflow) skip the step like the non-finite guard does,
+  but count in loss_scale.skips, not nonfinite_count.
 
   Gradients are reduced across data-parallel replicas once per optimizer step, not once per
   micro-batch: the accumulation runs under a shard_map over the 'data' axis, where each replica
@@ -70,39 +116,63 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   'tensor' stay with the compiler (GSPMD): FSDP gathers each layer's weights, and reduce-scatters
   their gradients, per micro-batch, which is what keeps its memory at 1/fsdp of the state.
   """
-  loss_and_grad = jax.value_and_grad(make_loss_fn(model, pad_id), has_aux=True)
+  loss_fn = make_loss_fn(model, pad_id)
+  loss_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def local_sums(params, batch):
+  def scaled_loss(params, batch, factor):
+    loss, weight = loss_fn(params, batch)
+    return loss * factor, (loss, weight)
+  scaled_loss_and_grad = jax.value_and_grad(scaled_loss, has_aux=True)
+
+  def local_sums(params, batch, scale):
     """(loss sum, target count, float32 grads) over this replica's rows, micro-batch by
-    micro-batch. Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps its own rows."""
+    micro-batch. Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps its own rows.
+
+    With a loss scale, the backward pass starts from scale × the micro-batch's mean loss (over its
+    B/A·T target positions), the magnitude GradScaler's defaults are set for (PyTorch losses are
+    means; the sum's gradients, B/A·T times larger, overflowed float16 at the initial scale:
+    BENCHMARKS.md); the summed float32 gradients are unscaled here, before the psum, the norm and
+    the clipping."""
+    factor = None
+    if scale is not None:
+      B, T1 = batch['tokens'].shape if isinstance(batch, dict) else batch.shape
+      factor = scale / ((B // grad_accum_steps) * (T1 - 1))
     def micro_batches(x_BxT):  # [B, T] -> [A, B / A, T], for every key of the batch
       B, T = x_BxT.shape
       x_AxMxT = x_BxT.reshape(B // grad_accum_steps, grad_accum_steps, T).swapaxes(0, 1)
       return sharding.constrain(x_AxMxT, (None, 'batch', None), mesh)
 
     def accumulate(carry, micro_batch):
-      (loss_i, weight_i), grads_i = loss_and_grad(params, micro_batch)
+      if scale is None:
+        (loss_i, weight_i), grads_i = loss_and_grad(params, micro_batch)
+      else:
+        (_, (loss_i, weight_i)), grads_i = scaled_loss_and_grad(params, micro_batch, factor)
       loss_sum, weight, grads = carry
       return (loss_sum + loss_i, weight + weight_i, jax.tree.map(jnp.add, grads, grads_i)), None
 
     zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
              jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-    sums, _ = jax.lax.scan(accumulate, zeros, jax.tree.map(micro_batches, batch))
-    return sums
+    (loss_sum, weight, grads), _ = jax.lax.scan(accumulate, zeros,
+                                                jax.tree.map(micro_batches, batch))
+    if factor is not None:
+      grads = jax.tree.map(lambda g: g / factor, grads)
+    return loss_sum, weight, grads
 
-  def data_parallel_sums(params, batch):
+  def data_parallel_sums(params, batch, scale):
     # check_vma=False: no implicit psum per micro-batch for the replicated params; the one
     # reduction is this explicit psum, in float32.
-    return jax.lax.psum(local_sums(params, batch), 'data')
+    return jax.lax.psum(local_sums(params, batch, scale), 'data')
 
   if mesh is not None and mesh.shape['data'] > 1:  # (XLA rejects a psum over a 1-device axis)
-    sums_fn = jax.shard_map(data_parallel_sums, mesh=mesh, in_specs=(jax.P(), jax.P('data')),
+    sums_fn = jax.shard_map(data_parallel_sums, mesh=mesh,
+                            in_specs=(jax.P(), jax.P('data'), jax.P()),
                             out_specs=jax.P(), axis_names={'data'}, check_vma=False)
   else:
     sums_fn = local_sums
 
   def train_step(state: TrainState, batch):
-    loss_sum, weight, grads = sums_fn(state.params, batch)
+    scale = state.loss_scale.scale if loss_scaling else None
+    loss_sum, weight, grads = sums_fn(state.params, batch, scale)
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
     loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
@@ -114,13 +184,25 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                      (params, opt_state), (state.params, state.opt_state))
+    loss_scale, guarded = None, finite
+    if loss_scaling:
+      # Overflowing gradients of a finite loss are the scaler's to skip (and halve the scale);
+      # the non-finite guard counts (and halts on) a non-finite loss only.
+      overflow = (jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
+                  & (state.loss_scale.scale >= LOSS_SCALE_MIN))
+      loss_scale = state.loss_scale.update(jnp.isfinite(grad_norm), overflow)
+      guarded = finite | overflow
     new_state = state.replace(
         step=state.step + 1, params=params, opt_state=opt_state,
-        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
-        consecutive_nonfinite=jnp.where(finite, 0, state.consecutive_nonfinite + 1))
+        nonfinite_count=state.nonfinite_count + (~guarded).astype(jnp.int32),
+        consecutive_nonfinite=jnp.where(guarded, 0, state.consecutive_nonfinite + 1),
+        loss_scale=loss_scale)
     metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
                'nonfinite_count': new_state.nonfinite_count,
                'consecutive_nonfinite': new_state.consecutive_nonfinite}
+    if loss_scaling:
+      metrics['loss_scale'] = loss_scale.scale
+      metrics['loss_scale_skips'] = loss_scale.skips
     return new_state, metrics
 
   return train_step
@@ -154,10 +236,13 @@ def build(config: ml_collections.ConfigDict, run: config_lib.RunShape, devices=N
   # over the data-parallel devices, since fused attention runs under shard_map.
   dummy_BxT = jnp.zeros((run.mesh_shape[0] * run.mesh_shape[1], config.data.seq_len), jnp.int32)
 
+  loss_scaling = uses_loss_scale(config)
+
   def new_state(params):
     zero = jnp.zeros((), jnp.int32)
     return TrainState(step=zero, params=params, opt_state=optimizer.init(params),
-                      nonfinite_count=zero, consecutive_nonfinite=zero)
+                      nonfinite_count=zero, consecutive_nonfinite=zero,
+                      loss_scale=LossScale.initial() if loss_scaling else None)
 
   def init_fn(rng):
     return new_state(nn.meta.unbox(model.init(rng, dummy_BxT)['params']))
@@ -173,7 +258,8 @@ def build(config: ml_collections.ConfigDict, run: config_lib.RunShape, devices=N
                                         param_shardings,
                                         transform_non_params=lambda _: replicated)
   state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                               nonfinite_count=replicated, consecutive_nonfinite=replicated)
+                               nonfinite_count=replicated, consecutive_nonfinite=replicated,
+                               loss_scale=jax.tree.map(lambda _: replicated, abstract.loss_scale))
   return Setup(config=config, run=run, mesh=mesh, model=model, optimizer=optimizer,
                schedule=schedule, state_shardings=state_shardings,
                batch_sharding=sharding.named_sharding(mesh, ('batch', None)),
@@ -214,7 +300,8 @@ def state_from_host_params(s: Setup, params) -> TrainState:
 
 def jit_train_step(s: Setup, pad_id: int):
   step = make_train_step(s.model, s.optimizer, s.schedule,
-                         grad_accum_steps=s.run.grad_accum_steps, pad_id=pad_id, mesh=s.mesh)
+                         grad_accum_steps=s.run.grad_accum_steps, pad_id=pad_id, mesh=s.mesh,
+                         loss_scaling=uses_loss_scale(s.config))
   return jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding),
                  out_shardings=(s.state_shardings, sharding.replicated(s.mesh)),
                  donate_argnums=(0,))

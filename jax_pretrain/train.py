@@ -105,6 +105,9 @@ class StepLogger:
                'train/nonfinite_skips': m['nonfinite_count'],
                'perf/tokens_per_sec': tokens_per_sec, 'perf/step_time': step_time,
                'perf/mfu': mfu}
+    if 'loss_scale' in m:  # float16 runs: dynamic loss scaling (state.LossScale)
+      scalars.update({'train/loss_scale': m['loss_scale'],
+                      'train/loss_scale_skips': m['loss_scale_skips']})
     self.write(step, scalars)
     mfu_text = f' | MFU {mfu:.1%}' if mfu is not None else ''
     skips = f' | skipped {m["nonfinite_count"]}' if m['nonfinite_count'] else ''

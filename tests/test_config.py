@@ -141,7 +141,7 @@ def test_auto_attention_is_cudnn_where_it_runs_and_says_why(device, overrides, e
   assert c.model.attention == 'auto'
   r, run = config_lib.resolve(c, num_devices=1, device=device)
   assert r.model.attention == expected
-  assert run.choices[0].startswith(f'attention {expected} (auto: ')
+  assert any(c.startswith(f'attention {expected} (auto: ') for c in run.choices)
 
 
 @pytest.mark.parametrize('choice', ['xla', 'pallas', 'cudnn'])
@@ -160,3 +160,48 @@ def test_auto_remat_keeps_matmul_outputs_unless_attention_materializes_scores(at
   assert r.model.remat == remat and f'remat {remat} (auto: attention ' in ' '.join(run.choices)
   explicit = parse(f'--config={ROOT}/configs/xlarge.py', '--config.model.remat=minimal')
   assert config_lib.resolve(explicit, num_devices=1, backend='cpu')[0].model.remat == 'minimal'
+
+
+@pytest.mark.parametrize('device, expected', [
+    (_Device('gpu', 'NVIDIA H100 80GB HBM3', '9.0'), 'bfloat16'),
+    (_Device('gpu', 'NVIDIA A100-SXM4-40GB', '8.0'), 'bfloat16'),
+    (_Device('gpu', 'NVIDIA GeForce RTX 3090', '8.6'), 'bfloat16'),
+    (_Device('gpu', 'Tesla T4', '7.5'), 'float16'),
+    (_Device('gpu', 'Tesla V100-SXM2-16GB', '7.0'), 'float16'),
+    (_Device('gpu', 'Tesla V100-SXM2-16GB'), 'float16'),  # compile-only (plan): judged by name
+    (_Device('gpu', 'NVIDIA H100 80GB HBM3'), 'bfloat16'),
+    (_Device('tpu', 'TPU v5 lite'), 'bfloat16'),
+    (_Device('cpu', 'cpu'), 'float32'),
+])
+def test_auto_dtype_is_bfloat16_where_the_card_has_it_and_says_why(device, expected):
+  c = parse(f'--config={ROOT}/configs/xlarge.py', '--config.model.attention=xla')
+  assert c.model.dtype == 'auto'
+  r, run = config_lib.resolve(c, num_devices=1, device=device)
+  assert r.model.dtype == expected
+  assert [x for x in run.choices if x.startswith(f'dtype {expected} (auto: ')]
+  explicit, _ = config_lib.resolve(parse(f'--config={ROOT}/configs/xlarge.py',
+                                         '--config.model.dtype=float32',
+                                         '--config.model.attention=xla'), 1, device=device)
+  assert explicit.model.dtype == 'float32'
+
+
+def test_the_cpu_presets_keep_float32():
+  for name in ('default', 'test'):
+    r, _ = config_lib.resolve(config_lib.preset(name), num_devices=1, backend='cpu')
+    assert r.model.dtype == 'float32'
+
+
+@pytest.mark.parametrize('before, after, refused', [
+    ('bfloat16', 'float16', True), ('float16', 'float32', True), ('bfloat16', 'float32', False)])
+def test_resuming_into_or_out_of_float16_is_refused_naming_the_loss_scale(before, after, refused):
+  old, _ = config_lib.resolve(parse(f'--config={ROOT}/configs/test.py',
+                                    f'--config.model.dtype={before}'), 1, backend='cpu')
+  new, _ = config_lib.resolve(parse(f'--config={ROOT}/configs/test.py',
+                                    f'--config.model.dtype={after}'), 1, backend='cpu')
+  if refused:
+    with pytest.raises(config_lib.ConfigError, match=f"model.dtype '{before}' -> '{after}'.*loss "
+                       'scale'):
+      config_lib.resume_changes(config_lib.as_dict(old), new)
+  else:
+    assert config_lib.resume_changes(config_lib.as_dict(old), new) == {
+        'model.dtype': (before, after)}

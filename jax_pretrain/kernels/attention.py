@@ -19,6 +19,7 @@ has no mask, and config.resolve refuses it for packed data.
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jax_pretrain import sharding
@@ -27,7 +28,7 @@ IMPLEMENTATIONS = ('xla', 'cudnn', 'pallas')
 AUTO = 'auto'
 # NVIDIA GPUs before Ampere (compute capability < 8.0), which cuDNN's fused attention does not run
 # on, by the names jax gives them (device_kind) where the device reports no compute capability.
-_PRE_AMPERE = ('V100', 'P100', 'T4', 'TITAN V', 'Quadro', 'RTX 20')
+PRE_AMPERE = ('V100', 'P100', 'T4', 'TITAN V', 'Quadro', 'RTX 20')
 
 
 def choose(backend: str, device_kind: str, compute_capability: str | None, dtype: str,
@@ -39,7 +40,7 @@ def choose(backend: str, device_kind: str, compute_capability: str | None, dtype
   if compute_capability is not None:
     ampere = tuple(int(x) for x in compute_capability.split('.')[:2]) >= (8, 0)
   else:
-    ampere = not any(name in device_kind for name in _PRE_AMPERE)
+    ampere = not any(name in device_kind for name in PRE_AMPERE)
   if not ampere:
     return 'xla', f'{device_kind} predates Ampere; cuDNN fused attention needs sm_80+'
   if dtype not in ('bfloat16', 'float16'):
@@ -81,8 +82,15 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.
   """Causal attention; with segments_BxT (int [B, T]), only within each segment."""
   mask_Bx1xTxT = segment_mask(segments_BxT)
   if implementation == 'xla':
+    dtype = q_BxTxNxH.dtype
+    if dtype == jnp.float16 and _platform(mesh) == 'cpu':
+      # jax's XLA attention asks float16 scores for the F16_F16_F32 dot algorithm, which the CPU
+      # refuses when the step is compiled: there (only) it attends in float32, so that float16
+      # runs, and its loss scaling, can be tested on the CPU. GPU programs are unchanged.
+      q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (x.astype(jnp.float32)
+                                          for x in (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH))
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask_Bx1xTxT,
-                                        is_causal=True, implementation='xla')
+                                        is_causal=True, implementation='xla').astype(dtype)
   if mask_Bx1xTxT is not None:
     if implementation != 'cudnn':
       raise ValueError(f'attention implementation {implementation!r} takes no segment mask; '
@@ -90,6 +98,14 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.
     return _sharded(lambda q, k, v, m: _fused(implementation)(q, k, v, mask=m), mesh,
                     q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT)
   return _sharded(_fused(implementation), mesh, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+
+
+def _platform(mesh: Mesh | None) -> str:
+  """The platform the program is compiled for: the mesh's devices' (compile-only ones too, in
+  `plan`), else jax's default backend."""
+  if mesh is not None:
+    return mesh.devices.flat[0].platform
+  return jax.default_backend()
 
 
 def _sharded(attend, mesh: Mesh | None, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *mask_Bx1xTxT):
