@@ -22,7 +22,6 @@ from jax_pretrain import model as model_lib
 from jax_pretrain import optim
 from jax_pretrain import sharding
 
-
 # Dynamic loss scaling (float16 compute only), with PyTorch's GradScaler defaults
 # (torch.amp.GradScaler: init_scale 2**16, growth_factor 2.0, backoff_factor 0.5,
 # growth_interval 2000; flax's DynamicScale uses the same numbers).
@@ -105,10 +104,10 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
                     mesh=None, loss_scaling: bool = False):
   """A pure (state, batch) -> (state, metrics) function; jit it once.
 
-  loss_scaling (float16 runs; state.loss_scale is then a LossScale): each micro-batch's gradient
-  is that of its mean loss × scale (see local_sums), and the summed gradients are divided by the scale before clipping. Non-
-  finite gradients with a finite loss (an overflow) skip the step like the non-finite guard does,
-  but count in loss_scale.skips, not nonfinite_count.
+  loss_scaling (float16 runs; state.loss_scale is then a LossScale): each micro-batch's gradient is
+  that of its mean loss × scale (see local_sums), and the summed gradients are divided by the scale
+  before clipping. Non-finite gradients with a finite loss (an overflow) skip the step like the
+  non-finite guard does, but count in loss_scale.skips, not nonfinite_count.
 
   Gradients are reduced across data-parallel replicas once per optimizer step, not once per
   micro-batch: the accumulation runs under a shard_map over the 'data' axis, where each replica

@@ -1,6 +1,7 @@
-"""Compiles (ahead of time, on the CPU, nothing run) the train step and the eval step of every preset
-for each 8-device mesh (data, fsdp, tensor) its shapes allow, with each remat policy, and prints a
-Markdown table: one row per preset and mesh, one column per remat policy (ok, or the error).
+"""Compiles (ahead of time, on the CPU, nothing run) the train step and the eval step of every
+preset for each 8-device mesh (data, fsdp, tensor) its shapes allow, with each remat policy, and
+prints a Markdown table: one row per preset and mesh, one column per remat policy (ok, or the
+error).
 
   python scripts/mesh_matrix.py [--presets tiny,small] [--remats full,dots] [--meshes 2x2x2,8x1x1]
           [--layers 2] [--seq_len 256] [--rows 1] [--out results.jsonl] [--table-only]
@@ -14,8 +15,8 @@ rest. With --out, results are appended there as they come and cases already ther
 
 Reductions, to fit a 2-core machine: --layers (default 2) layers, since the layers are scanned
 (model.scan_layers) and the compiled program does not depend on their number; --seq_len (default
-256) and --rows (default 1) sequences per data-parallel device (batch = data × fsdp × rows). Every other shape (width,
-heads, kv heads, MLP, vocabulary) is the preset's own.
+256) and --rows (default 1) sequences per data-parallel device (batch = data × fsdp × rows).
+Every other shape (width, heads, kv heads, MLP, vocabulary) is the preset's own.
 """
 import argparse
 import json
@@ -48,7 +49,7 @@ def meshes(model) -> list[tuple[int, int, int]]:
 
 
 def cases(args) -> list[dict]:
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jax_pretrain import config as config_lib
   out = []
   for preset in args.presets:
     if not os.path.isfile(os.path.join(ROOT, 'configs', f'{preset}.py')):
@@ -62,9 +63,10 @@ def cases(args) -> list[dict]:
 
 def compile_case(case: dict, args) -> None:
   """Raises on an error; a compiler CHECK failure aborts the process."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax_pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jax_pretrain import state as state_lib  # pylint: disable=g-import-not-at-top
+  import jax
+
+  from jax_pretrain import config as config_lib
+  from jax_pretrain import state as state_lib
   data, fsdp, tensor = case['mesh']
   c = config_lib.preset(case['preset'])
   for override in [*args.overrides,
@@ -79,7 +81,8 @@ def compile_case(case: dict, args) -> None:
     group, name = field.split('.')
     kind = type(c[group][name])
     c[group][name] = (value in ('1', 'true', 'True')) if kind is bool else kind(value)
-  s = state_lib.build(c, jax.devices()[:data * fsdp * tensor])
+  devices = jax.devices()[:data * fsdp * tensor]
+  s = state_lib.build(*config_lib.resolve(c, len(devices), device=devices[0]), devices)
   batch = state_lib.abstract_batch(s, s.config.train.batch_size)
   state_lib.jit_train_step(s, pad_id=-1).lower(s.abstract_state, batch).compile()
   state_lib.jit_eval_step(s, pad_id=-1).lower(s.abstract_state.params, batch).compile()
@@ -93,7 +96,7 @@ def worker(args) -> None:
     try:
       compile_case(case, args)
       result = 'ok'
-    except Exception as e:  # pylint: disable=broad-except  (reported in the table)
+    except Exception as e:  # noqa: BLE001  (reported in the table)
       result = f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'
     print('RESULT ' + json.dumps({**case, 'result': result,
                                   'seconds': round(time.perf_counter() - t0, 1)}), flush=True)
@@ -107,7 +110,7 @@ def sweep(args, todo: list[dict]) -> list[dict]:
   while todo:
     command = [sys.executable, __file__, '--worker', f'--layers={args.layers}',
                f'--seq_len={args.seq_len}', f'--rows={args.rows}', '--', *args.overrides]
-    err_file = tempfile.TemporaryFile('w+')  # a pipe could fill while stdout is read
+    err_file = tempfile.TemporaryFile('w+')  # noqa: SIM115  (a pipe could fill; closed below)
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=err_file, text=True)
     proc.stdin.write(''.join(json.dumps(c) + '\n' for c in todo))

@@ -11,8 +11,9 @@ import pytest
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
+from jax_pretrain import pretrain
 from jax_pretrain import state as state_lib
-from jax_pretrain import train
+from tests.conftest import build_setup
 from tests.conftest import logged_losses
 
 
@@ -35,7 +36,7 @@ def logged(workdir, key) -> dict[int, float]:
 def test_float16_with_loss_scaling_trains_like_float32(tmp_path):
   losses = {}
   for dtype in ('float32', 'float16'):
-    train.train_and_evaluate(small_config(dtype, steps=50), str(tmp_path / dtype),
+    pretrain.train_and_evaluate(small_config(dtype, steps=50), str(tmp_path / dtype),
                              devices=jax.devices()[:1])
     losses[dtype] = logged_losses(tmp_path / dtype)[50]
   assert abs(losses['float16'] - losses['float32']) < 0.02 * losses['float32'], losses
@@ -47,7 +48,7 @@ def test_float16_with_loss_scaling_trains_like_float32(tmp_path):
 def _one_step(dtype, loss_scaling, weight, scale=state_lib.LOSS_SCALE_INIT):
   """(state before, state after, metrics) of one step on the test preset, every target weighted
   `weight` (the loss is normalized by the weights: the true gradient does not depend on it)."""
-  s = state_lib.build(small_config(dtype), devices=jax.devices()[:1])
+  s = build_setup(small_config(dtype), jax.devices()[:1])
   state = state_lib.init_state(s)
   if loss_scaling:
     state = state.replace(loss_scale=state.loss_scale.replace(scale=jnp.float32(scale)))
@@ -100,9 +101,9 @@ def test_float16_stop_and_resume_is_bitwise_exact_scale_included(tmp_path, monke
   monkeypatch.setattr(state_lib, 'LOSS_SCALE_INIT', 2.0 ** 24)
   monkeypatch.setattr(state_lib, 'LOSS_SCALE_GROWTH_INTERVAL', 3)
   devices = jax.devices()[:1]
-  train.train_and_evaluate(small_config('float16', steps=12), str(tmp_path / 'a'), devices)
-  train.train_and_evaluate(small_config('float16', steps=5), str(tmp_path / 'b'), devices)
-  train.train_and_evaluate(small_config('float16', steps=12), str(tmp_path / 'b'), devices)
+  pretrain.train_and_evaluate(small_config('float16', steps=12), str(tmp_path / 'a'), devices)
+  pretrain.train_and_evaluate(small_config('float16', steps=5), str(tmp_path / 'b'), devices)
+  pretrain.train_and_evaluate(small_config('float16', steps=12), str(tmp_path / 'b'), devices)
   for key in ('train/loss', 'train/loss_scale', 'train/loss_scale_skips'):
     assert logged(tmp_path / 'a', key) == logged(tmp_path / 'b', key), key
   scales = logged(tmp_path / 'a', 'train/loss_scale')
@@ -112,15 +113,15 @@ def test_float16_stop_and_resume_is_bitwise_exact_scale_included(tmp_path, monke
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_other_dtypes_keep_no_loss_scale(dtype):
-  s = state_lib.build(small_config(dtype), devices=jax.devices()[:1])
+  s = build_setup(small_config(dtype), jax.devices()[:1])
   assert s.abstract_state.loss_scale is None
 
 
 def test_a_float16_checkpoint_without_a_loss_scale_is_refused_with_one_clear_line(tmp_path):
   # Written as float16 runs were before loss scaling: the train state of every other dtype.
-  train.train_and_evaluate(small_config('float32', steps=5), str(tmp_path),
+  pretrain.train_and_evaluate(small_config('float32', steps=5), str(tmp_path),
                            devices=jax.devices()[:1])
-  s = state_lib.build(small_config('float16', steps=5), devices=jax.devices()[:1])
+  s = build_setup(small_config('float16', steps=5), jax.devices()[:1])
   saved = checkpoint_lib.Checkpointer(tmp_path)
   with pytest.raises(checkpoint_lib.CheckpointError, match='has no loss scale.*restore_from'):
     saved.restore_latest(s.abstract_state)

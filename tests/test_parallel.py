@@ -169,8 +169,7 @@ def remat_config(mesh, remat, num_kv_heads):
 
 
 def remat_losses(mesh, remat, num_kv_heads):
-  s = state_lib.build(remat_config(mesh, remat, num_kv_heads),
-                      devices=jax.devices()[:int(np.prod(mesh))])
+  s = build_setup(remat_config(mesh, remat, num_kv_heads), jax.devices()[:int(np.prod(mesh))])
   state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
   rng, losses = np.random.default_rng(1), []
   for _ in range(3):
