@@ -1,9 +1,12 @@
 """FP8 matmuls for the dense projections (model.fp8): per-tensor current scaling.
 
-Each operand is quantized just before its matmul: the forward operands (activations and weights) to
-float8_e4m3fn, the gradient arriving at the matmul's output to float8_e5m2 (wider range, as
-gradients need), each with the scale amax(|x|) / FP8_MAX computed from the tensor itself in the
-same step ("current scaling"). The three matmuls of a projection (forward, and the two of its
+Each operand is quantized just before its matmul to float8_e4m3fn: the forward operands
+(activations and weights) and the gradient arriving at the matmul's output, each with the scale
+amax(|x|) / FP8_MAX computed from the tensor itself in the same step ("current scaling"). The
+gradient is e4m3 too, not the customary e5m2: a per-tensor scale computed from the tensor itself
+already gives it its range, and e4m3's extra mantissa bit matters more. Measured on the embedded
+default (bfloat16, 200 steps, BENCHMARKS.md): eval loss +2.7% over bfloat16 with e5m2 gradients,
++0.26% with e4m3. The three matmuls of a projection (forward, and the two of its
 backward pass) take the FP8 arrays themselves and are rescaled after: on an
 NVIDIA GPU of compute capability >= 8.9 (Hopper, Ada) XLA lowers each to a cuBLASLt FP8 GEMM
 (`__cublas$lt$matmul$f8` in the compiled program; tests/test_fp8.py counts them); the CPU runs
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 FORWARD_DTYPE = jnp.float8_e4m3fn
-GRADIENT_DTYPE = jnp.float8_e5m2
+GRADIENT_DTYPE = jnp.float8_e4m3fn  # (e5m2: see above)
 
 
 def _quantize(x: jax.Array, q_dtype) -> tuple[jax.Array, jax.Array]:

@@ -19,7 +19,7 @@ def _relative_error(a, b):
   return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-def test_fp8_projection_and_its_gradients_round_like_e4m3_and_e5m2():
+def test_fp8_projection_and_its_gradients_round_like_e4m3():
   rng = np.random.default_rng(0)
   x = rng.standard_normal((4, 16, 128))
   w = rng.standard_normal((128, 4, 32)) * 0.05
@@ -30,11 +30,10 @@ def test_fp8_projection_and_its_gradients_round_like_e4m3_and_e5m2():
   # float64 references of y = x·w and its gradients.
   y_ref = np.einsum('btd,dnh->btnh', x, w)
   dx_ref, dw_ref = np.einsum('btnh,dnh->btd', g, w), np.einsum('btd,btnh->dnh', x, g)
-  # e4m3 keeps 3 mantissa bits (relative rounding <= 2^-4 per element), e5m2 2 bits (<= 2^-3):
-  # errors of that size, not zero (the operands really are rounded) and not larger.
-  assert 2e-3 < _relative_error(y, y_ref) < 2**-4
-  for got, want in ((dx, dx_ref), (dw, dw_ref)):
-    assert 2e-3 < _relative_error(got, want) < 2**-3
+  # e4m3 keeps 3 mantissa bits (relative rounding <= 2^-4 per element): errors of that size, not
+  # zero (the operands really are rounded) and not larger.
+  for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+    assert 2e-3 < _relative_error(got, want) < 2**-4
 
 
 def _losses(fp8_on: bool, steps: int = 10) -> np.ndarray:
