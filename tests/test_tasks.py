@@ -1,0 +1,89 @@
+"""Task files and rewards: what each reward accepts, user reward functions, and one error line
+(naming the file and line, or the function) for every mistake."""
+import json
+
+import pytest
+
+from jax_pretrain import tasks
+from jax_pretrain.data import tokenizer as tokenizer_lib
+
+
+def write(path, lines):
+  path.write_text(''.join((line if isinstance(line, str) else json.dumps(line)) + '\n'
+                          for line in lines))
+  return str(path)
+
+
+def test_the_built_in_rewards():
+  item = tasks.Item('2 + 2 = ', '4')
+  assert tasks.exact('4\nmore text', item) == 1 and tasks.exact(' 4 ', item) == 1
+  assert tasks.exact('44', item) == 0 and tasks.exact('', item) == 0
+  assert tasks.number('it is 4.0 apples', item) == 1 and tasks.number('5 or 4', item) == 0
+  assert tasks.number('1,234', tasks.Item('q', '#### 1234')) == 1
+  mc = tasks.Item('q', 'B', ('aspirin', 'heparin', 'warfarin', 'insulin'))
+  assert tasks.choice('B. heparin', mc) == 1 and tasks.choice('(B)', mc) == 1
+  assert tasks.choice('The answer is heparin', mc) == 1  # the text of choice B
+  assert tasks.choice('A', mc) == 0 and tasks.choice('no letter here', mc) == 0
+  by_text = tasks.Item('q', 'heparin', mc.choices)
+  assert tasks.choice('B', by_text) == 1
+
+
+def test_a_users_reward_function_by_file_or_module(tmp_path, monkeypatch):
+  (tmp_path / 'my_reward.py').write_text(
+      'def length(completion, item):\n  return len(completion) / 10\n'
+      'def broken(completion, item):\n  raise ValueError("no")\n')
+  fn = tasks.reward_fn(f'{tmp_path}/my_reward.py:length')
+  assert tasks.score(fn, 'abcde', tasks.Item('p', 'a')) == 0.5
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert tasks.reward_fn('my_reward:length') is not None
+  broken = tasks.reward_fn('my_reward:broken')
+  with pytest.raises(tasks.TaskError, match=r'reward broken failed on t\.jsonl:3 \(ValueError: no'):
+    tasks.score(broken, 'x', tasks.Item('p', 'a', where='t.jsonl:3'))
+
+
+@pytest.mark.parametrize('spec, message', [
+    ('exactly', r"reward 'exactly': no such reward; choose one of \['choice', 'exact', 'number'\]"),
+    ('no_such_module_xyz:f', r'cannot import no_such_module_xyz \(ModuleNotFoundError'),
+    ('missing.py:f', r'cannot import missing\.py \(FileNotFoundError'),
+    ('json:no_function', r"json has no function 'no_function'"),
+])
+def test_a_reward_that_cannot_be_used_is_one_error(spec, message):
+  with pytest.raises(tasks.TaskError, match=message):
+    tasks.reward_fn(spec)
+
+
+@pytest.mark.parametrize('line, message', [
+    ('{"prompt": "q"', r't\.jsonl:2: not valid JSON'),
+    ({'prompt': 'q'}, r"t\.jsonl:2: no 'answer' field"),
+    ({'answer': '1'}, r"t\.jsonl:2: no 'prompt' field"),
+    ({'prompt': '', 'answer': '1'}, r't\.jsonl:2: "prompt" must be a non-empty string'),
+    ([1, 2], r't\.jsonl:2: a task line is a JSON object'),
+])
+def test_a_bad_task_line_is_one_error_naming_file_and_line(tmp_path, line, message):
+  path = write(tmp_path / 't.jsonl', [{'prompt': 'ok', 'answer': 1}, line])
+  with pytest.raises(tasks.TaskError, match=message):
+    tasks.load(path)
+
+
+def test_medqa_and_gsm8k_layouts(tmp_path):
+  medqa = write(tmp_path / 'medqa.jsonl', [{
+      'question': 'Which drug?', 'options': {'A': 'aspirin', 'B': 'heparin', 'C': 'warfarin',
+                                             'D': 'insulin'}, 'answer': 'heparin',
+      'answer_idx': 'B'}])
+  [item] = tasks.load(medqa, 'medqa')
+  assert item.prompt == ('Question: Which drug?\nA. aspirin\nB. heparin\nC. warfarin\n'
+                         'D. insulin\nAnswer:')
+  assert item.answer == 'B' and tasks.choice(' B', item) == 1
+  gsm = write(tmp_path / 'gsm.jsonl', [{'question': 'How many?', 'answer': 'so 3 + 4\n#### 7'}])
+  [item] = tasks.load(gsm, 'gsm8k')
+  assert item.answer == '7' and tasks.number(' 7 apples', item) == 1
+
+
+def test_a_prompt_longer_than_the_context_is_one_error(tmp_path):
+  path = write(tmp_path / 't.jsonl', [{'prompt': 'x' * 10, 'answer': 1},
+                                      {'prompt': 'x' * 60, 'answer': 1}])
+  items = tasks.load(path)
+  tok = tokenizer_lib.ByteTokenizer()
+  tasks.check_lengths(items[:1], tok.encode, context=64, new_tokens=8)
+  with pytest.raises(tasks.TaskError, match=r't\.jsonl:2: the prompt is \d+ tokens; with 8 new'):
+    tasks.check_lengths(items, tok.encode, context=64, new_tokens=8)
