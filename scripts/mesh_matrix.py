@@ -159,7 +159,7 @@ def table(results: list[dict], remats) -> str:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--presets', default=','.join(PRESETS))
   p.add_argument('--remats', default=','.join(REMATS))
   p.add_argument('--meshes', default='', help='e.g. 2x2x2,8x1x1 (default: every allowed one)')
