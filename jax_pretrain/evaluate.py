@@ -1,6 +1,12 @@
 """Loss, perplexity and bits per byte of a trained model, per source of a mixture.
 
   python -m jax_pretrain.evaluate --workdir=runs/x [--data=SOURCES] [--max_tokens=1000000]
+  python -m jax_pretrain.evaluate --workdir=runs/x --task=HELDOUT.jsonl [--reward=exact]
+      [--task_format=plain|medqa|gsm8k] [--max_new_tokens=32]
+
+--task: the greedy accuracy on a task file (one {"prompt", "answer"} per line;
+jax_pretrain/tasks.py) under a reward (exact, choice, number, or a user's module:function /
+path.py:function), the completions decoded by the engine that serve and lm_eval use.
 
 --data takes a source list in data.train's syntax ('a.jsonl:0.7,tfds:name@validation,embedded',
 prepared directories (their --split, default val), token files; docs/data.md). Without it, the
@@ -152,6 +158,27 @@ def _evaluate_sft(run, eval_step, data: str, max_tokens: int, batch_size: int) -
   return results
 
 
+def task_accuracy(run, items: list, reward, max_new_tokens: int, slots: int = 16):
+  """(mean reward, each item's completion and reward) of greedy completions of the task's
+  prompts, decoded by the engine (the one serve and lm_eval use), scored by `reward`
+  (tasks.reward_fn)."""
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
+  from jax_pretrain import engine as engine_lib  # noqa: PLC0415
+  from jax_pretrain import sample as sample_lib  # noqa: PLC0415
+  from jax_pretrain import tasks  # noqa: PLC0415
+  context = run.config.data.seq_len
+  tasks.check_lengths(items, lambda text: sample_lib.encode_prompt(run.tokenizer, text), context,
+                      max_new_tokens)
+  eng = engine_lib.Engine(config_lib.model_config(run.config), run.params, run.tokenizer,
+                          slots=slots, context=context)
+  sequences = eng.generate([
+      engine_lib.Sequence(prompt=sample_lib.encode_prompt(run.tokenizer, item.prompt).tolist(),
+                          max_new_tokens=max_new_tokens) for item in items])
+  scored = [(seq.text, tasks.score(reward, seq.text, item))
+            for seq, item in zip(sequences, items)]
+  return sum(r for _, r in scored) / len(scored), scored
+
+
 def format_table(results: list[Result]) -> str:
   width = max(len('source'), *(len(r.source) for r in results))
   lines = [f'{"source":<{width}}  {"weight":>6}  {"tokens":>11}  {"bytes":>11}  {"loss":>7}  '
@@ -164,8 +191,28 @@ def format_table(results: list[Result]) -> str:
   return '\n'.join(lines)
 
 
+def main_task(f) -> None:
+  """--task: greedy accuracy on a task file under its reward."""
+  from jax_pretrain import tasks  # noqa: PLC0415
+  t0 = time.perf_counter()
+  items, reward = tasks.load(f.task, f.task_format), tasks.reward_fn(f.reward)
+  run = workdir_lib.load(f.workdir, f.step)
+  accuracy, scored = task_accuracy(run, items, reward, f.max_new_tokens)
+  print(f'{f.task}: accuracy {accuracy:.4f} ({sum(r for _, r in scored):g} of {len(items)} under '
+        f'reward {f.reward!r}, greedy, at most {f.max_new_tokens} new tokens; '
+        f'{time.perf_counter() - t0:.1f}s)')
+  if f.json:
+    with open(f.json, 'w', encoding='utf-8') as out:
+      json.dump({'accuracy': accuracy, 'items': [
+          {'where': item.where, 'answer': item.answer, 'completion': text, 'reward': r}
+          for item, (text, r) in zip(items, scored)]}, out, indent=2)
+
+
 def main():
   f = flags.FLAGS
+  if f.task:
+    main_task(f)
+    return
   t0 = time.perf_counter()
   results = evaluate(f.workdir, f.data, step=f.step, max_tokens=f.max_tokens,
                      batch_size=f.batch_size, split=f.split)
@@ -185,4 +232,10 @@ if __name__ == '__main__':
   flags.DEFINE_integer('max_tokens', 1_000_000, 'Tokens evaluated per source at most; 0: all.')
   flags.DEFINE_integer('batch_size', 0, "Sequences per batch; 0: the run's eval_batch_size.")
   flags.DEFINE_string('json', '', 'Also write the results to this JSON file.')
+  flags.DEFINE_string('task', '', 'A task file (JSONL of prompt/answer): print the greedy accuracy '
+                      'under --reward instead of the loss (jax_pretrain/tasks.py).')
+  flags.DEFINE_string('task_format', 'plain', 'Layout of --task: plain | medqa | gsm8k.')
+  flags.DEFINE_string('reward', 'exact', "--task's reward: exact | choice | number | "
+                      'module:function | path.py:function.')
+  flags.DEFINE_integer('max_new_tokens', 32, '--task: tokens generated per prompt at most.')
   cli.run(main)

@@ -87,3 +87,32 @@ def test_a_prompt_longer_than_the_context_is_one_error(tmp_path):
   tasks.check_lengths(items[:1], tok.encode, context=64, new_tokens=8)
   with pytest.raises(tasks.TaskError, match=r't\.jsonl:2: the prompt is \d+ tokens; with 8 new'):
     tasks.check_lengths(items, tok.encode, context=64, new_tokens=8)
+
+
+def test_evaluate_task_prints_the_greedy_accuracy_under_the_reward(tmp_path, tmp_path_factory):
+  import jax  # noqa: PLC0415
+
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
+  from jax_pretrain import sample as sample_lib  # noqa: PLC0415
+  from jax_pretrain import workdir as workdir_lib  # noqa: PLC0415
+  from tests import tiny_run  # noqa: PLC0415
+  from tests.conftest import run_cli  # noqa: PLC0415
+  workdir = tiny_run.train_once(tmp_path_factory)
+  run = workdir_lib.load(workdir, devices=jax.devices()[:1])
+  prompts = ['The ', 'In the ', 'A ', 'For ', 'This ', 'If ']
+  # The model's own greedy continuations, by the other decoder (sample.py): half the items take
+  # them as answers (right), half a string the model does not write (wrong).
+  greedy = sample_lib.generate_texts(config_lib.model_config(run.config), run.params,
+                                     run.tokenizer, prompts, 8, temperature=0)
+  rows = [{'prompt': p, 'answer': g[:4] if k % 2 == 0 else 'never'}
+          for k, (p, g) in enumerate(zip(prompts, greedy))]
+  path = write(tmp_path / 'task.jsonl', rows)
+  (tmp_path / 'starts.py').write_text(
+      'def starts(completion, item):\n  return float(completion.startswith(item.answer))\n')
+  out = run_cli('-m', 'jax_pretrain.evaluate', f'--workdir={workdir}', f'--task={path}',
+                f'--reward={tmp_path}/starts.py:starts', '--max_new_tokens=8',
+                f'--json={tmp_path}/r.json')
+  assert f'{path}: accuracy 0.5000 (3 of 6 under reward' in out, out
+  result = json.loads((tmp_path / 'r.json').read_text())
+  assert [item['completion'] for item in result['items']] == greedy  # the same greedy tokens
+  assert [item['reward'] for item in result['items']] == [1.0, 0.0] * 3
