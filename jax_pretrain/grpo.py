@@ -20,8 +20,13 @@ loss_t over every completion token of the batch divided by their count, so long 
 by their tokens. Defaults (TRL): beta 0.0, epsilon 0.2 (epsilon_high = epsilon), scale_rewards
 'group'.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jax_pretrain import engine as engine_lib
 
 ADVANTAGE_EPS = 1e-6
 
@@ -58,3 +63,34 @@ def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Ar
     metrics['kl'] = jnp.sum(kl_BxT * mask_BxT) / tokens
   loss = jnp.sum(per_token_BxT * mask_BxT) / tokens
   return loss, metrics
+
+
+@dataclasses.dataclass
+class Rollouts:
+  """num_samples completions of each prompt, as a training batch: rows grouped by prompt."""
+  tokens_BxT1: np.ndarray  # int32: prompt, completion, then pad_id
+  mask_BxT: np.ndarray  # float32: 1 where the target tokens_BxT1[:, t + 1] is a completion token
+  logp_BxT: np.ndarray  # float32: the rollout's log-probability of each such target (else 0)
+  completions: list[str]
+
+
+def rollouts(eng, prompts: list[list[int]], num_samples: int, *, max_new_tokens: int,
+             temperature: float, seed: int, pad_id: int) -> Rollouts:
+  """Samples num_samples completions of each prompt with the engine (KV-cached, batched; sample
+  k of prompt p uses the seed and stream k, so a run's rollouts are reproducible) and keeps
+  each sampled token's log-probability. (The engine drops EOS from a completion, and its
+  log-probability with it: a completion's last target is its last text token.)"""
+  sequences = eng.generate([
+      engine_lib.Sequence(prompt=list(prompt), max_new_tokens=max_new_tokens,
+                          temperature=temperature, seed=seed + p, stream=k)
+      for p, prompt in enumerate(prompts) for k in range(num_samples)])
+  width = max(len(s.prompt) + len(s.tokens) for s in sequences)
+  tokens = np.full((len(sequences), width), pad_id, np.int32)
+  mask = np.zeros((len(sequences), width - 1), np.float32)
+  logp = np.zeros((len(sequences), width - 1), np.float32)
+  for b, s in enumerate(sequences):
+    start, end = len(s.prompt), len(s.prompt) + len(s.tokens)
+    tokens[b, :end] = s.prompt + s.tokens
+    mask[b, start - 1:end - 1] = 1.0  # target t is token t + 1
+    logp[b, start - 1:end - 1] = s.logprobs
+  return Rollouts(tokens, mask, logp, [s.text for s in sequences])

@@ -120,3 +120,35 @@ def test_one_update_raises_better_than_average_completions_and_lowers_worse_ones
   change = after - before
   assert change[0] > 0 and change[3] > 0, change  # rewarded: more likely
   assert change[1] < 0 and change[2] < 0, change  # not rewarded: less likely
+
+
+def test_rollouts_keep_the_log_probabilities_the_training_forward_gives(tmp_path_factory):
+  from jax_pretrain import sample as sample_lib  # noqa: PLC0415
+  from jax_pretrain import workdir as workdir_lib  # noqa: PLC0415
+  from tests import tiny_run  # noqa: PLC0415
+  run = workdir_lib.load(tiny_run.train_once(tmp_path_factory), devices=jax.devices()[:1])
+  model_config = config_lib.model_config(run.config)
+  prompts = [sample_lib.encode_prompt(run.tokenizer, p).tolist() for p in ('The ', 'A list ')]
+
+  def sample(seed):
+    eng = engine.Engine(model_config, run.params, run.tokenizer, slots=8,
+                        context=tiny_run.SEQ_LEN)
+    return grpo.rollouts(eng, prompts, 4, max_new_tokens=12, temperature=1.0, seed=seed,
+                         pad_id=run.tokenizer.pad_id)
+
+  r = sample(seed=3)
+  assert r.tokens_BxT1.shape[0] == 8 and len(set(r.completions)) > 4  # 4 samples per prompt
+  # The training forward (full sequence, no cache) scores the sampled tokens as the rollout did,
+  # once it excludes what the engine never samples (ids past the tokenizer's, and padding): the
+  # whole-vocabulary log-probabilities differ by that mass (GRPO's mismatch metric).
+  train_model = build_setup(run.config, jax.devices()[:1]).model
+  logits = train_model.apply({'params': run.params}, jnp.asarray(r.tokens_BxT1[:, :-1]))
+  ids = np.arange(logits.shape[-1])
+  allowed = (ids < run.tokenizer.vocab_size) & (ids != run.tokenizer.pad_id)
+  logp_all = jax.nn.log_softmax(jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf), -1)
+  logp = np.take_along_axis(np.asarray(logp_all), r.tokens_BxT1[:, 1:, None], -1)[..., 0]
+  mismatch = np.abs(np.where(r.mask_BxT > 0, logp - r.logp_BxT, 0.0)).max()
+  assert mismatch < 1e-4, mismatch
+  assert np.all(r.logp_BxT[r.mask_BxT > 0] < 0) and np.all(r.logp_BxT[r.mask_BxT == 0] == 0)
+  # The same seed samples the same completions; another seed others.
+  assert sample(seed=3).completions == r.completions != sample(seed=4).completions
