@@ -186,13 +186,6 @@ def _fill(c: model_lib.ModelConfig, hf_vocab: int, names: Iterable[str],
   return params
 
 
-def from_hf(tensors: dict[str, np.ndarray], c: model_lib.ModelConfig) -> dict:
-  """{HF name: array} (any float dtype) -> our float32 params, in c.scan_layers' layout."""
-  found = {name: (w.shape, str(w.dtype)) for name, w in tensors.items()}
-  _check_tensors(found, c, c.vocab_size, 'the tensors')
-  return _fill(c, c.vocab_size, tensors, tensors.__getitem__)
-
-
 def _tensor_files(hf_dir: str) -> list[str]:
   """model.safetensors, or the shards that model.safetensors.index.json names."""
   index = os.path.join(hf_dir, 'model.safetensors.index.json')

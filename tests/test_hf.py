@@ -77,7 +77,7 @@ def test_import_of_export_is_identity(tmp_path, tie):
   assert with_fields(c, hf.model_fields(config)) == c
   assert_same_params(hf.read_params(str(tmp_path), c), params)
   # The unscanned layout (layers_0, layers_1, ...) maps to the same tensors and back.
-  unscanned = hf.from_hf(tensors, dataclasses.replace(c, scan_layers=False))
+  unscanned = hf.read_params(str(tmp_path), dataclasses.replace(c, scan_layers=False))
   assert set(unscanned) >= {'layers_0', 'layers_1'} and 'layers' not in unscanned
   out = hf.to_hf(unscanned, c)
   assert out.keys() == tensors.keys() and all(np.array_equal(out[k], tensors[k]) for k in out)
@@ -94,8 +94,12 @@ def test_bfloat16_shards_are_read_in_their_dtype_and_converted(tmp_path):
     json.dump({'weight_map': {k: file for file, part in shards.items() for k in part}}, f)
   params = hf.read_params(str(tmp_path), c)
   rounded = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in tensors.items()}
-  assert_same_params(params, hf.from_hf(rounded, c))
-  assert not np.array_equal(params['embedding'], hf.from_hf(tensors, c)['embedding'])
+  for name, arrays in (('rounded', rounded), ('float32', tensors)):
+    os.makedirs(tmp_path / name)
+    save_file(arrays, str(tmp_path / name / 'model.safetensors'))
+  assert_same_params(params, hf.read_params(str(tmp_path / 'rounded'), c))
+  assert not np.array_equal(params['embedding'],
+                            hf.read_params(str(tmp_path / 'float32'), c)['embedding'])
 
 
 def test_model_fields_refuses_what_our_model_cannot_compute():
