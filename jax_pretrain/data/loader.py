@@ -3,6 +3,8 @@
 `open_sources(config)` parses data.train and data.val once and settles the tokenizer (cheap: no
 data is read); `build(config, sources, ...)` resolves them into token streams, holds out eval data
 and returns a `Data` with the grain iterators. See data/__init__.py for what Data holds.
+`eval_sets(config, tokenizer, batch_size, ...)` is the eval data of a finished run, per source, in
+order (evaluate.py).
 """
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -177,3 +179,71 @@ def _data(config: ml_collections.ConfigDict, tokenizer, train_sources: list,
                                  tokenizer.pad_id, process_index, process_count)
 
   return Data(tokenizer=tokenizer, train=train_it, eval_batches=eval_batches)
+
+
+@dataclasses.dataclass
+class EvalSet:
+  """One source's eval data, read in order."""
+  name: str
+  weight: float
+  batches: Iterator[Batch]  # batch_size rows each; the last filled up with pad_id (loss ignores)
+  bytes: int | None = None  # UTF-8 bytes of the targets' text; None: no text (or SFT)
+
+
+class _First:
+  """The first n rows of a random-access source of rows."""
+
+  def __init__(self, rows, n: int):
+    self.rows, self.n = rows, n
+
+  def __len__(self) -> int:
+    return self.n
+
+  def __getitem__(self, i: int):
+    return self.rows[i]
+
+
+def eval_sets(config: ml_collections.ConfigDict, tokenizer, batch_size: int, data: str = '',
+              split: str = 'val', max_tokens: int = 0) -> list[EvalSet]:
+  """A run's eval data, one EvalSet per source: `data` (a source list in data.train's syntax;
+  prepared directories read at `split`), or with data '' the run's held-out data as `build` holds
+  it out. A source is read in order as windows of seq_len + 1 tokens starting every seq_len
+  tokens, so each of its first max_tokens (0: all) is a target once; an SFT run's
+  (data.format='sft') as its packed examples. tokenizer: the run's."""
+  from jax_pretrain.data import pipeline  # noqa: PLC0415  (grain)
+  T, pad_id = config.data.seq_len, tokenizer.pad_id
+
+  def batches(rows, n: int) -> Iterator[Batch]:
+    return pipeline.eval_batches(_First(rows, n), -(-n // batch_size), batch_size, T, pad_id)
+
+  def count(rows) -> int:
+    return len(rows) if not max_tokens else min(len(rows), -(-max_tokens // T))
+
+  if config.data.format == 'sft':
+    from jax_pretrain.data import sft  # noqa: PLC0415
+    if data:
+      sources = Sources([], sources_lib.parse(data, '--data'), tokenizer,
+                        sources_lib.ReadOptions.from_config(config.data), config.data.tokenizer)
+    else:
+      sources = dataclasses.replace(open_sources(config), tokenizer=tokenizer)
+    return [EvalSet(rows.examples.name, rows.examples.weight, batches(rows, count(rows)))
+            for rows in sft.packed_sources(sources, T, config.data.val_ratio, pad_id)[1]]
+  if data:
+    components = eval_components(sources_lib.parse(data, '--data'), tokenizer,
+                                 sources_lib.ReadOptions.from_config(config.data), split)
+  else:
+    components = split_components(open_sources(config), config.data.val_ratio)[1]
+  sets = []
+  for c in components:
+    if c.tokens is None:
+      n = max(1, -(-max_tokens // T)) if max_tokens else 64
+      windows = pipeline.SyntheticWindows(tokenizer.vocab_size, pad_id, T, pipeline.EVAL_SEED, n)
+    else:
+      windows = pipeline.Windows(c.tokens, T, pad_id=pad_id)
+    n = count(windows)
+    text_bytes = None
+    if c.tokens is not None and n:  # the targets of windows [0, n): tokens [1, n·T + 1)
+      text_bytes = tokenizer_lib.text_bytes(tokenizer,
+                                            c.tokens.read(1, min(len(c.tokens), n * T + 1)))
+    sets.append(EvalSet(c.name, c.weight, batches(windows, n), text_bytes))
+  return sets
