@@ -5,7 +5,7 @@
 --data takes a source list in data.train's syntax ('a.jsonl:0.7,tfds:name@validation,embedded',
 prepared directories (their --split, default val), token files; docs/data.md). Without it, the
 run's own held-out data: data.val, or the last data.val_ratio of each data.train source, as in
-training (what data.build holds out).
+training (what data.open_batches holds out).
 
 Each source is read in order as windows of seq_len + 1 tokens starting every seq_len tokens, so
 each token of its first max_tokens is a target exactly once (the last window padded with pad_id,

@@ -108,20 +108,6 @@ def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
   return computations, entry
 
 
-def loop_computations(computations) -> set[str]:
-  """Names of the computations that run inside some while loop (bodies and what they call)."""
-  inside, todo = set(), [c for body in computations.values() for i in body
-                         if i.opcode == 'while' for c in i.called('body') + i.called('condition')]
-  while todo:
-    name = todo.pop()
-    if name not in inside:
-      inside.add(name)
-      todo.extend(c for i in computations.get(name, []) for key in
-                  ('calls', 'to_apply', 'body', 'condition', 'branch_computations')
-                  for c in i.called(key))
-  return inside
-
-
 def shape_bytes(shape: str) -> float:
   """Bytes of every array in a (possibly tuple) type string; layouts and comments are ignored."""
   total = 0.0

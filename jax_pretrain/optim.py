@@ -30,7 +30,8 @@ def weight_decay_mask(params):
 
 
 def make_optimizer(o: OptimConfig, steps: int) -> optax.GradientTransformation:
-  """o: the resolved optim group (config.optim_config); steps: the run's optimizer steps (the schedule's length)."""
+  """o: the resolved optim group (config.optim_config); steps: the run's optimizer steps (the
+  schedule's length)."""
   adamw = optax.adamw(learning_rate_schedule(o, steps), b1=o.b1, b2=o.b2, eps=o.eps,
                       weight_decay=o.weight_decay, mask=weight_decay_mask,
                       mu_dtype=jnp.dtype(o.mu_dtype))

@@ -1,9 +1,9 @@
 """Input pipeline: what the trainer calls to get batches.
 
   sources = data.open_sources(config)          # data.train / data.val parsed once, the tokenizer
-  batches = data.build(resolved_config, sources, process_index, process_count)
+  batches = data.open_batches(resolved_config, sources, process_index, process_count)
 
-`build` returns a `Data` with
+`open_batches` returns a `Data` with
   tokenizer      encode/decode, vocab_size, bos_id, eos_id, pad_id
   train          an endless iterator of {'tokens': int32 [local_batch, seq_len + 1]} with
                  starting at a given global batch, so a resumed run draws exactly what an
@@ -27,10 +27,10 @@ from jax_pretrain.data.errors import DataError
 from jax_pretrain.data.loader import Data
 from jax_pretrain.data.loader import EvalSet
 from jax_pretrain.data.loader import Sources
-from jax_pretrain.data.loader import build
 from jax_pretrain.data.loader import eval_sets
+from jax_pretrain.data.loader import open_batches
 from jax_pretrain.data.loader import open_sources
 from jax_pretrain.data.prefetch import Prefetcher
 
-__all__ = ['Data', 'DataError', 'EvalSet', 'Prefetcher', 'Sources', 'build', 'eval_sets',
-           'open_sources']
+__all__ = ['Data', 'DataError', 'EvalSet', 'Prefetcher', 'Sources', 'eval_sets',
+           'open_batches', 'open_sources']
