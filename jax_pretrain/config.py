@@ -181,13 +181,13 @@ MESH = (  # safe to change: checkpoints restore onto any mesh
 )
 
 CHECKPOINT = (
+    F('restore_from', '', SAFE, "another run's workdir: start from its params (new optimizer, "
+      'data); used only when the workdir has no checkpoint'),
     F('every_steps', 1000, SAFE, 'steps between (asynchronous) saves; 0: only the final save'),
     F('keep', 2, SAFE, 'keep the latest this many checkpoints'),
     F('keep_best', 3, SAFE, 'and also the best this many by eval loss (0: none)'),
     F('async_save', True, SAFE, 'write in the background while training continues'),
     F('save_final', True, SAFE, 'save the state at the end of training'),
-    F('restore_from', '', SAFE, "another run's workdir: start from its params (new optimizer, "
-      'data); used only when the workdir has no checkpoint'),
 )
 
 GROUPS = {'model': MODEL, 'data': DATA, 'train': TRAIN, 'optim': OPTIM, 'mesh': MESH,
