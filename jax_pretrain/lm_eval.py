@@ -229,7 +229,8 @@ def _training_tasks(t) -> tuple[list[str], object]:
 
 
 def check_tasks(t) -> None:
-  """Fails (ConfigError) on a train.lm_eval_tasks name that lm_eval does not know."""
+  """Fails (ConfigError) on a train.lm_eval_tasks name that lm_eval does not know (t: the
+  resolved train group, or its view)."""
   try:
     check_known(*_training_tasks(t))
   except TaskError as e:
@@ -238,7 +239,7 @@ def check_tasks(t) -> None:
 
 def evaluate_during_training(config, params, tokenizer) -> dict[str, float]:
   """The train.lm_eval_* tasks on the current params, as lm_eval/TASK/METRIC scalars."""
-  t = config.train
+  t = config_lib.train_config(config)
   tasks, task_manager = _training_tasks(t)
   lm = JaxLM(config_lib.model_config(config), params, tokenizer, max_length=config.data.seq_len,
              seed=t.seed)
