@@ -1,15 +1,20 @@
-"""The config: every default (one line of comment each), and its resolution and validation.
+"""The config: every field declared once, and its resolution and validation.
 
-`defaults()` is the one place defaults live; presets (configs/*.py) start from it and override what
-differs. `resolve` fills in every value a user may leave to be derived (0 or -1 below), checks the
-whole config group by group, and returns a locked copy; errors name the field and the numbers that
-disagree. Everything downstream reads the resolved config and never re-derives.
+Each group is a table of `Field`s, one line each: its name, default, resume policy and one line of
+doc (and its former name, where it moved). `defaults()`, the moved-name map `MOVED`, the resume
+policy (`resume_changes`) and the typed, frozen view of each group after resolution (`OptimConfig`,
+...) are all derived from these tables. Presets (configs/*.py) start from `defaults()` and override
+what differs. `resolve` fills in every value a user may leave to be derived (0 or -1 below), checks
+the whole config group by group (the `_resolve_*` functions), and returns a locked copy; errors
+name the field and the numbers that disagree. Everything downstream reads the resolved config (or
+its views) and never re-derives.
 """
 import dataclasses
 import importlib.util
 import json
 import math
 import os
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -20,115 +25,227 @@ from jax_pretrain import sharding
 from jax_pretrain.errors import UserError
 from jax_pretrain.kernels import attention
 
+# Resume policies. A field is safe to change when a run resumes (the change is accepted and
+# printed), or refused with the reason: the checkpoint's state or data position depends on it.
+SAFE = ''
+SHAPE = 'the checkpoint holds parameters and optimizer state of the old shape, layout or dtype'
+TRAINED = 'the parameters were trained with the old value'
+STREAM = ("the checkpoint's data position counts batches of the old data stream, and "
+          'train/tokens counts tokens of the old batch shape')
+_LOSS_SCALE = ("a float16 run's train state holds its dynamic loss scale, other dtypes' do not "
+               '(to resume on another card, give the old dtype: --config.model.dtype=OLD)')
+_AUTO_DTYPE = 'auto'
 
-def defaults() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
 
-  c.model = m = ml_collections.ConfigDict()
-  m.num_layers = 12            # transformer blocks
-  m.d_model = 512              # residual stream width
-  m.num_heads = 8              # query heads
-  m.num_kv_heads = 8           # key/value heads (grouped-query attention); divides num_heads
-  m.head_dim = 0               # 0: d_model // num_heads
-  m.mlp_dim = 1408             # SwiGLU hidden width (about 8/3 d_model, a multiple of 128)
-  m.vocab_size = 32768         # embedding rows; >= the tokenizer's vocabulary
-  m.tie_embeddings = True      # share the input embedding with the output projection
-  m.rope_theta = 10000.0       # rotary embedding base
-  m.rope_scaling = 'none'      # 'none' | 'linear' | 'llama3': rescaled rotary frequencies
-  m.rope_factor = 1.0          # linear, llama3: low frequencies (all, for linear) divided by this
-  m.rope_low_freq_factor = 1.0   # llama3: wavelengths > original_max_len / this are scaled
-  m.rope_high_freq_factor = 4.0  # llama3: wavelengths < original_max_len / this are kept
-  m.rope_original_max_len = 8192  # llama3: the context length the model was pretrained at
-  m.max_position_embeddings = 0  # context length a Hugging Face export states (0: data.seq_len);
-                               # an import keeps its checkpoint's
-  m.norm_eps = 1e-5            # RMSNorm epsilon
-  m.init_std = 0.02            # normal init std (output projections scaled by 1/sqrt(2*layers))
-  m.attention = 'auto'         # 'auto' (cuDNN where it runs, else XLA) | 'xla' | 'cudnn' | 'pallas'
-  m.remat = 'auto'             # 'auto' (dots with fused attention, else full) | 'none' | 'full' |
-                               # 'dots' | 'dots_no_batch' | 'minimal'
-  m.scan_layers = True         # scan over stacked layers (compile time independent of depth)
-  m.dtype = 'auto'             # compute dtype: 'auto' (bfloat16 on TPUs and NVIDIA sm_80+,
-                               # float16 with loss scaling on older NVIDIA GPUs, float32 on the
-                               # CPU) | 'bfloat16' | 'float16' | 'float32'; params and optimizer
-                               # state stay float32
-  m.param_dtype = 'float32'    # master parameter dtype
-  m.fp8 = False                # attention and MLP projections in FP8 (Hopper/Ada GPUs; simulated
-                               # on the CPU): per-tensor current scaling, jax_pretrain/fp8.py
+def _float16_toggled(before, after) -> str:
+  """model.dtype: float16 on or off changes the train state (it gains or loses its loss scale)."""
+  toggled = (before == 'float16') != (after == 'float16') and _AUTO_DTYPE not in (before, after)
+  return _LOSS_SCALE if toggled else SAFE
 
-  c.data = d = ml_collections.ConfigDict()
-  d.seq_len = 2048             # tokens per training sequence
-  d.format = 'text'            # 'text': documents (pretraining) | 'sft': JSONL prompt/completion
-                               # or chat messages, packed, loss on completions (docs/data.md)
-  d.train = ''                 # required: 'SOURCE[#field][:weight],...' (docs/data.md)
-  d.val = ''                   # eval sources; '' carves val_ratio from the training data
-  d.val_ratio = 0.05           # share of the training data held out for eval when val is ''
-  d.tokenizer = ''             # '': from the data (else bytes); 'byte'; a sentencepiece .model;
-                               # a tokenizer.json, or a directory with one (docs/data.md)
-  d.text_field = 'text'        # JSONL key, Parquet column or TFDS feature that holds the text
-  d.tfds_data_dir = ''         # TFDS data_dir for tfds:NAME sources ('' : ~/tensorflow_datasets)
-  d.on_bad_record = 'error'    # bad raw-text lines: 'error' | 'skip' (counted, reported per file)
-  d.num_workers = 0            # grain worker processes for batches (0: threads in this process)
-  d.read_threads = 2           # threads assembling batches in each process
-  d.prefetch = 4               # batches buffered ahead of the trainer
 
-  c.train = t = ml_collections.ConfigDict()
-  t.steps = 0                  # optimizer steps; 0: derive from total_tokens
-  t.total_tokens = 0           # run length in tokens (alternative to steps)
-  t.batch_size = 64            # global batch, in sequences
-  t.micro_batch_size = 0       # sequences per data-parallel device per forward/backward; 0: on a
-                               # GPU the largest that fits (compiled at start-up, printed), else
-                               # batch_size / data-parallel devices (no accumulation)
-  t.seed = 0                   # parameter init and data order
-  t.log_every = 10             # steps between logged scalars
-  t.eval_every = 500           # steps between evals (and at the end)
-  t.eval_steps = 20            # eval batches per eval
-  t.eval_batch_size = 0        # 0: micro_batch_size × data-parallel devices (one pass, no OOM)
-  t.peak_flops = 0.0           # device peak dense bf16 FLOP/s for MFU; 0: look up by device kind
-  t.on_nonfinite = 'halt'      # non-finite loss or grad norm: 'halt' (checkpoints intact) | 'skip'
-  t.max_consecutive_skips = 10  # with 'skip': halt after this many non-finite steps in a row
-  t.sample_prompt = 'The '     # prompt of the continuation printed at the end ('' disables)
-  t.sample_tokens = 64         # tokens generated for that continuation
-  # Downstream evals during training through lm-evaluation-harness (jax_pretrain/lm_eval.py).
-  t.lm_eval_tasks = ''         # tasks, comma-separated ('' : none), logged as lm_eval/TASK/METRIC
-  t.lm_eval_every = 0          # steps between them; 0: at every eval (eval_every) and the end
-  t.lm_eval_include_path = ''  # a folder of extra task YAMLs (lm_eval's --include_path)
-  t.lm_eval_limit = 0          # examples per task at most; 0: all
-  t.wandb_project = ''         # Weights & Biases project: the scalars go there too ('': off)
-  t.wandb_entity = ''          # its team or user ('': your default entity)
-  t.wandb_run_name = ''        # the run's name there ('': the workdir's name)
-  t.profile_steps = ''         # 'START:STOP': trace those steps (jax.profiler) to WORKDIR/profile
+def _clipping_toggled(before, after) -> str:
+  """optim.grad_clip: its value is safe to change; turning clipping on or off is another state."""
+  return SHAPE if (before > 0) != (after > 0) else SAFE
 
-  c.optim = o = ml_collections.ConfigDict()
-  o.learning_rate = 3e-4       # peak learning rate
-  o.min_learning_rate = 3e-5   # end of the cosine decay
-  o.warmup_steps = 0           # linear warmup; 0: derive from warmup_tokens
-  o.warmup_tokens = 0          # warmup in tokens (alternative to warmup_steps)
-  o.b1 = 0.9                   # AdamW beta1
-  o.b2 = 0.95                  # AdamW beta2
-  o.eps = 1e-8                 # AdamW epsilon
-  o.weight_decay = 0.1         # decoupled weight decay (not applied to norms or other 1-D params)
-  o.grad_clip = 1.0            # clip by global norm; 0 disables
-  o.mu_dtype = 'float32'       # AdamW first-moment dtype; 'bfloat16' halves its memory
 
-  c.mesh = mesh = ml_collections.ConfigDict()
-  mesh.data = -1               # data-parallel axis size; -1: all remaining devices
-  mesh.fsdp = 1                # parameter-sharded data-parallel axis size
-  mesh.tensor = 1              # tensor-parallel axis size (heads, MLP, vocab)
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """One config field. resume: SAFE, the reason a resumed run refuses a change, or a function of
+  (old value, new value) giving one of those; was: its former 'group.name' (older configs and
+  config.json files that use it still load)."""
+  name: str
+  default: Any
+  resume: str | Callable[[Any, Any], str]
+  doc: str
+  was: str = ''
 
-  c.checkpoint = ck = ml_collections.ConfigDict()
-  ck.every_steps = 1000        # steps between (asynchronous) saves; 0: only the final save
-  ck.keep = 2                  # keep the latest this many checkpoints
-  ck.keep_best = 3             # and also the best this many by eval loss (0: none)
-  ck.async_save = True         # write in the background while training continues
-  ck.save_final = True         # save the state at the end of training
-  ck.restore_from = ''         # another run's workdir: start from its params (new optimizer, data)
-  return c
+  def refusal(self, before, after) -> str:
+    """Why a resumed run refuses changing this field from before to after ('' : it accepts)."""
+    return self.resume(before, after) if callable(self.resume) else self.resume
 
+
+F = Field
+
+MODEL = (
+    F('num_layers', 12, SHAPE, 'transformer blocks'),
+    F('d_model', 512, SHAPE, 'residual stream width'),
+    F('num_heads', 8, SHAPE, 'query heads'),
+    F('num_kv_heads', 8, SHAPE, 'key/value heads (grouped-query attention); divides num_heads'),
+    F('head_dim', 0, SHAPE, '0: d_model // num_heads'),
+    F('mlp_dim', 1408, SHAPE, 'SwiGLU hidden width (about 8/3 d_model, a multiple of 128)'),
+    F('vocab_size', 32768, SHAPE, "embedding rows; >= the tokenizer's vocabulary"),
+    F('tie_embeddings', True, SHAPE, 'share the input embedding with the output projection'),
+    F('rope_theta', 10000.0, TRAINED, 'rotary embedding base'),
+    F('rope_scaling', 'none', TRAINED, "'none' | 'linear' | 'llama3': rescaled rotary frequencies"),
+    F('rope_factor', 1.0, TRAINED, 'linear, llama3: low frequencies (all, for linear) divided by '
+      'this'),
+    F('rope_low_freq_factor', 1.0, TRAINED, 'llama3: wavelengths > original_max_len / this are '
+      'scaled'),
+    F('rope_high_freq_factor', 4.0, TRAINED, 'llama3: wavelengths < original_max_len / this are '
+      'kept'),
+    F('rope_original_max_len', 8192, TRAINED, 'llama3: the context length the model was '
+      'pretrained at'),
+    F('max_position_embeddings', 0, SAFE, 'context length a Hugging Face export states (0: '
+      "data.seq_len); an import keeps its checkpoint's"),
+    F('norm_eps', 1e-5, TRAINED, 'RMSNorm epsilon'),
+    F('init_std', 0.02, SAFE, 'normal init std (output projections scaled by 1/sqrt(2*layers)); '
+      'used only at initialization'),
+    F('attention', 'auto', SAFE, "'auto' (cuDNN where it runs, else XLA) | 'xla' | 'cudnn' | "
+      "'pallas'"),
+    F('remat', 'auto', SAFE, "'auto' (dots with fused attention, else full) | 'none' | 'full' | "
+      "'dots' | 'dots_no_batch' | 'minimal'"),
+    F('scan_layers', True, SHAPE, 'scan over stacked layers (compile time independent of depth)'),
+    F('dtype', _AUTO_DTYPE, _float16_toggled, "compute dtype: 'auto' (bfloat16 on TPUs and NVIDIA "
+      'sm_80+, float16 with loss scaling on older NVIDIA GPUs, float32 on the CPU) | '
+      "'bfloat16' | 'float16' | 'float32'; params and optimizer state stay float32"),
+    F('param_dtype', 'float32', SHAPE, 'master parameter dtype'),
+    F('fp8', False, SAFE, 'attention and MLP projections in FP8 (Hopper/Ada GPUs; simulated on '
+      'the CPU): per-tensor current scaling, jax_pretrain/fp8.py'),
+)
+
+DATA = (
+    F('seq_len', 2048, STREAM, 'tokens per training sequence'),
+    F('format', 'text', STREAM, "'text': documents (pretraining) | 'sft': JSONL prompt/completion "
+      'or chat messages, packed, loss on completions (docs/data.md)'),
+    F('train', '', STREAM, "required: 'SOURCE[#field][:weight],...' (docs/data.md)"),
+    F('val', '', STREAM, "eval sources; '' carves val_ratio from the training data"),
+    F('val_ratio', 0.05, STREAM, "share of the training data held out for eval when val is ''"),
+    F('tokenizer', '', STREAM, "'': from the data (else bytes); 'byte'; a sentencepiece .model; "
+      'a tokenizer.json, or a directory with one (docs/data.md)'),
+    F('text_field', 'text', STREAM, 'JSONL key, Parquet column or TFDS feature that holds the '
+      'text'),
+    F('tfds_data_dir', '', SAFE, "TFDS data_dir for tfds:NAME sources ('': "
+      '~/tensorflow_datasets)'),
+    F('on_bad_record', 'error', SAFE, "bad raw-text lines: 'error' | 'skip' (counted, reported per "
+      'file)'),
+    F('num_workers', 0, SAFE, 'grain worker processes for batches (0: threads in this process)'),
+    F('read_threads', 2, SAFE, 'threads assembling batches in each process'),
+    F('prefetch', 4, SAFE, 'batches buffered ahead of the trainer'),
+)
+
+TRAIN = (
+    F('steps', 0, SAFE, 'optimizer steps; 0: derive from total_tokens'),
+    F('total_tokens', 0, SAFE, 'run length in tokens (alternative to steps)'),
+    F('batch_size', 64, STREAM, 'global batch, in sequences'),
+    F('micro_batch_size', 0, SAFE, 'sequences per data-parallel device per forward/backward; 0: '
+      'on a GPU the largest that fits (compiled at start-up, printed), else batch_size / '
+      'data-parallel devices (no accumulation)'),
+    F('seed', 0, STREAM, 'parameter init and data order'),
+    F('log_every', 10, SAFE, 'steps between logged scalars'),
+    F('eval_every', 500, SAFE, 'steps between evals (and at the end)'),
+    F('eval_steps', 20, SAFE, 'eval batches per eval'),
+    F('eval_batch_size', 0, SAFE, '0: micro_batch_size × data-parallel devices (one pass, no '
+      'OOM)'),
+    F('peak_flops', 0.0, SAFE, 'device peak dense bf16 FLOP/s for MFU; 0: look up by device kind'),
+    F('on_nonfinite', 'halt', SAFE, "non-finite loss or grad norm: 'halt' (checkpoints intact) | "
+      "'skip'"),
+    F('max_consecutive_skips', 10, SAFE, "with 'skip': halt after this many non-finite steps in a "
+      'row'),
+    F('sample_prompt', 'The ', SAFE, "prompt of the continuation printed at the end ('' "
+      'disables)'),
+    F('sample_tokens', 64, SAFE, 'tokens generated for that continuation'),
+    # Downstream evals during training through lm-evaluation-harness (jax_pretrain/lm_eval.py).
+    F('lm_eval_tasks', '', SAFE, "tasks, comma-separated ('' : none), logged as "
+      'lm_eval/TASK/METRIC'),
+    F('lm_eval_every', 0, SAFE, 'steps between them; 0: at every eval (eval_every) and the end'),
+    F('lm_eval_include_path', '', SAFE, "a folder of extra task YAMLs (lm_eval's --include_path)"),
+    F('lm_eval_limit', 0, SAFE, 'examples per task at most; 0: all'),
+    F('wandb_project', '', SAFE, "Weights & Biases project: the scalars go there too ('': off)"),
+    F('wandb_entity', '', SAFE, "its team or user ('': your default entity)"),
+    F('wandb_run_name', '', SAFE, "the run's name there ('': the workdir's name)"),
+    F('profile_steps', '', SAFE, "'START:STOP': trace those steps (jax.profiler) to "
+      'WORKDIR/profile'),
+)
+
+OPTIM = (
+    F('learning_rate', 3e-4, SAFE, 'peak learning rate', was='train.learning_rate'),
+    F('min_learning_rate', 3e-5, SAFE, 'end of the cosine decay', was='train.min_learning_rate'),
+    F('warmup_steps', 0, SAFE, 'linear warmup; 0: derive from warmup_tokens',
+      was='train.warmup_steps'),
+    F('warmup_tokens', 0, SAFE, 'warmup in tokens (alternative to warmup_steps)',
+      was='train.warmup_tokens'),
+    F('b1', 0.9, SAFE, 'AdamW beta1', was='train.b1'),
+    F('b2', 0.95, SAFE, 'AdamW beta2', was='train.b2'),
+    F('eps', 1e-8, SAFE, 'AdamW epsilon', was='train.eps'),
+    F('weight_decay', 0.1, SAFE, 'decoupled weight decay (not applied to norms or other 1-D '
+      'params)', was='train.weight_decay'),
+    F('grad_clip', 1.0, _clipping_toggled, 'clip by global norm; 0 disables',
+      was='train.grad_clip'),
+    F('mu_dtype', 'float32', SHAPE, "AdamW first-moment dtype; 'bfloat16' halves its memory"),
+)
+
+MESH = (  # safe to change: checkpoints restore onto any mesh
+    F('data', -1, SAFE, 'data-parallel axis size; -1: all remaining devices'),
+    F('fsdp', 1, SAFE, 'parameter-sharded data-parallel axis size'),
+    F('tensor', 1, SAFE, 'tensor-parallel axis size (heads, MLP, vocab)'),
+)
+
+CHECKPOINT = (
+    F('restore_from', '', SAFE, "another run's workdir: start from its params (new optimizer, "
+      'data); used only when the workdir has no checkpoint'),
+    F('every_steps', 1000, SAFE, 'steps between (asynchronous) saves; 0: only the final save'),
+    F('keep', 2, SAFE, 'keep the latest this many checkpoints'),
+    F('keep_best', 3, SAFE, 'and also the best this many by eval loss (0: none)'),
+    F('async_save', True, SAFE, 'write in the background while training continues'),
+    F('save_final', True, SAFE, 'save the state at the end of training'),
+)
+
+GROUPS = {'model': MODEL, 'data': DATA, 'train': TRAIN, 'optim': OPTIM, 'mesh': MESH,
+          'checkpoint': CHECKPOINT}
+FIELDS = {f'{group}.{f.name}': f for group, fields in GROUPS.items() for f in fields}
 
 # Fields that moved between groups: configs and config.json files written before still load.
-MOVED = {('train', name): ('optim', name) for name in (
-    'learning_rate', 'min_learning_rate', 'warmup_steps', 'warmup_tokens', 'b1', 'b2', 'eps',
-    'weight_decay', 'grad_clip')}
+MOVED = {tuple(f.was.split('.')): tuple(name.split('.')) for name, f in FIELDS.items() if f.was}
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Every field at its default, as the tables above declare them."""
+  return ml_collections.ConfigDict(
+      {group: {f.name: f.default for f in fields} for group, fields in GROUPS.items()})
+
+
+def _view_class(group: str, doc: str) -> type:
+  """A frozen dataclass of the group's fields (their types those of the defaults), built from
+  the resolved group by from_config."""
+  cls = dataclasses.make_dataclass(
+      f'{group.capitalize()}Config', [(f.name, type(f.default)) for f in GROUPS[group]],
+      frozen=True, namespace={'from_config': classmethod(
+          lambda cls, g: cls(**{f.name: g[f.name] for f in dataclasses.fields(cls)}))})
+  cls.__doc__ = doc
+  cls.__module__ = __name__
+  return cls
+
+
+# Typed, frozen views of the resolved groups (the model group's is model.ModelConfig).
+DataConfig = _view_class('data', 'The resolved data group.')
+TrainConfig = _view_class('train', 'The resolved train group.')
+OptimConfig = _view_class('optim', 'The resolved optim group.')
+MeshConfig = _view_class('mesh', 'The resolved mesh group: every axis size is known.')
+CheckpointConfig = _view_class('checkpoint', 'The resolved checkpoint group.')
+
+
+def model_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:
+  return model_lib.ModelConfig.from_config(config.model)
+
+
+def data_config(config: ml_collections.ConfigDict) -> DataConfig:
+  return DataConfig.from_config(config.data)
+
+
+def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
+  return TrainConfig.from_config(config.train)
+
+
+def optim_config(config: ml_collections.ConfigDict) -> OptimConfig:
+  return OptimConfig.from_config(config.optim)
+
+
+def mesh_config(config: ml_collections.ConfigDict) -> MeshConfig:
+  return MeshConfig.from_config(config.mesh)
+
+
+def checkpoint_config(config: ml_collections.ConfigDict) -> CheckpointConfig:
+  return CheckpointConfig.from_config(config.checkpoint)
 
 
 def from_dict(saved: dict, strict: bool = False) -> ml_collections.ConfigDict:
@@ -217,8 +334,6 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, backend: str | 
   return c, RunShape(mesh_shape=mesh_shape, grad_accum_steps=accum,
                      tokens_per_step=tokens_per_step, choices=tuple(choices))
 
-
-_AUTO_DTYPE = 'auto'
 
 
 def _auto_dtype(backend: str, device) -> tuple[str, str]:
@@ -406,48 +521,6 @@ def profile_steps(t: ml_collections.ConfigDict) -> tuple[int, int] | None:
   return int(start), int(stop)
 
 
-# Resuming a run with a changed config. Every field is one of: safe to change (accepted, one line
-# each), or refused with the reason (the checkpoint's state or data position depends on it).
-_SHAPE = ('the checkpoint holds parameters and optimizer state of the old shape, layout or dtype')
-_TRAINED_WITH = 'the parameters were trained with the old value'
-_STREAM = ('the checkpoint\'s data position counts batches of the old data stream, and '
-           'train/tokens counts tokens of the old batch shape')
-_LOSS_SCALE = ("a float16 run's train state holds its dynamic loss scale, other dtypes' do not "
-               '(to resume on another card, give the old dtype: --config.model.dtype=OLD)')
-RESUME_REFUSED = {
-    **{f'model.{f}': _SHAPE for f in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads',
-                                      'head_dim', 'mlp_dim', 'vocab_size', 'tie_embeddings',
-                                      'scan_layers', 'param_dtype')},
-    'model.rope_theta': _TRAINED_WITH, 'model.norm_eps': _TRAINED_WITH,
-    **{f'model.{f}': _TRAINED_WITH for f in ('rope_scaling', 'rope_factor', 'rope_low_freq_factor',
-                                             'rope_high_freq_factor', 'rope_original_max_len')},
-    'optim.mu_dtype': _SHAPE,
-    **{f: _STREAM for f in ('train.batch_size', 'train.seed', 'data.seq_len', 'data.train',
-                            'data.val', 'data.val_ratio', 'data.tokenizer', 'data.text_field',
-                            'data.format')},
-}
-RESUME_SAFE = {
-    'model.init_std',  # used only at initialization
-    'model.max_position_embeddings',  # what a Hugging Face export states
-    'model.attention', 'model.remat', 'model.dtype', 'model.fp8',  # how it is computed
-    'data.tfds_data_dir', 'data.on_bad_record', 'data.num_workers', 'data.read_threads',
-    'data.prefetch',
-    'train.steps', 'train.total_tokens', 'train.micro_batch_size', 'train.log_every',
-    'train.eval_every', 'train.eval_steps', 'train.eval_batch_size', 'train.peak_flops',
-    'train.on_nonfinite', 'train.max_consecutive_skips', 'train.sample_prompt',
-    'train.sample_tokens', 'train.lm_eval_tasks', 'train.lm_eval_every',
-    'train.lm_eval_include_path', 'train.lm_eval_limit', 'train.wandb_project',
-    'train.wandb_entity', 'train.wandb_run_name', 'train.profile_steps',
-    'optim.learning_rate', 'optim.min_learning_rate', 'optim.warmup_steps', 'optim.warmup_tokens',
-    'optim.b1', 'optim.b2', 'optim.eps', 'optim.weight_decay',
-    'optim.grad_clip',  # its value; turning clipping on or off changes the optimizer state
-    'mesh.data', 'mesh.fsdp', 'mesh.tensor',  # checkpoints restore onto any mesh
-    'checkpoint.every_steps', 'checkpoint.keep', 'checkpoint.keep_best', 'checkpoint.async_save',
-    'checkpoint.save_final',
-    'checkpoint.restore_from',  # used only when the workdir has no checkpoint
-}
-
-
 def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> dict[str, tuple]:
   """{'group.field': (checkpoint's value, this config's)} of every resolved field that differs
   from the checkpoint's config (saved: its dict). Raises ConfigError listing the refused ones."""
@@ -459,12 +532,7 @@ def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> dict[str, 
       if before == after:
         continue
       changes[field] = (before, after)
-      reason = RESUME_REFUSED.get(field)
-      if field == 'optim.grad_clip' and (before > 0) != (after > 0):
-        reason = _SHAPE  # clipping on or off: another optimizer state
-      if (field == 'model.dtype' and (before == 'float16') != (after == 'float16')
-          and _AUTO_DTYPE not in (before, after)):
-        reason = _LOSS_SCALE  # float16 on or off: the train state gains or loses its loss scale
+      reason = FIELDS[field].refusal(before, after)
       if reason:
         refused.setdefault(reason, []).append(f'{field} {before!r} -> {after!r}')
   if refused:
@@ -475,6 +543,3 @@ def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> dict[str, 
         '--config.checkpoint.restore_from=WORKDIR --workdir=NEW (fresh optimizer and data order).')
   return changes
 
-
-def model_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:
-  return model_lib.ModelConfig.from_config(config.model)

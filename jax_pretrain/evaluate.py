@@ -11,7 +11,7 @@ path.py:function), the completions decoded by the engine that serve and lm_eval 
 --data takes a source list in data.train's syntax ('a.jsonl:0.7,tfds:name@validation,embedded',
 prepared directories (their --split, default val), token files; docs/data.md). Without it, the
 run's own held-out data: data.val, or the last data.val_ratio of each data.train source, as in
-training (what data.build holds out).
+training (what data.open_batches holds out).
 
 Each source is read in order as windows of seq_len + 1 tokens starting every seq_len tokens, so
 each token of its first max_tokens is a target exactly once (the last window padded with pad_id,
@@ -24,7 +24,8 @@ Bits per byte = total NLL in nats / ln 2 / UTF-8 bytes of the evaluated text, so
 different tokenizers compare. The bytes are those of the detokenized targets, decoded one document
 (EOS-delimited) at a time: the text the targets stand for, since decode(encode(document)) is the
 document for the byte tokenizer and for sentencepiece models with byte fallback. Sources without
-text (token files with no tokenizer, synthetic tokens) have no bits per byte.
+text (token files with no tokenizer, synthetic tokens) have no bits per byte. The eval data itself
+comes from the data package: data.eval_sets.
 """
 import dataclasses
 import json
@@ -32,17 +33,12 @@ import math
 import time
 
 from absl import flags
-import numpy as np
 
 from jax_pretrain import cli
 from jax_pretrain import data as data_lib
 from jax_pretrain import metrics as metrics_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain import workdir as workdir_lib
-from jax_pretrain.data import loader
-from jax_pretrain.data import pipeline
-from jax_pretrain.data import sources as sources_lib
-from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.errors import UserError
 
 
@@ -71,90 +67,26 @@ class Result:
                 bits_per_byte=self.bits_per_byte)
 
 
-def text_bytes(tokenizer, ids: np.ndarray) -> int | None:
-  """UTF-8 bytes of the text that ids stand for, decoded a document at a time (see the module
-  docstring); None for a tokenizer without text."""
-  if isinstance(tokenizer, tokenizer_lib.IdTokenizer):
-    return None
-  total, start = 0, 0
-  for end in [*np.flatnonzero(ids == tokenizer.eos_id).tolist(), len(ids)]:
-    if end > start:
-      total += len(tokenizer.decode(ids[start:end]).encode('utf-8'))
-    start = end + 1
-  return total
-
-
-def _batches(windows, n_windows: int, batch_size: int, pad_id: int):
-  """Windows [0, n_windows) in order, batch_size rows a batch, the last filled up with pad_id."""
-  for start in range(0, n_windows, batch_size):
-    tokens_BxT1 = np.full((batch_size, windows.seq_len + 1), pad_id, np.int32)
-    for r, i in enumerate(range(start, min(start + batch_size, n_windows))):
-      tokens_BxT1[r] = windows[i]
-    yield {'tokens': tokens_BxT1}
-
-
 def evaluate(workdir: str, data: str = '', *, step: int | None = None, max_tokens: int = 1_000_000,
              batch_size: int = 0, split: str = 'val', devices=None) -> list[Result]:
   """One Result per source, then (for several) their total. max_tokens: per source, 0 for all;
   batch_size 0: the run's train.eval_batch_size."""
   run = workdir_lib.load(workdir, step, devices)
-  config, tokenizer, s = run.config, run.tokenizer, run.setup
-  T = config.data.seq_len
+  config, tokenizer, setup = run.config, run.tokenizer, run.setup
   B = batch_size or config.train.eval_batch_size
-  if B % s.mesh.size:
-    raise UserError(f'--batch_size={B} is not a multiple of the {s.mesh.size} devices.')
-  pad_id = tokenizer.pad_id
-  eval_step = state_lib.jit_eval_step(s, pad_id)
-  if config.data.format == 'sft':
-    return _evaluate_sft(run, eval_step, data, max_tokens, B)
-  if data:
-    components = data_lib.eval_components(sources_lib.parse(data, '--data'), tokenizer,
-                                          sources_lib.ReadOptions.from_config(config.data), split)
-  else:
-    components = loader.split_components(data_lib.open_sources(config), config.data.val_ratio)[1]
+  if B % setup.mesh.size:
+    raise UserError(f'--batch_size={B} is not a multiple of the {setup.mesh.size} devices.')
+  eval_step = state_lib.jit_eval_step(setup, tokenizer.pad_id)
   results = []
-  for c in components:
-    if c.tokens is None:
-      n = max(1, -(-max_tokens // T)) if max_tokens else 64
-      windows = pipeline.SyntheticWindows(tokenizer.vocab_size, pad_id, T, pipeline.EVAL_SEED, n)
-    else:
-      windows = pipeline.Windows(c.tokens, T, pad_id=pad_id)
-    n_windows = len(windows) if not max_tokens else min(len(windows), -(-max_tokens // T))
-    nll, count = state_lib.summed_loss(eval_step, run.params,
-                                       _batches(windows, n_windows, B, pad_id), s.batch_sharding)
-    result = Result(c.name, c.weight, int(count), nll)
-    if c.tokens is not None and n_windows:  # the targets of windows [0, n): tokens [1, n·T + 1)
-      targets = c.tokens.read(1, min(len(c.tokens), n_windows * T + 1))
-      result.bytes = text_bytes(tokenizer, targets)
-    results.append(result)
+  for eval_set in data_lib.eval_sets(config, tokenizer, B, data, split, max_tokens):
+    nll, count = state_lib.summed_loss(eval_step, run.params, eval_set.batches,
+                                       setup.batch_sharding)
+    results.append(Result(eval_set.name, eval_set.weight, int(count), nll, eval_set.bytes))
   if len(results) > 1:
     known = [r.bytes for r in results]
     results.append(Result('all', sum(r.weight for r in results), sum(r.tokens for r in results),
                           sum(r.nll for r in results),
                           None if None in known else sum(known)))
-  return results
-
-
-def _evaluate_sft(run, eval_step, data: str, max_tokens: int, batch_size: int) -> list[Result]:
-  """Completion-token loss of packed SFT examples, per source (data/sft.py)."""
-  from jax_pretrain.data import sft  # noqa: PLC0415
-  config, T = run.config, run.config.data.seq_len
-  if data:
-    options = sources_lib.ReadOptions.from_config(config.data)
-    sources = loader.Sources([], sources_lib.parse(data, '--data'), run.tokenizer, options,
-                             config.data.tokenizer)
-  else:
-    sources = dataclasses.replace(data_lib.open_sources(config), tokenizer=run.tokenizer)
-  results = []
-  for rows in sft.packed_sources(sources, T, config.data.val_ratio, run.tokenizer.pad_id)[1]:
-    n = len(rows) if not max_tokens else min(len(rows), -(-max_tokens // T))
-    batches = pipeline.eval_batches([rows[i] for i in range(n)], -(-n // batch_size), batch_size,
-                                    T, run.tokenizer.pad_id)
-    nll, count = state_lib.summed_loss(eval_step, run.params, batches, run.setup.batch_sharding)
-    results.append(Result(rows.examples.name, rows.examples.weight, int(count), nll))
-  if len(results) > 1:
-    results.append(Result('all', sum(r.weight for r in results), sum(r.tokens for r in results),
-                          sum(r.nll for r in results)))
   return results
 
 

@@ -180,7 +180,7 @@ class JaxLM(lm_eval_model.TemplateLM):
     return [seq.text for seq in sequences]
 
 
-def evaluate(lm: JaxLM, tasks: list[str], *, include_path: str = '', limit: float | None = None,
+def run_tasks(lm: JaxLM, tasks: list[str], *, include_path: str = '', limit: float | None = None,
              num_fewshot: int | None = None, log_samples: bool = False,
              task_manager=None) -> dict:
   """lm_eval's results dict (results, configs, versions, n-samples, and samples if log_samples)."""
@@ -229,7 +229,8 @@ def _training_tasks(t) -> tuple[list[str], object]:
 
 
 def check_tasks(t) -> None:
-  """Fails (ConfigError) on a train.lm_eval_tasks name that lm_eval does not know."""
+  """Fails (ConfigError) on a train.lm_eval_tasks name that lm_eval does not know (t: the
+  resolved train group, or its view)."""
   try:
     check_known(*_training_tasks(t))
   except TaskError as e:
@@ -238,11 +239,11 @@ def check_tasks(t) -> None:
 
 def evaluate_during_training(config, params, tokenizer) -> dict[str, float]:
   """The train.lm_eval_* tasks on the current params, as lm_eval/TASK/METRIC scalars."""
-  t = config.train
+  t = config_lib.train_config(config)
   tasks, task_manager = _training_tasks(t)
   lm = JaxLM(config_lib.model_config(config), params, tokenizer, max_length=config.data.seq_len,
              seed=t.seed)
-  return scalars(evaluate(lm, tasks, limit=t.lm_eval_limit or None, task_manager=task_manager))
+  return scalars(run_tasks(lm, tasks, limit=t.lm_eval_limit or None, task_manager=task_manager))
 
 
 def main():
@@ -256,7 +257,7 @@ def main():
   lm = JaxLM(config_lib.model_config(run.config), run.params, run.tokenizer,
              max_length=run.config.data.seq_len, batch_size=f.batch_size, seed=f.seed)
   limit = None if f.limit is None else (int(f.limit) if f.limit >= 1 else f.limit)
-  results = evaluate(lm, f.tasks, limit=limit, num_fewshot=f.num_fewshot,
+  results = run_tasks(lm, f.tasks, limit=limit, num_fewshot=f.num_fewshot,
                      log_samples=f.log_samples, task_manager=task_manager)
   seconds = time.perf_counter() - t0
   print(lm_eval_utils.make_table(results))

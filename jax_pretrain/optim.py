@@ -1,14 +1,16 @@
 """AdamW with linear warmup then cosine decay, clipping by global norm, and a decay mask.
 
-Everything is read from the (resolved) config.optim group; the run's length is train.steps.
+Everything is read from the resolved optim group's typed view (config.OptimConfig); the run's
+length is train.steps.
 """
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
+from jax_pretrain.config import OptimConfig
 
-def learning_rate_schedule(o: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
+
+def learning_rate_schedule(o: OptimConfig, steps: int) -> optax.Schedule:
   """0 -> learning_rate linearly over warmup_steps, then cosine down to min_learning_rate at steps.
 
   optax's decay_steps counts the warmup too, so it is the whole run.
@@ -27,8 +29,9 @@ def weight_decay_mask(params):
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(o: ml_collections.ConfigDict, steps: int) -> optax.GradientTransformation:
-  """o: the optim config group; steps: the run's optimizer steps (the schedule's length)."""
+def make_optimizer(o: OptimConfig, steps: int) -> optax.GradientTransformation:
+  """o: the resolved optim group (config.optim_config); steps: the run's optimizer steps (the
+  schedule's length)."""
   adamw = optax.adamw(learning_rate_schedule(o, steps), b1=o.b1, b2=o.b2, eps=o.eps,
                       weight_decay=o.weight_decay, mask=weight_decay_mask,
                       mu_dtype=jnp.dtype(o.mu_dtype))

@@ -61,7 +61,7 @@ def merge_xla_flags(user: str, defaults=GPU_XLA_FLAGS) -> str:
 
 
 def configure(cache: bool = True) -> list[str]:
-  """Applies the settings above to this process; returns describe()'s lines for a GPU.
+  """Applies the settings above to this process; returns settings()'s lines for a GPU.
 
   Must run before jax initializes its backend (the first jax.devices() or computation).
   cache=False turns the persistent compilation cache off instead (jax_pretrain.plan: a program
@@ -75,10 +75,10 @@ def configure(cache: bool = True) -> list[str]:
     jax.config.update('jax_enable_compilation_cache', False)
   elif not jax.config.jax_compilation_cache_dir:
     jax.config.update('jax_compilation_cache_dir', default_cache_dir())
-  return describe('gpu')
+  return settings('gpu')
 
 
-def describe(platform: str) -> list[str]:
+def settings(platform: str) -> list[str]:
   """The settings in force, one line each, for a run on `platform` ('gpu', 'cpu', ...): the GPU
   ones only on a GPU."""
   import jax  # noqa: PLC0415

@@ -59,7 +59,7 @@ def describe(s: Setup, num_params: int) -> str:
       f'attention         {m.attention}, remat {m.remat}',
       f'precision         compute {m.dtype}, params and optimizer {m.param_dtype}',
   ] + [f'chosen            {choice}' for choice in run.choices]
-      + runtime.describe(s.mesh.devices.flat[0].platform))
+      + runtime.settings(s.mesh.devices.flat[0].platform))
 
 
 class StepLogger:
@@ -271,7 +271,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         workdir_lib.write_config(workdir, resolved)
         workdir_lib.save_tokenizer(workdir, sources.tokenizer)
         workdir_lib.record_launch(workdir, step, changes)
-      data = stop.wait('loading the data', data_lib.build, resolved, sources,
+      data = stop.wait('loading the data', data_lib.open_batches, resolved, sources,
                        jax.process_index(), jax.process_count(), step)
       try:
         train_step = stop.wait('compiling', _compile, s, sources.tokenizer.pad_id)

@@ -145,7 +145,7 @@ def main():
   from jax_pretrain import runtime
   runtime.configure()  # the trainer's XLA flags, memory fraction, cache
   import jax
-  print('\n'.join(runtime.describe(jax.default_backend())))
+  print('\n'.join(runtime.settings(jax.default_backend())))
   config = cli.config_value(_CONFIG)
   results = []
   for c in settings(config):

@@ -52,7 +52,7 @@ def benchmark_pipeline(a, source_list: str) -> float:
   sources = data_lib.open_sources(c)
   c, _ = config_lib.resolve(c, num_devices=1, backend='cpu',
                             tokenizer_vocab_size=sources.tokenizer.vocab_size)
-  data = data_lib.build(c, sources)
+  data = data_lib.open_batches(c, sources)
   print(f'built the pipeline in {time.perf_counter() - t0:.2f} s ({source_list[:80]})')
   it = data.train
   for _ in range(a.warmup):

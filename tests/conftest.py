@@ -47,13 +47,14 @@ def run_cli(*args) -> str:
 
 
 def build_data(config, process_index: int = 0, process_count: int = 1):
-  """data.build as the trainer calls it: sources opened once, the config resolved (one device)."""
+  """data.open_batches as the trainer calls it: sources opened once, the config resolved (one
+  device)."""
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import data as data_lib  # noqa: PLC0415
   sources = data_lib.open_sources(config)
   resolved, _ = config_lib.resolve(config, num_devices=1, backend='cpu',
                                    tokenizer_vocab_size=sources.tokenizer.vocab_size)
-  return data_lib.build(resolved, sources, process_index, process_count)
+  return data_lib.open_batches(resolved, sources, process_index, process_count)
 
 
 def build_setup(config, devices=None):

@@ -1,5 +1,7 @@
 """Config: presets load, overrides apply, bad fields and inconsistent values fail clearly."""
+import dataclasses
 import os
+import re
 
 from absl import flags
 from ml_collections import config_flags
@@ -205,3 +207,44 @@ def test_resuming_into_or_out_of_float16_is_refused_naming_the_loss_scale(before
   else:
     assert config_lib.resume_changes(config_lib.as_dict(old), new) == {
         'model.dtype': (before, after)}
+
+
+def _changed(value):
+  if isinstance(value, bool):
+    return not value
+  if isinstance(value, (int, float)):
+    return value * 2 + 3
+  return value + 'x'
+
+
+def test_every_field_declares_its_resume_policy_and_resume_changes_applies_it():
+  saved = config_lib.as_dict(config_lib.defaults())
+  assert set(config_lib.FIELDS) == {f'{g}.{n}' for g in saved for n in saved[g]}
+  refused = []
+  for name, field in config_lib.FIELDS.items():
+    group, key = name.split('.')
+    new = config_lib.defaults()
+    new[group][key] = after = _changed(field.default)
+    reason = field.refusal(field.default, after)
+    if reason:
+      refused.append(name)
+      with pytest.raises(config_lib.ConfigError, match=f'{name} .* -> .*{re.escape(reason)}'):
+        config_lib.resume_changes(saved, new)
+    else:
+      assert config_lib.resume_changes(saved, new) == {name: (field.default, after)}
+  assert 'model.d_model' in refused and 'train.seed' in refused and 'data.train' in refused
+  assert 'optim.learning_rate' not in refused and 'mesh.data' not in refused
+  grad_clip = config_lib.FIELDS['optim.grad_clip']  # its value is safe; on or off is not
+  assert not grad_clip.refusal(1.0, 0.5) and grad_clip.refusal(1.0, 0.0) == config_lib.SHAPE
+
+
+def test_views_are_typed_frozen_copies_of_the_resolved_groups():
+  c, _ = config_lib.resolve(config_lib.preset('test'), 8, backend='cpu')
+  optim = config_lib.optim_config(c)
+  assert isinstance(optim, config_lib.OptimConfig) and optim.learning_rate == c.optim.learning_rate
+  assert config_lib.mesh_config(c) == config_lib.MeshConfig(data=8, fsdp=1, tensor=1)
+  assert config_lib.train_config(c).steps == c.train.steps > 0
+  assert config_lib.data_config(c).seq_len == c.data.seq_len
+  assert config_lib.checkpoint_config(c).keep == c.checkpoint.keep
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    optim.learning_rate = 1.0

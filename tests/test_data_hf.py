@@ -113,7 +113,7 @@ def test_a_streamed_dataset_is_read_by_shard_and_says_it_is_not_pinned(data, mon
   hub.open_dataset.cache_clear()
   try:
     with caplog.at_level(logging.WARNING):
-      items = hub.plan('hf', 'someone/fineweb-tiny', 'train', 'body')
+      items = hub.work_items('hf', 'someone/fineweb-tiny', 'train', 'body')
     assert calls == [('someone/fineweb-tiny', 'train', True)]
     assert [(i.start, i.stop) for i in items] == [(0, 1), (1, 2)]  # one item per data file
     assert any('streamed from the Hub' in r.getMessage() for r in caplog.records)

@@ -1,5 +1,5 @@
-"""The grain pipeline through data.build: determinism, sharding, resume, mixture, one-pass coverage,
-eval batches, token files, synthetic data and the embedded default."""
+"""The grain pipeline through data.open_batches: determinism, sharding, resume, mixture, one-pass
+coverage, eval batches, token files, synthetic data and the embedded default."""
 import collections
 import json
 import os

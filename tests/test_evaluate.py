@@ -62,10 +62,10 @@ def test_text_bytes_are_the_documents_bytes(tmp_path):
   docs = corpus.embedded_documents()[:20] + ['ünïcödé 日本 🙂\n']
   n_bytes = sum(len(d.encode('utf-8')) for d in docs)
   byte_tok = tokenizer_lib.ByteTokenizer()
-  assert evaluate.text_bytes(byte_tok, corpus.concatenate(docs, byte_tok)) == n_bytes
+  assert tokenizer_lib.text_bytes(byte_tok, corpus.concatenate(docs, byte_tok)) == n_bytes
   sp = tokenizer_lib.train_sentencepiece(docs, str(tmp_path / 'sp.model'), vocab_size=400)
-  assert evaluate.text_bytes(sp, corpus.concatenate(docs, sp)) == n_bytes
-  assert evaluate.text_bytes(tokenizer_lib.IdTokenizer(100, eos_id=0), np.arange(10)) is None
+  assert tokenizer_lib.text_bytes(sp, corpus.concatenate(docs, sp)) == n_bytes
+  assert tokenizer_lib.text_bytes(tokenizer_lib.IdTokenizer(100, eos_id=0), np.arange(10)) is None
 
 
 def test_sample_and_evaluate_command_lines(trained_run, tmp_path):

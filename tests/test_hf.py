@@ -24,6 +24,7 @@ from jax_pretrain import model as model_lib
 from jax_pretrain.checkpoint import CheckpointError
 from jax_pretrain.data import corpus
 from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.data import tokenizer_json
 from tests.conftest import ROOT
 from tests.conftest import run_cli
 from tests.conftest import subprocess_env
@@ -212,7 +213,7 @@ def our_tokenizers(tmp_path) -> dict:
 
 def test_exported_tokenizers_encode_like_ours_without_transformers(tmp_path):
   for name, tok in our_tokenizers(tmp_path).items():
-    assert hf.save_tokenizer(str(tmp_path / name), tok) == [], name
+    assert tokenizer_json.write(str(tmp_path / name), tok) == [], name
     assert sorted(os.listdir(tmp_path / name)) == ['tokenizer.json', 'tokenizer_config.json']
     back = tokenizer_lib.load(str(tmp_path / name))  # read with the tokenizers library
     assert (back.bos_id, back.eos_id, back.pad_id) == (tok.bos_id, tok.eos_id, tok.pad_id), name
@@ -224,7 +225,7 @@ def test_exported_tokenizers_encode_like_ours_without_transformers(tmp_path):
 def test_transformers_tokenizers_encode_and_decode_like_ours(tmp_path):
   transformers = pytest.importorskip('transformers')
   for name, tok in our_tokenizers(tmp_path).items():
-    hf.save_tokenizer(str(tmp_path / name), tok)
+    tokenizer_json.write(str(tmp_path / name), tok)
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / name))
     assert (hf_tok.eos_token_id, hf_tok.pad_token_id) == (tok.eos_id, tok.pad_id), name
     for text in TEXTS:

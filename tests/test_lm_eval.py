@@ -132,7 +132,7 @@ def test_requests_equal_training_loss_and_sample_generate(loaded, tasks):
   folder, mc, greedy, rolling = tasks
   lm = lm_eval_lib.JaxLM(model_config, params, tokenizer, max_length=tiny_run.SEQ_LEN,
                          batch_size=8)
-  out = lm_eval_lib.evaluate(lm, TASKS, include_path=folder, log_samples=True)
+  out = lm_eval_lib.run_tasks(lm, TASKS, include_path=folder, log_samples=True)
   reference = _reference_loglikelihood(loaded)
   encode = lambda text: [int(t) for t in tokenizer.encode(text)]
 
@@ -233,7 +233,7 @@ def test_agrees_with_lm_eval_hugging_face_backend(run, loaded, tasks, tmp_path):
   theirs = json.load(open(results_file, encoding='utf-8'))['results']
   lm = lm_eval_lib.JaxLM(model_config, params, tokenizer, max_length=tiny_run.SEQ_LEN,
                          batch_size=8)
-  ours = lm_eval_lib.evaluate(lm, TASKS, include_path=folder, log_samples=True)
+  ours = lm_eval_lib.run_tasks(lm, TASKS, include_path=folder, log_samples=True)
 
   assert ours['results']['local_mc']['acc,none'] == theirs['local_mc']['acc,none']
   assert ours['results']['local_gen']['exact_match,none'] == (

@@ -136,6 +136,9 @@ def test_data_parallel_gradients_are_reduced_once_per_step_in_float32():
   assert any(i.opcode == 'while' for i in computations[entry])
   reductions = [i for body in computations.values() for i in body
                 if i.opcode in ('all-reduce', 'all-reduce-start')]
+  stats = hlo.analyze(text)  # counts each instruction as often as it runs (loops' trip counts)
+  assert reductions and stats.unknown_trip_counts == 0
+  assert stats.collectives['all-reduce'].count == len(reductions)  # each once: none in a loop
   shapes = {i.name: i.shape for body in computations.values() for i in body}
   reduced = [shapes[o] for i in reductions for o in i.operands]
   assert reductions and all(shape.startswith('f32') for shape in reduced), reduced
@@ -143,7 +146,7 @@ def test_data_parallel_gradients_are_reduced_once_per_step_in_float32():
   assert sum(hlo.shape_bytes(x) for x in reduced) == 4 * n + 4 * 2
   # Per step, counting each by its loop's trips (what plan reports): the same bytes, so none of
   # them runs inside the accumulation loop (there, twice a step).
-  assert hlo.analyze(text).collectives['all-reduce'].bytes == 4 * n + 4 * 2
+  assert stats.collectives['all-reduce'].bytes == 4 * n + 4 * 2
 
 
 # Remat policies × meshes × GQA/MHA. XLA's SPMD partitioner once aborted the whole process (a

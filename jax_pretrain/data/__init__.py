@@ -1,9 +1,9 @@
 """Input pipeline: what the trainer calls to get batches.
 
   sources = data.open_sources(config)          # data.train / data.val parsed once, the tokenizer
-  batches = data.build(resolved_config, sources, process_index, process_count)
+  batches = data.open_batches(resolved_config, sources, process_index, process_count)
 
-`build` returns a `Data` with
+`open_batches` returns a `Data` with
   tokenizer      encode/decode, vocab_size, bos_id, eos_id, pad_id
   train          an endless iterator of {'tokens': int32 [local_batch, seq_len + 1]} with
                  starting at a given global batch, so a resumed run draws exactly what an
@@ -12,6 +12,9 @@
                  the end of the data are filled with pad_id (the loss ignores them)
 Each process gets only its own rows: local_batch = batch_size // process_count.
   data.Prefetcher(batches.train, batch_sharding) puts them on the devices ahead of use (a thread).
+  data.eval_sets(config, tokenizer, batch_size, data='', split='val', max_tokens=0): a finished
+  run's eval data (or other sources), one EvalSet (name, weight, batches in order, the UTF-8
+  bytes of its targets) per source, as evaluate.py scores it.
 
 Sources (config.data.train / .val, see docs/data.md): prepared directories (scripts/prepare_data.py,
 recommended for real runs), token files (.npy/.bin), raw text (.jsonl/.txt, also gzip or zstd
@@ -22,11 +25,12 @@ prepare (text -> token files), pipeline (grain), corpus (the embedded text).
 """
 from jax_pretrain.data.errors import DataError
 from jax_pretrain.data.loader import Data
+from jax_pretrain.data.loader import EvalSet
 from jax_pretrain.data.loader import Sources
-from jax_pretrain.data.loader import build
-from jax_pretrain.data.loader import eval_components
+from jax_pretrain.data.loader import eval_sets
+from jax_pretrain.data.loader import open_batches
 from jax_pretrain.data.loader import open_sources
 from jax_pretrain.data.prefetch import Prefetcher
 
-__all__ = ['Data', 'DataError', 'Prefetcher', 'Sources', 'build', 'eval_components',
-           'open_sources']
+__all__ = ['Data', 'DataError', 'EvalSet', 'Prefetcher', 'Sources', 'eval_sets',
+           'open_batches', 'open_sources']

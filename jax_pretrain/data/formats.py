@@ -1,8 +1,8 @@
 """File formats, registered by file-name ending: text to read (JSONL, plain text, Parquet) and token
 ids to memory-map (.npy, .bin).
 
-A text format cuts a file into `WorkItem`s (`plan`: cheap, one process; byte ranges, row groups)
-and reads an item's records (`read`: any process), so reading parallelizes over cores. Each
+A text format cuts a file into `WorkItem`s (`work_items`: cheap, one process; byte ranges, row
+groups) and reads an item's records (`read`: any process), so reading parallelizes over cores. Each
 record is (number, text, None), or (number, None, what is wrong with it) for a bad one; numbers
 are lines (or rows) from 1, so errors name them. Sources that are not files (the embedded manual,
 TFDS, see sources.py) register their readers here too: a work item names its reader by `reader`.
@@ -62,7 +62,7 @@ class TextFormat(Reader):
   endings: tuple[str, ...] = ()
 
   @classmethod
-  def plan(cls, path: str, field: str) -> list[WorkItem]:
+  def work_items(cls, path: str, field: str) -> list[WorkItem]:
     raise NotImplementedError
 
 
@@ -138,7 +138,7 @@ class Jsonl(TextFormat):
   name, endings = 'jsonl', ('.jsonl',)
 
   @classmethod
-  def plan(cls, path: str, field: str) -> list[WorkItem]:
+  def work_items(cls, path: str, field: str) -> list[WorkItem]:
     items = []
     with open(path, 'rb') as f:
       start, line = 0, 1
@@ -197,7 +197,7 @@ class Txt(TextFormat):
   name, endings = 'txt', ('.txt',)
 
   @classmethod
-  def plan(cls, path: str, field: str) -> list[WorkItem]:
+  def work_items(cls, path: str, field: str) -> list[WorkItem]:
     return [WorkItem(cls.name, path, 0, os.path.getsize(path), 1, field)]
 
   @classmethod
@@ -231,7 +231,7 @@ class _Compressed(TextFormat):
   data is a DataError naming the file."""
 
   @classmethod
-  def plan(cls, path: str, field: str) -> list[WorkItem]:
+  def work_items(cls, path: str, field: str) -> list[WorkItem]:
     return [WorkItem(cls.name, path, 0, 0, 1, field)]
 
   @classmethod
@@ -288,7 +288,7 @@ class Parquet(TextFormat):
       yield pq.ParquetFile(f)
 
   @classmethod
-  def plan(cls, path: str, field: str) -> list[WorkItem]:
+  def work_items(cls, path: str, field: str) -> list[WorkItem]:
     import pyarrow  # noqa: PLC0415
     try:
       with cls._open(path) as pf:

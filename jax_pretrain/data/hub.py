@@ -12,7 +12,7 @@ A local dataset is random access: work items are row ranges, read in any process
 are the same on every start, so runs on it are deterministic and resume exactly. A streamed one
 has no random access: one work item per shard (data file), read in order; its data is the same
 only while the dataset's files on the Hub do not change, which nothing checks, and a resumed run
-reads it again. plan() says so in a warning. To pin such data, prepare it once with
+reads it again. work_items() says so in a warning. To pin such data, prepare it once with
 scripts/prepare_data.py, or read its Parquet files at a revision: hf://datasets/NAME@REV/*.parquet.
 
 Needs the datasets package (hf:) or huggingface_hub (hf://), imported only when used.
@@ -66,7 +66,7 @@ def open_dataset(name: str, split: str):
                     ) from None
 
 
-def plan(reader: str, name: str, split: str, field: str) -> list[formats.WorkItem]:
+def work_items(reader: str, name: str, split: str, field: str) -> list[formats.WorkItem]:
   """Work items of a dataset (see the module docstring); item.path is NAME@SPLIT."""
   ds, streamed = open_dataset(name, split)
   where = f'hf:{name}' + (f'@{split}' if split else '')

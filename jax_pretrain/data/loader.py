@@ -1,8 +1,10 @@
 """From the config's data group to the trainer's batches.
 
 `open_sources(config)` parses data.train and data.val once and settles the tokenizer (cheap: no
-data is read); `build(config, sources, ...)` resolves them into token streams, holds out eval data
-and returns a `Data` with the grain iterators. See data/__init__.py for what Data holds.
+data is read); `open_batches(config, sources, ...)` resolves them into token streams, holds out
+eval data and returns a `Data` with the grain iterators. See data/__init__.py for what Data holds.
+`eval_sets(config, tokenizer, batch_size, ...)` is the eval data of a finished run, per source, in
+order (evaluate.py).
 """
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -42,13 +44,13 @@ class Sources:
 def resolve_tokenizer(setting: str, sources: list[sources_lib.Source], model_vocab_size: int):
   """data.tokenizer if set; else the one the prepared data / sidecars record; else bytes for raw
   text; else (synthetic only) bare ids filling model.vocab_size. Checks that all sources agree."""
-  declared = [r for s in sources for r in s.tokenizer_records()]
+  declared = [r for source in sources for r in source.tokenizer_records()]
   if setting:
     tok = tokenizer_lib.load(setting)
   elif declared:
     first = declared[0]
     tok = tokenizer_lib.from_record(first.record, first.directory, first.where)
-  elif any(not isinstance(s, sources_lib.Synthetic) for s in sources):
+  elif any(not isinstance(source, sources_lib.Synthetic) for source in sources):
     tok = tokenizer_lib.ByteTokenizer()
   else:
     v = model_vocab_size
@@ -85,35 +87,36 @@ def open_sources(config: ml_collections.ConfigDict) -> Sources:
 def eval_components(sources: list[sources_lib.Source], tokenizer,
                     options: sources_lib.ReadOptions, split: str = 'val') -> list[Component]:
   """The token streams of a source list read whole for evaluation (a prepared source: its split)."""
-  return [c for s in sources for c in s.components(split, tokenizer, options)]
+  return [c for source in sources for c in source.components(split, tokenizer, options)]
 
 
-def split_components(s: Sources, val_ratio: float) -> tuple[list[Component], list[Component]]:
+def split_components(sources: Sources, val_ratio: float) -> tuple[list[Component], list[Component]]:
   """(train, eval) components; the eval streams are never in train.
 
   Eval is data.val when given, else the split prepare_data.py made, else the last val_ratio of
   each training source.
   """
   train, val = [], []
-  for source in s.train:
-    components = source.components('train', s.tokenizer, s.options)
+  for source in sources.train:
+    components = source.components('train', sources.tokenizer, sources.options)
     train.extend(components)
-    if s.val:
+    if sources.val:
       continue
     if source.has_split('val'):
-      val.extend(source.components('val', s.tokenizer, s.options))  # prepare_data.py's split
+      # prepare_data.py's split
+      val.extend(source.components('val', sources.tokenizer, sources.options))
       continue
     for c in components:
       if c.tokens is None:
         val.append(c)
       else:
-        c.tokens, held_out = tokens_lib.carve(c.tokens, s.tokenizer.eos_id, val_ratio)
+        c.tokens, held_out = tokens_lib.carve(c.tokens, sources.tokenizer.eos_id, val_ratio)
         val.append(Component(c.name, c.weight, held_out))
-  val.extend(eval_components(s.val, s.tokenizer, s.options))
+  val.extend(eval_components(sources.val, sources.tokenizer, sources.options))
   return train, val
 
 
-def build(config: ml_collections.ConfigDict, sources: Sources, process_index: int = 0,
+def open_batches(config: ml_collections.ConfigDict, sources: Sources, process_index: int = 0,
           process_count: int = 1, start_batch: int = 0) -> Data:
   """config: resolved (config.resolve); sources: open_sources(config); start_batch: the first
   global batch to draw (a run resumed after step N draws batch N next)."""
@@ -177,3 +180,71 @@ def _data(config: ml_collections.ConfigDict, tokenizer, train_sources: list,
                                  tokenizer.pad_id, process_index, process_count)
 
   return Data(tokenizer=tokenizer, train=train_it, eval_batches=eval_batches)
+
+
+@dataclasses.dataclass
+class EvalSet:
+  """One source's eval data, read in order."""
+  name: str
+  weight: float
+  batches: Iterator[Batch]  # batch_size rows each; the last filled up with pad_id (loss ignores)
+  bytes: int | None = None  # UTF-8 bytes of the targets' text; None: no text (or SFT)
+
+
+class _First:
+  """The first n rows of a random-access source of rows."""
+
+  def __init__(self, rows, n: int):
+    self.rows, self.n = rows, n
+
+  def __len__(self) -> int:
+    return self.n
+
+  def __getitem__(self, i: int):
+    return self.rows[i]
+
+
+def eval_sets(config: ml_collections.ConfigDict, tokenizer, batch_size: int, data: str = '',
+              split: str = 'val', max_tokens: int = 0) -> list[EvalSet]:
+  """A run's eval data, one EvalSet per source: `data` (a source list in data.train's syntax;
+  prepared directories read at `split`), or with data '' the run's held-out data as
+  `open_batches` holds it out. A source is read in order as windows of seq_len + 1 tokens
+  starting every seq_len tokens, so each of its first max_tokens (0: all) is a target once; an
+  SFT run's (data.format='sft') as its packed examples. tokenizer: the run's."""
+  from jax_pretrain.data import pipeline  # noqa: PLC0415  (grain)
+  T, pad_id = config.data.seq_len, tokenizer.pad_id
+
+  def batches(rows, n: int) -> Iterator[Batch]:
+    return pipeline.eval_batches(_First(rows, n), -(-n // batch_size), batch_size, T, pad_id)
+
+  def count(rows) -> int:
+    return len(rows) if not max_tokens else min(len(rows), -(-max_tokens // T))
+
+  if config.data.format == 'sft':
+    from jax_pretrain.data import sft  # noqa: PLC0415
+    if data:
+      sources = Sources([], sources_lib.parse(data, '--data'), tokenizer,
+                        sources_lib.ReadOptions.from_config(config.data), config.data.tokenizer)
+    else:
+      sources = dataclasses.replace(open_sources(config), tokenizer=tokenizer)
+    return [EvalSet(rows.examples.name, rows.examples.weight, batches(rows, count(rows)))
+            for rows in sft.packed_sources(sources, T, config.data.val_ratio, pad_id)[1]]
+  if data:
+    components = eval_components(sources_lib.parse(data, '--data'), tokenizer,
+                                 sources_lib.ReadOptions.from_config(config.data), split)
+  else:
+    components = split_components(open_sources(config), config.data.val_ratio)[1]
+  sets = []
+  for c in components:
+    if c.tokens is None:
+      n = max(1, -(-max_tokens // T)) if max_tokens else 64
+      windows = pipeline.SyntheticWindows(tokenizer.vocab_size, pad_id, T, pipeline.EVAL_SEED, n)
+    else:
+      windows = pipeline.Windows(c.tokens, T, pad_id=pad_id)
+    n = count(windows)
+    text_bytes = None
+    if c.tokens is not None and n:  # the targets of windows [0, n): tokens [1, n·T + 1)
+      text_bytes = tokenizer_lib.text_bytes(tokenizer,
+                                            c.tokens.read(1, min(len(c.tokens), n * T + 1)))
+    sets.append(EvalSet(c.name, c.weight, batches(windows, n), text_bytes))
+  return sets

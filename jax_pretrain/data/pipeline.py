@@ -88,8 +88,8 @@ def train_dataset(sources: list, weights: list[float], batch_size: int, seed: in
   number of processes; process p reads only its rows p * local ... (p + 1) * local - 1 of it. So
   the step a checkpoint was saved at resumes the same batches on any number of hosts.
   """
-  parts = [grain.MapDataset.source(s).shuffle(seed=source_seed(seed, k)).repeat()
-           for k, s in enumerate(sources)]
+  parts = [grain.MapDataset.source(source).shuffle(seed=source_seed(seed, k)).repeat()
+           for k, source in enumerate(sources)]
   ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
   local = batch_size // process_count
   first = start_batch * process_count + process_index
@@ -142,8 +142,8 @@ def iterator(ds: grain.MapDataset, read_threads: int, prefetch: int,
 def eval_dataset(sources: list, weights: list[float]) -> grain.MapDataset:
   """The held-out windows: each source shuffled with a fixed seed, mixed by weight, no repeats
   (the mixture ends when a source runs out at its weight)."""
-  parts = [grain.MapDataset.source(s).shuffle(seed=source_seed(EVAL_SEED, k))
-           for k, s in enumerate(sources)]
+  parts = [grain.MapDataset.source(source).shuffle(seed=source_seed(EVAL_SEED, k))
+           for k, source in enumerate(sources)]
   return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
 
 

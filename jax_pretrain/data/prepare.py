@@ -7,8 +7,8 @@
   OUTPUT/train/K-NAME.json  its sidecar; K-NAME.docs.npy its document index
   OUTPUT/val/...            the same for the eval split (--val sources, or carved by --val-ratio)
 
-Work items (Source.plan) are tokenized by a pool of processes, in order, so the output does not
-depend on the number of workers. Everything is written into OUTPUT.tmp-PID and renamed to OUTPUT
+Work items (Source.work_items) are tokenized by a pool of processes, in order, so the output does
+not depend on the number of workers. Everything is written into OUTPUT.tmp-PID and renamed to OUTPUT
 only when complete: an interrupted run never leaves anything that training would read.
 """
 import glob
@@ -88,7 +88,7 @@ def prepare(train: str, output_dir: str, tokenizer: str = 'byte', val: str = '',
       if not source.is_text:
         raise DataError(f'{source.text}: holds no text to tokenize (token ids or synthetic) and '
                         'needs no preparation; give it to training directly.')
-      planned.append((split, source, source.plan(options)))
+      planned.append((split, source, source.work_items(options)))
 
   fingerprint = _fingerprint(planned, tok, val_ratio, on_bad_record)
   meta_path = os.path.join(output_dir, 'meta.json')

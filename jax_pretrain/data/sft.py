@@ -213,7 +213,7 @@ def read_examples(source: sources_lib.Source, tokenizer, options: sources_lib.Re
   for path, fmt in source.files:
     if os.path.getsize(path) == 0:
       raise DataError(f'{path}: empty file.')
-    for item in fmt.plan(path, formats.WHOLE_LINE):
+    for item in fmt.work_items(path, formats.WHOLE_LINE):
       for n, line, error in formats.read(item):
         records += 1
         where = formats.location(item, n)

@@ -8,8 +8,8 @@ comma-separated sources, each with an optional `:weight` and an optional `#field
 
 Each kind of source is a class registered in KINDS, tried in order: the first whose `claims(body)`
 is true parses the entry. A kind turns itself into token streams (`components`); text kinds also
-cut themselves into work items (`plan`) that `encode` reads and tokenizes in any process. A new
-kind is one class plus `@register`.
+cut themselves into work items (`work_items`) that `encode` reads and tokenizes in any process. A
+new kind is one class plus `@register`.
 """
 from collections.abc import Iterator
 import dataclasses
@@ -80,7 +80,7 @@ class Source:
     """The source's token streams for split ('train' or 'val')."""
     raise NotImplementedError
 
-  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+  def work_items(self, options: ReadOptions) -> list[formats.WorkItem]:
     raise DataError(f'{self.text}: not a text source (it holds token ids already).')
 
   def __repr__(self):
@@ -93,7 +93,7 @@ class TextSource(Source):
 
   def components(self, split: str, tokenizer, options: ReadOptions) -> list[Component]:
     stats, parts = FileStats(), []
-    for item in self.plan(options):
+    for item in self.work_items(options):
       encoded = encode(item, tokenizer, options.on_bad_record)
       stats.add(encoded)
       parts.append(encoded.tokens.astype(tokens_lib.token_dtype(tokenizer.vocab_size)))
@@ -129,7 +129,7 @@ class Embedded(TextSource, formats.Reader):
   def claims(body: str) -> bool:
     return body == 'embedded'
 
-  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+  def work_items(self, options: ReadOptions) -> list[formats.WorkItem]:
     return [formats.WorkItem(self.name, 'embedded')]
 
   @classmethod
@@ -180,7 +180,7 @@ class Tfds(TextSource, formats.Reader):
   def claims(body: str) -> bool:
     return body.startswith('tfds:')
 
-  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+  def work_items(self, options: ReadOptions) -> list[formats.WorkItem]:
     field = self.field or options.text_field
     source = _tfds_source(self.dataset, self.split, options.tfds_data_dir)
     name = f'tfds:{self.dataset}@{self.split}'
@@ -222,8 +222,8 @@ class HfDataset(TextSource, formats.Reader):
   def claims(body: str) -> bool:
     return body.startswith('hf:') and not body.startswith('hf://')
 
-  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
-    return hub.plan(self.name, self.dataset, self.split, self.field or options.text_field)
+  def work_items(self, options: ReadOptions) -> list[formats.WorkItem]:
+    return hub.work_items(self.name, self.dataset, self.split, self.field or options.text_field)
 
   @classmethod
   def read(cls, item: formats.WorkItem) -> Iterator[formats.Record]:
@@ -243,9 +243,9 @@ class RemoteFiles(TextSource):
   def claims(body: str) -> bool:
     return '://' in body
 
-  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+  def work_items(self, options: ReadOptions) -> list[formats.WorkItem]:
     field = self.field or options.text_field
-    return [item for url in hub.glob(self.text) for item in formats.Parquet.plan(url, field)]
+    return [item for url in hub.glob(self.text) for item in formats.Parquet.work_items(url, field)]
 
 # ---------------------------------------------------------------------------------------------
 
@@ -328,15 +328,15 @@ class Files(Source):
       tokens_lib.check_ids(f, tokenizer.vocab_size)
     return [Component(self.text, self.weight, stream)]
 
-  def plan(self, options: ReadOptions) -> list[formats.WorkItem]:
+  def work_items(self, options: ReadOptions) -> list[formats.WorkItem]:
     if not self.is_text:
-      return super().plan(options)
+      return super().work_items(options)
     field = self.field or options.text_field
     items = []
     for path, fmt in self.files:
       if os.path.getsize(path) == 0:
         raise DataError(f'{path}: empty file.')
-      items.extend(fmt.plan(path, field))
+      items.extend(fmt.work_items(path, field))
     return items
 
 
@@ -350,7 +350,7 @@ def _as_weight(text: str) -> float | None:
 def parse(sources: str, what: str = 'data.train') -> list[Source]:
   """Parses a source list (see the module docstring); `what` names the setting in errors."""
   parsed = []
-  for item in (s.strip() for s in sources.split(',')):
+  for item in (part.strip() for part in sources.split(',')):
     if not item:
       continue
     body, weight = item, 1.0
@@ -419,29 +419,29 @@ class FileStats:
     self.by_path: dict[str, Counts] = {}
 
   def add(self, e: Encoded) -> None:
-    s = self.by_path.setdefault(e.path, Counts())
-    s.documents += len(e.doc_lengths)
-    s.tokens += len(e.tokens)
-    s.skipped += e.skipped
-    s.records += e.records
-    s.text_bytes += e.text_bytes
+    counts = self.by_path.setdefault(e.path, Counts())
+    counts.documents += len(e.doc_lengths)
+    counts.tokens += len(e.tokens)
+    counts.skipped += e.skipped
+    counts.records += e.records
+    counts.text_bytes += e.text_bytes
 
   def check(self) -> None:
     """A file that gave no document at all is an error: never train on nothing."""
-    for path, s in self.by_path.items():
-      if s.records == 0:
+    for path, counts in self.by_path.items():
+      if counts.records == 0:
         raise DataError(f'{path}: no records (empty or only blank lines).')
-      if s.documents == 0:
-        raise DataError(f'{path}: no usable document ({s.skipped} of {s.records} records were '
-                        'bad, the rest empty).')
+      if counts.documents == 0:
+        raise DataError(f'{path}: no usable document ({counts.skipped} of {counts.records} '
+                        'records were bad, the rest empty).')
 
   def total(self) -> Counts:
-    return Counts(*(sum(getattr(s, f.name) for s in self.by_path.values())
+    return Counts(*(sum(getattr(counts, f.name) for counts in self.by_path.values())
                     for f in dataclasses.fields(Counts)))
 
   def skip_report(self) -> list[str]:
-    return [f'{path}: skipped {s.skipped} bad records of {s.records}'
-            for path, s in self.by_path.items() if s.skipped]
+    return [f'{path}: skipped {counts.skipped} bad records of {counts.records}'
+            for path, counts in self.by_path.items() if counts.skipped]
 
 
 def texts(source_list: str, options: ReadOptions = ReadOptions()) -> Iterator[str]:
@@ -449,7 +449,7 @@ def texts(source_list: str, options: ReadOptions = ReadOptions()) -> Iterator[st
   for source in parse(source_list, '--input'):
     if not source.is_text:
       raise DataError(f'{source.text}: not a text source.')
-    for item in source.plan(options):
+    for item in source.work_items(options):
       for n, text, error in formats.read(item):
         if error is not None and options.on_bad_record != 'skip':
           raise DataError(f'{formats.location(item, n)}: {error}.')

@@ -179,6 +179,20 @@ def text_ids(tokenizer, text: str) -> np.ndarray:
   return tokenizer.encode(text)
 
 
+def text_bytes(tokenizer, ids: np.ndarray) -> int | None:
+  """UTF-8 bytes of the text that ids stand for, decoded a document (EOS-delimited) at a time: the
+  text the ids stand for, since decode(encode(document)) is the document for the byte tokenizer
+  and for sentencepiece models with byte fallback. None for a tokenizer without text."""
+  if isinstance(tokenizer, IdTokenizer):
+    return None
+  total, start = 0, 0
+  for end in [*np.flatnonzero(ids == tokenizer.eos_id).tolist(), len(ids)]:
+    if end > start:
+      total += len(tokenizer.decode(ids[start:end]).encode('utf-8'))
+    start = end + 1
+  return total
+
+
 class IdTokenizer:
   """Pre-tokenized data with no tokenizer at hand: knows the ids, not the text.
 
