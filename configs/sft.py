@@ -9,9 +9,6 @@ config.json (and checkpoint.restore_from is set to it). The params load with a f
 only completion tokens are trained on; examples are packed into seq_len rows with attention kept
 inside each example.
 """
-import json
-import os
-
 from jax_pretrain import config
 
 
@@ -20,14 +17,7 @@ def get_config(run: str = ''):
   default = config.preset('default')
   c.model, c.data.seq_len = default.model, default.data.seq_len
   if run:
-    path = os.path.join(run, 'config.json')
-    if not os.path.isfile(path):
-      raise config.ConfigError(f'--config=configs/sft.py:{run}: {path} not found (a run\'s '
-                               'workdir holds it).')
-    with open(path, encoding='utf-8') as f:
-      saved = config.from_dict(json.load(f))
-    c.model, c.data.seq_len = saved.model, saved.data.seq_len
-    c.checkpoint.restore_from = run
+    config.fine_tune(c, run, 'configs/sft.py')
   c.model.attention = 'auto'  # cuDNN or XLA: both mask attention between packed examples
   c.data.format = 'sft'
   c.data.train = ''            # required: JSONL of {"prompt", "completion"} or {"messages"}

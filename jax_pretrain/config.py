@@ -22,6 +22,7 @@ import ml_collections
 from jax_pretrain import PRESETS_DIR
 from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
+from jax_pretrain import tasks
 from jax_pretrain.errors import UserError
 from jax_pretrain.kernels import attention
 
@@ -190,8 +191,27 @@ CHECKPOINT = (
     F('save_final', True, SAFE, 'save the state at the end of training'),
 )
 
+GRPO = (  # read by `python -m jax_pretrain.grpo` only (jax_pretrain/grpo.py)
+    F('task', '', STREAM, 'required by grpo: the training task, JSONL of {"prompt", "answer"'
+      '[, "choices"]} (jax_pretrain/tasks.py; --task)'),
+    F('eval_task', '', SAFE, "held-out task: eval/accuracy at step 0, every train.eval_every "
+      "steps and at the end ('': none; --eval_task)"),
+    F('task_format', 'plain', STREAM, "layout of the task files: 'plain' | 'medqa' | 'gsm8k'"),
+    F('reward', 'exact', SAFE, "'exact' | 'choice' | 'number' | 'module:function' | "
+      "'path.py:function'"),
+    F('num_samples', 16, STREAM, 'completions sampled per prompt (a group); train.batch_size '
+      'counts completions, so batch_size / num_samples prompts a step'),
+    F('max_new_tokens', 64, SAFE, 'tokens generated per completion at most'),
+    F('temperature', 1.0, SAFE, 'rollout sampling temperature (TRL: 1.0)'),
+    F('stop', '\\n', SAFE, "a completion ends at this text (backslash escapes read; '': only at "
+      'EOS or max_new_tokens); rewards see the text before it'),
+    F('beta', 0.0, SAFE, 'KL penalty (k3) against the initial model; 0: no reference model is '
+      'held (TRL: 0.0)'),
+    F('scale_rewards', 'group', SAFE, "'group': advantages divided by the group's std | 'none'"),
+)
+
 GROUPS = {'model': MODEL, 'data': DATA, 'train': TRAIN, 'optim': OPTIM, 'mesh': MESH,
-          'checkpoint': CHECKPOINT}
+          'checkpoint': CHECKPOINT, 'grpo': GRPO}
 FIELDS = {f'{group}.{f.name}': f for group, fields in GROUPS.items() for f in fields}
 
 # Fields that moved between groups: configs and config.json files written before still load.
@@ -222,6 +242,7 @@ TrainConfig = _view_class('train', 'The resolved train group.')
 OptimConfig = _view_class('optim', 'The resolved optim group.')
 MeshConfig = _view_class('mesh', 'The resolved mesh group: every axis size is known.')
 CheckpointConfig = _view_class('checkpoint', 'The resolved checkpoint group.')
+GrpoConfig = _view_class('grpo', 'The resolved grpo group.')
 
 
 def model_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:
@@ -248,6 +269,10 @@ def checkpoint_config(config: ml_collections.ConfigDict) -> CheckpointConfig:
   return CheckpointConfig.from_config(config.checkpoint)
 
 
+def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
+  return GrpoConfig.from_config(config.grpo)
+
+
 def from_dict(saved: dict, strict: bool = False) -> ml_collections.ConfigDict:
   """A config from a (possibly older) dict, over today's defaults: fields it lacks keep their
   defaults and moved fields go to their new group. Unknown fields are dropped (a config.json of
@@ -272,6 +297,20 @@ def load_file(path: str) -> ml_collections.ConfigDict:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
+
+
+def fine_tune(c: ml_collections.ConfigDict, run: str, config_file: str) -> None:
+  """c (changed in place) fine-tunes a trained run: its model group and seq_len are the run's
+  (its config.json) and checkpoint.restore_from is the run. config_file: how the user named it,
+  for the message when the run has no config.json."""
+  path = os.path.join(run, 'config.json')
+  if not os.path.isfile(path):
+    raise ConfigError(f"--config={config_file}:{run}: {path} not found (a run's workdir holds "
+                      'it).')
+  with open(path, encoding='utf-8') as f:
+    saved = from_dict(json.load(f))
+  c.model, c.data.seq_len = saved.model, saved.data.seq_len
+  c.checkpoint.restore_from = run
 
 
 def preset(name: str) -> ml_collections.ConfigDict:
@@ -330,6 +369,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, backend: str | 
   accum, tokens_per_step = _resolve_batch(c)
   _resolve_schedule(c.train, c.optim, tokens_per_step)
   _resolve_rest(c)
+  _resolve_grpo(c.grpo)
   c.lock()
   return c, RunShape(mesh_shape=mesh_shape, grad_accum_steps=accum,
                      tokens_per_step=tokens_per_step, choices=tuple(choices))
@@ -506,6 +546,18 @@ def _resolve_rest(c: ml_collections.ConfigDict) -> None:
   _check(not t.wandb_project or importlib.util.find_spec('wandb') is not None,
          f'train.wandb_project={t.wandb_project!r} needs wandb: `pip install wandb` (or leave '
          'train.wandb_project empty).')
+
+
+def _resolve_grpo(g: ml_collections.ConfigDict) -> None:
+  """The grpo group's values on their own (what they need of a run: grpo.GRPO.check)."""
+  _check(g.num_samples >= 2, f'grpo.num_samples={g.num_samples}: a group needs at least 2 '
+         'completions (advantages compare them).')
+  _check(g.max_new_tokens > 0, f'grpo.max_new_tokens={g.max_new_tokens} must be positive.')
+  _check(g.temperature > 0, f'grpo.temperature={g.temperature} must be positive (rollouts '
+         'sample).')
+  _check(g.beta >= 0, f'grpo.beta={g.beta} must be >= 0.')
+  _choice(g, 'grpo', 'scale_rewards', ('group', 'none'))
+  _choice(g, 'grpo', 'task_format', tuple(tasks.FORMATS))
 
 
 def profile_steps(t: ml_collections.ConfigDict) -> tuple[int, int] | None:

@@ -60,6 +60,7 @@ class Sequence:
   # Filled by the engine.
   tokens: list[int] = dataclasses.field(default_factory=list)  # new tokens, EOS excluded
   logprobs: list[float] = dataclasses.field(default_factory=list)  # of each new token
+  eos_logprob: float | None = None  # of the EOS that ended it, if one did (GRPO trains on it)
   top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
   text: str = ''  # the decoded new tokens, cut before a stop string
   finish_reason: str | None = None  # 'stop' (EOS or stop string) | 'length' | 'cancelled' | 'error'
@@ -333,7 +334,7 @@ class Engine:
     before, reason = len(seq.tokens), None
     for j, token in enumerate(tokens.tolist()):
       if token == self.tokenizer.eos_id:
-        reason = 'stop'
+        seq.eos_logprob, reason = float(logprobs[j]), 'stop'
         break
       seq.tokens.append(token)
       seq.logprobs.append(float(logprobs[j]))

@@ -90,25 +90,18 @@ def evaluate(workdir: str, data: str = '', *, step: int | None = None, max_token
   return results
 
 
-def task_accuracy(run, items: list, reward, max_new_tokens: int, slots: int = 16):
-  """(mean reward, each item's completion and reward) of greedy completions of the task's
-  prompts, decoded by the engine (the one serve and lm_eval use), scored by `reward`
-  (tasks.reward_fn)."""
-  from jax_pretrain import config as config_lib  # noqa: PLC0415
+def task_rewards(eng, items: list, reward, max_new_tokens: int,
+                 stop: tuple[str, ...] = ()) -> list[tuple[str, float]]:
+  """Each item's greedy completion and its reward: the task's prompts decoded by `eng`
+  (engine.Engine: the decoder serve, lm_eval and GRPO use) up to max_new_tokens or a stop
+  string, scored by `reward` (tasks.reward_fn)."""
   from jax_pretrain import engine as engine_lib  # noqa: PLC0415
   from jax_pretrain import sample as sample_lib  # noqa: PLC0415
   from jax_pretrain import tasks  # noqa: PLC0415
-  context = run.config.data.seq_len
-  tasks.check_lengths(items, lambda text: sample_lib.encode_prompt(run.tokenizer, text), context,
-                      max_new_tokens)
-  eng = engine_lib.Engine(config_lib.model_config(run.config), run.params, run.tokenizer,
-                          slots=slots, context=context)
   sequences = eng.generate([
-      engine_lib.Sequence(prompt=sample_lib.encode_prompt(run.tokenizer, item.prompt).tolist(),
-                          max_new_tokens=max_new_tokens) for item in items])
-  scored = [(seq.text, tasks.score(reward, seq.text, item))
-            for seq, item in zip(sequences, items)]
-  return sum(r for _, r in scored) / len(scored), scored
+      engine_lib.Sequence(prompt=sample_lib.encode_prompt(eng.tokenizer, item.prompt).tolist(),
+                          max_new_tokens=max_new_tokens, stop=stop) for item in items])
+  return [(seq.text, tasks.score(reward, seq.text, item)) for seq, item in zip(sequences, items)]
 
 
 def format_table(results: list[Result]) -> str:
@@ -127,15 +120,25 @@ def main_task(f) -> None:
   """--task: greedy accuracy on a task file under its reward."""
   from jax_pretrain import tasks  # noqa: PLC0415
   t0 = time.perf_counter()
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
+  from jax_pretrain import engine as engine_lib  # noqa: PLC0415
+  from jax_pretrain import sample as sample_lib  # noqa: PLC0415
   items, reward = tasks.load(f.task, f.task_format), tasks.reward_fn(f.reward)
   run = workdir_lib.load(f.workdir, f.step)
-  accuracy, scored = task_accuracy(run, items, reward, f.max_new_tokens)
-  print(f'{f.task}: accuracy {accuracy:.4f} ({sum(r for _, r in scored):g} of {len(items)} under '
-        f'reward {f.reward!r}, greedy, at most {f.max_new_tokens} new tokens; '
-        f'{time.perf_counter() - t0:.1f}s)')
+  context = run.config.data.seq_len
+  tasks.check_lengths(items, lambda text: sample_lib.encode_prompt(run.tokenizer, text), context,
+                      f.max_new_tokens)
+  eng = engine_lib.Engine(config_lib.model_config(run.config), run.params, run.tokenizer,
+                          slots=16, context=context)
+  scored = task_rewards(eng, items, reward, f.max_new_tokens)
+  rewards = [r for _, r in scored]
+  accuracy, mean = tasks.accuracy(rewards), sum(rewards) / len(rewards)
+  print(f'{f.task}: accuracy {accuracy:.4f} ({sum(r >= 1 for r in rewards)} of {len(items)} right '
+        f'under reward {f.reward!r}; mean reward {mean:.4f}; greedy, at most {f.max_new_tokens} '
+        f'new tokens; {time.perf_counter() - t0:.1f}s)')
   if f.json:
     with open(f.json, 'w', encoding='utf-8') as out:
-      json.dump({'accuracy': accuracy, 'items': [
+      json.dump({'accuracy': accuracy, 'reward': mean, 'items': [
           {'where': item.where, 'answer': item.answer, 'completion': text, 'reward': r}
           for item, (text, r) in zip(items, scored)]}, out, indent=2)
 

@@ -1,7 +1,20 @@
-"""GRPO (group relative policy optimization) with verifiable rewards: the objective.
+"""GRPO (group relative policy optimization) with verifiable rewards: the objective, and the
+program that fine-tunes a trained run with it.
 
-Per prompt, G completions are sampled and scored (tasks.py); each completion's advantage is its
-reward against its group's:
+  python -m jax_pretrain.grpo --workdir=OUT --init=RUN --task=TRAIN.jsonl \
+      [--eval_task=HELDOUT.jsonl] [--config=configs/grpo.py] [--config.grpo.num_samples=16 ...]
+
+Each step (one optimizer update, train.py's setup and loop.py's loop, as pretraining): the next
+batch_size / num_samples prompts of the task (a new seeded order every pass), num_samples
+completions of each sampled by the KV-cached engine (engine.py; the rollout's log-probabilities
+kept), scored by the task's reward (tasks.py), their group-relative advantages, then the update
+(state.make_train_step with this module's loss: micro-batches, meshes, loss scaling, the
+non-finite guard as in pretraining). Checkpoints, resume, signals, metrics.jsonl, TensorBoard and
+W&B are the trainer's. A run stopped by SIGTERM and rerun continues exactly: step k's prompts and
+rollout seeds depend only on the seed and k.
+
+Per prompt, G completions are sampled and scored; each completion's advantage is its reward
+against its group's:
 
   A_i = (r_i - mean(r_group)) / (std(r_group, ddof=1) + ADVANTAGE_EPS)
 
@@ -13,22 +26,51 @@ the clipped importance-ratio objective (PPO's, as GRPO and TRL use it),
   loss_t  = -min(ratio_t · A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) · A)
             + beta · (exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1)
 
-where logp_old are the rollout's log-probabilities, and the KL penalty against the frozen initial
-model uses the k3 estimator (Schulman's; TRL and tunix use it), only when beta > 0 (beta 0: no
-reference model is held). Token-level aggregation (DAPO, TRL's loss_type 'dapo'): the sum of
-loss_t over every completion token of the batch divided by their count, so long completions weigh
-by their tokens. Defaults (TRL): beta 0.0, epsilon 0.2 (epsilon_high = epsilon), scale_rewards
-'group'.
+where the KL penalty against the frozen initial model uses the k3 estimator (Schulman's; TRL and
+tunix use it), only when beta > 0 (beta 0: no reference model is held; with beta > 0 the initial
+params are held in the policy's shardings and score each batch once). Token-level aggregation
+(DAPO, TRL's loss_type 'dapo'): the sum of loss_t over every completion token of the batch
+divided by their count, so long completions weigh by their tokens. Defaults (TRL): beta 0.0,
+epsilon 0.2 (epsilon_high = epsilon), scale_rewards 'group', temperature 1.0; the guide's
+learning rate 1e-5 and 16 samples (configs/grpo.py).
+
+logp_old: one update per rollout batch (TRL's and tunix's default, num_iterations=1), so the
+policy that sampled is the one being updated and logp_old is this forward's own log-probability,
+held constant (the re-score with the training forward that the ratio needs, at no extra pass):
+the ratio is 1 in value and the gradient is the policy gradient A · d logp; clipping, written and
+tested above, acts only when a batch is reused for several updates, which this program does not
+do. The rollout's own log-probabilities (the engine's, over the ids it may sample) are compared
+with the training forward's: train/logp_mismatch, the mean absolute gap per completion token.
+The EOS that ends a completion is one of its trained tokens, so that a policy learns to stop.
 """
+import codecs
 import dataclasses
+import os
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
+from jax_pretrain import PRESETS_DIR
+from jax_pretrain import checkpoint as checkpoint_lib
+from jax_pretrain import config as config_lib
 from jax_pretrain import engine as engine_lib
+from jax_pretrain import loop as loop_lib
+from jax_pretrain import multihost
+from jax_pretrain import sample as sample_lib
+from jax_pretrain import state as state_lib
+from jax_pretrain import tasks
+from jax_pretrain import train as train_lib
+from jax_pretrain import workdir as workdir_lib
+from jax_pretrain.errors import UserError
 
 ADVANTAGE_EPS = 1e-6
+EPSILON = 0.2  # TRL's epsilon (and epsilon_high): the clip range of the importance ratio
+# Step's running totals (seconds generating and updating, tokens generated and trained on).
+COUNTERS = ('rollout_seconds', 'update_seconds', 'rollout_tokens', 'update_tokens')
 
 
 def group_advantages(rewards_PxG: jax.Array, scale: str = 'group') -> jax.Array:
@@ -41,56 +83,415 @@ def group_advantages(rewards_PxG: jax.Array, scale: str = 'group') -> jax.Array:
   return centered_PxG / (jnp.std(rewards_PxG, axis=1, keepdims=True, ddof=1) + ADVANTAGE_EPS)
 
 
-def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Array,
-              mask_BxT: jax.Array, ref_logp_BxT: jax.Array | None = None, *,
-              epsilon: float = 0.2, epsilon_high: float | None = None,
-              beta: float = 0.0) -> tuple[jax.Array, dict]:
-  """(loss, metrics) of the formula above: B completions (rows), T token positions; mask_BxT 1 at
-  completion tokens (prompt and padding 0). logp_BxT is differentiated; the rest are constants."""
+def token_terms(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array,
+                ref_logp_BxT: jax.Array | None = None, *, epsilon: float = EPSILON,
+                epsilon_high: float | None = None, beta: float = 0.0):
+  """Per token: (loss_t of the formula above, whether the clipped branch is the smaller one, and
+  the k3 KL or None when beta is 0). advantages_BxT: each token's completion's advantage."""
   epsilon_high = epsilon if epsilon_high is None else epsilon_high
-  mask_BxT = mask_BxT.astype(jnp.float32)
-  a_Bx1 = advantages_B.astype(jnp.float32)[:, None]
+  a_BxT = advantages_BxT.astype(jnp.float32)
   ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
-  unclipped_BxT = ratio_BxT * a_Bx1
-  clipped_BxT = jnp.clip(ratio_BxT, 1.0 - epsilon, 1.0 + epsilon_high) * a_Bx1
+  unclipped_BxT = ratio_BxT * a_BxT
+  clipped_BxT = jnp.clip(ratio_BxT, 1.0 - epsilon, 1.0 + epsilon_high) * a_BxT
   per_token_BxT = -jnp.minimum(unclipped_BxT, clipped_BxT)
-  tokens = jnp.maximum(jnp.sum(mask_BxT), 1.0)
-  metrics = {'clip_fraction': jnp.sum((clipped_BxT < unclipped_BxT) * mask_BxT) / tokens}
+  kl_BxT = None
   if beta:
     delta_BxT = ref_logp_BxT - logp_BxT
     kl_BxT = jnp.exp(delta_BxT) - delta_BxT - 1.0
     per_token_BxT = per_token_BxT + beta * kl_BxT
+  return per_token_BxT, clipped_BxT < unclipped_BxT, kl_BxT
+
+
+def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Array,
+              mask_BxT: jax.Array, ref_logp_BxT: jax.Array | None = None, *,
+              epsilon: float = EPSILON, epsilon_high: float | None = None,
+              beta: float = 0.0) -> tuple[jax.Array, dict]:
+  """(loss, metrics) of the formula above: B completions (rows), T token positions; mask_BxT 1 at
+  completion tokens (prompt and padding 0). logp_BxT is differentiated; the rest are constants."""
+  mask_BxT = mask_BxT.astype(jnp.float32)
+  a_BxT = jnp.broadcast_to(advantages_B.astype(jnp.float32)[:, None], logp_BxT.shape)
+  per_token_BxT, clipped_BxT, kl_BxT = token_terms(
+      logp_BxT, old_logp_BxT, a_BxT, ref_logp_BxT, epsilon=epsilon, epsilon_high=epsilon_high,
+      beta=beta)
+  tokens = jnp.maximum(jnp.sum(mask_BxT), 1.0)
+  metrics = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT) / tokens}
+  if kl_BxT is not None:
     metrics['kl'] = jnp.sum(kl_BxT * mask_BxT) / tokens
-  loss = jnp.sum(per_token_BxT * mask_BxT) / tokens
-  return loss, metrics
+  return jnp.sum(per_token_BxT * mask_BxT) / tokens, metrics
+
+
+def make_loss_fn(model, beta: float):
+  """The train step's loss (state.make_train_step's loss_fn): (params, batch) -> (the per-token
+  loss summed over completion tokens, (their count, {clip_fraction, logp_mismatch[, kl]} sums)).
+
+  batch: 'tokens' int32 [B, T+1]; float32 [B, T] 'mask' (1 where target t is a completion
+  token), 'advantages' (its completion's advantage), 'rollout_logp' (the engine's log-probability
+  of it) and with beta > 0 'ref_logp' (the initial model's). logp_old is this forward's own
+  log-probability, held constant (see the module docstring)."""
+  def loss_fn(params, batch):
+    logp_BxT = state_lib.target_logprobs(model, params, batch)
+    held_BxT = jax.lax.stop_gradient(logp_BxT)
+    mask_BxT = batch['mask']
+    per_token_BxT, clipped_BxT, kl_BxT = token_terms(
+        logp_BxT, held_BxT, batch['advantages'], batch.get('ref_logp'), beta=beta)
+    sums = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT),
+            'logp_mismatch': jnp.sum(jnp.abs(held_BxT - batch['rollout_logp']) * mask_BxT)}
+    if kl_BxT is not None:
+      sums['kl'] = jnp.sum(kl_BxT * mask_BxT)
+    return jnp.sum(per_token_BxT * mask_BxT), (jnp.sum(mask_BxT), sums)
+  return loss_fn
 
 
 @dataclasses.dataclass
 class Rollouts:
   """num_samples completions of each prompt, as a training batch: rows grouped by prompt."""
-  tokens_BxT1: np.ndarray  # int32: prompt, completion, then pad_id
+  tokens_BxT1: np.ndarray  # int32: prompt, completion (with its EOS, if one ended it), pad_id
   mask_BxT: np.ndarray  # float32: 1 where the target tokens_BxT1[:, t + 1] is a completion token
   logp_BxT: np.ndarray  # float32: the rollout's log-probability of each such target (else 0)
-  completions: list[str]
+  completions: list[str]  # the text (before a stop string) that the reward scores
+  lengths: np.ndarray  # int32 [B]: completion tokens, EOS included
 
 
 def rollouts(eng, prompts: list[list[int]], num_samples: int, *, max_new_tokens: int,
-             temperature: float, seed: int, pad_id: int) -> Rollouts:
+             temperature: float, seed: int, pad_id: int, eos_id: int | None = None,
+             stop: tuple[str, ...] = (), width: int = 0) -> Rollouts:
   """Samples num_samples completions of each prompt with the engine (KV-cached, batched; sample
-  k of prompt p uses the seed and stream k, so a run's rollouts are reproducible) and keeps
-  each sampled token's log-probability. (The engine drops EOS from a completion, and its
-  log-probability with it: a completion's last target is its last text token.)"""
+  k of prompt p uses the seed seed + p and stream k, so a run's rollouts are reproducible) and
+  keeps each sampled token's log-probability. A completion that ended with EOS (eos_id given)
+  has it as its last token; one that ended at a stop string keeps the token that completed it.
+  width: the rows' tokens (0: the longest row's)."""
   sequences = eng.generate([
       engine_lib.Sequence(prompt=list(prompt), max_new_tokens=max_new_tokens,
-                          temperature=temperature, seed=seed + p, stream=k)
+                          temperature=temperature, seed=(seed + p) % 2**32, stream=k, stop=stop)
       for p, prompt in enumerate(prompts) for k in range(num_samples)])
-  width = max(len(s.prompt) + len(s.tokens) for s in sequences)
-  tokens = np.full((len(sequences), width), pad_id, np.int32)
-  mask = np.zeros((len(sequences), width - 1), np.float32)
-  logp = np.zeros((len(sequences), width - 1), np.float32)
-  for b, s in enumerate(sequences):
-    start, end = len(s.prompt), len(s.prompt) + len(s.tokens)
-    tokens[b, :end] = s.prompt + s.tokens
+  rows = []
+  for seq in sequences:
+    new, logp = list(seq.tokens), list(seq.logprobs)
+    if eos_id is not None and seq.eos_logprob is not None:
+      new, logp = new + [eos_id], logp + [seq.eos_logprob]
+    rows.append((seq.prompt, new, logp))
+  width = width or max(len(prompt) + len(new) for prompt, new, _ in rows)
+  tokens = np.full((len(rows), width), pad_id, np.int32)
+  mask = np.zeros((len(rows), width - 1), np.float32)
+  logps = np.zeros((len(rows), width - 1), np.float32)
+  for b, (prompt, new, logp) in enumerate(rows):
+    start, end = len(prompt), len(prompt) + len(new)
+    tokens[b, :end] = prompt + new
     mask[b, start - 1:end - 1] = 1.0  # target t is token t + 1
-    logp[b, start - 1:end - 1] = s.logprobs
-  return Rollouts(tokens, mask, logp, [s.text for s in sequences])
+    logps[b, start - 1:end - 1] = logp
+  return Rollouts(tokens, mask, logps, [s.text for s in sequences],
+                  np.array([len(new) for _, new, _ in rows], np.int32))
+
+
+def stop_strings(g) -> tuple[str, ...]:
+  """grpo.stop with its backslash escapes read ('\\n' -> a newline); () for ''."""
+  return (codecs.decode(g.stop, 'unicode_escape'),) if g.stop else ()
+
+
+class Prompts:
+  """The task items of each step: `per_step` a step, through the task in a new order every pass
+  (seeded), starting after `start` steps; step k's items depend only on the seed and k."""
+
+  def __init__(self, items: list, per_step: int, seed: int, start: int):
+    self.items, self.per_step, self.seed, self.step = items, per_step, seed, start
+    self._orders: dict[int, np.ndarray] = {}
+
+  def _order(self, epoch: int) -> np.ndarray:
+    if epoch not in self._orders:
+      self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(
+          len(self.items))}
+    return self._orders[epoch]
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> list:
+    n, first = len(self.items), self.step * self.per_step
+    self.step += 1
+    return [self.items[self._order(i // n)[i % n]] for i in range(first, first + self.per_step)]
+
+  def close(self) -> None:
+    pass
+
+
+@dataclasses.dataclass
+class TaskSources:
+  """What GRPO reads before the config is resolved: the init run's tokenizer, the task's items
+  (train and held-out) and the reward."""
+  tokenizer: object
+  items: list
+  eval_items: list
+  reward: tasks.Reward
+
+
+@dataclasses.dataclass
+class TaskData:
+  """GRPO's data: the prompts of each step (`train`), and the rows' width in tokens."""
+  tokenizer: object
+  train: Prompts
+  sources: TaskSources
+  width: int  # tokens per row of the update: the longest prompt + max_new_tokens
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+  return sample_lib.encode_prompt(tokenizer, text).tolist()
+
+
+class GRPOLogger(train_lib.StepLogger):
+  """The step line and scalars of a GRPO step: rewards, completion lengths, the mismatch, and how
+  the steps' time splits between generating and updating."""
+
+  def __init__(self, s, writer, start_step: int):
+    super().__init__(s, writer, start_step)
+    self._beta = s.config.grpo.beta
+    self._last = dict.fromkeys(COUNTERS, 0.0)
+
+  def report(self, step: int, m: dict, step_time: float) -> tuple[dict, str]:
+    """The counters (Step.counters) are this process's totals: their growth since the last
+    report splits the steps' time between generating and updating."""
+    delta = {k: m[k] - v for k, v in self._last.items()}
+    self._last = {k: m[k] for k in COUNTERS}
+    busy = max(delta['rollout_seconds'] + delta['update_seconds'], 1e-9)
+    share = delta['rollout_seconds'] / busy
+    scalars = {'train/loss': m['loss'], 'train/lr': m['lr'], 'train/grad_norm': m['grad_norm'],
+               'train/nonfinite_skips': m['nonfinite_count'], 'train/reward': m['reward'],
+               'train/accuracy': m['accuracy'], 'train/clip_fraction': m['clip_fraction'],
+               'train/logp_mismatch': m['logp_mismatch'],
+               'train/completion_tokens': m['completion_tokens'],
+               'train/reward_std': m['reward_std'], 'perf/step_time': step_time,
+               'perf/generation_share': share,
+               'perf/rollout_tokens_per_sec': delta['rollout_tokens'] / max(
+                   delta['rollout_seconds'], 1e-9),
+               'perf/update_tokens_per_sec': delta['update_tokens'] / max(
+                   delta['update_seconds'], 1e-9)}
+    kl = ''
+    if self._beta:
+      scalars['train/kl'] = m['kl']
+      kl = f' | kl {m["kl"]:.4f}'
+    if 'loss_scale' in m:
+      scalars.update({'train/loss_scale': m['loss_scale'],
+                      'train/loss_scale_skips': m['loss_scale_skips']})
+    return scalars, (f'reward {m["reward"]:.3f} | accuracy {m["accuracy"]:.3f} | loss '
+                     f'{m["loss"]:.4f}{kl} | length {m["completion_tokens"]:.1f} | mismatch '
+                     f'{m["logp_mismatch"]:.4f} | generating {share:.0%} | {step_time:.3f} s/step'
+                     f'{self.skipped(m)}')
+
+
+class GRPO(train_lib.Program):
+  """GRPO on train.py's setup and loop: the task's prompts are the data, the step samples, scores
+  and updates (see the module docstring)."""
+
+  def open_sources(self, config: ml_collections.ConfigDict) -> TaskSources:
+    g, run = config.grpo, config.checkpoint.restore_from
+    if not run:
+      raise UserError('GRPO fine-tunes a trained run: give it with --init=RUN (or '
+                      '--config=configs/grpo.py:RUN).')
+    if not g.task:
+      raise UserError('no task: give --task=TRAIN.jsonl (one {"prompt", "answer"} per line; '
+                      'jax_pretrain/tasks.py).')
+    if not os.path.isdir(os.path.join(run, checkpoint_lib.DIRECTORY)):
+      raise UserError(f'--init={run}: no checkpoints there (a training run\'s workdir).')
+    self.sources = TaskSources(workdir_lib.load_tokenizer(run), tasks.load(g.task, g.task_format),
+                               tasks.load(g.eval_task, g.task_format) if g.eval_task else [],
+                               tasks.reward_fn(g.reward))
+    return self.sources
+
+  def check(self, resolved: ml_collections.ConfigDict) -> None:
+    g, t = resolved.grpo, resolved.train
+    if jax.process_count() > 1:
+      raise UserError('GRPO runs in one process (the GPUs of one machine); start it without '
+                      '--num_processes.')
+    if t.batch_size % g.num_samples:
+      raise UserError(f'train.batch_size={t.batch_size} (completions a step) is not a multiple of '
+                      f'grpo.num_samples={g.num_samples} (completions a prompt).')
+    encode = lambda text: _encode(self.sources.tokenizer, text)
+    for items in (self.sources.items, self.sources.eval_items):
+      tasks.check_lengths(items, encode, resolved.data.seq_len, g.max_new_tokens)
+
+  def open_data(self, resolved: ml_collections.ConfigDict, sources: TaskSources,
+                step: int) -> TaskData:
+    g = resolved.grpo
+    longest = max(len(_encode(sources.tokenizer, item.prompt)) for item in sources.items)
+    width = min(-(-(longest + g.max_new_tokens) // 8) * 8, resolved.data.seq_len)
+    prompts = Prompts(sources.items, resolved.train.batch_size // g.num_samples,
+                      resolved.train.seed, step)
+    return TaskData(sources.tokenizer, prompts, sources, width)
+
+  def compile(self, s: state_lib.Setup, data: TaskData):
+    c, g = s.config, s.config.grpo
+    B, T = c.train.batch_size, data.width - 1
+    row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=s.batch_sharding)
+    batch = {'tokens': row((B, T + 1), jnp.int32), 'mask': row((B, T), jnp.float32),
+             'advantages': row((B, T), jnp.float32), 'rollout_logp': row((B, T), jnp.float32)}
+    if g.beta:
+      batch['ref_logp'] = row((B, T), jnp.float32)
+    update = train_lib.compile_step(s, data.tokenizer.pad_id, batch, make_loss_fn(s.model, g.beta))
+    ref = None
+    if g.beta:  # the initial model, in the policy's shardings, scoring each batch once
+      ref = _reference(s, c.checkpoint.restore_from, data.tokenizer.pad_id)
+    eng = engine_lib.Engine(config_lib.model_config(c), None, data.tokenizer, slots=B,
+                            context=c.data.seq_len)
+    multihost.log(
+        f'grpo              {len(data.sources.items)} task items, {B // g.num_samples} prompts × '
+        f'{g.num_samples} completions a step (rows of {data.width} tokens), at most '
+        f'{g.max_new_tokens} new tokens, temperature {g.temperature}, reward {g.reward!r}, '
+        f'beta {g.beta}' + (f'; eval on {len(data.sources.eval_items)} held-out items'
+                            if data.sources.eval_items else ''))
+    self.engine = eng
+    return Step(s, data, update, eng, ref)
+
+  def batches(self, s: state_lib.Setup, data: TaskData):
+    return data.train
+
+  def logger(self, s, writer, step: int) -> GRPOLogger:
+    return GRPOLogger(s, writer, step)
+
+  def hooks(self, ctx: train_lib.Context) -> list[loop_lib.Hook]:
+    hooks = [*train_lib.profile_hooks(ctx)]
+    if ctx.data.sources.eval_items:
+      hooks += task_eval_hooks(ctx, self.engine)
+    return hooks + train_lib.checkpoint_hooks(ctx)
+
+
+def _reference(s: state_lib.Setup, run: str, pad_id: int):
+  """(params, score): the run's params in the policy's shardings and a jitted scoring of a
+  batch's targets with them, micro-batch by micro-batch as the train step goes."""
+  checkpointer = checkpoint_lib.Checkpointer(run, read_only=True)
+  try:
+    _, params = checkpointer.restore_params(s.abstract_state.params)
+  finally:
+    checkpointer.close()
+  A = s.run.grad_accum_steps
+
+  def score(params, batch):
+    def one(tokens_MxT1):
+      return state_lib.target_logprobs(s.model, params, {'tokens': tokens_MxT1})
+    tokens_BxT1 = batch['tokens']
+    B, T1 = tokens_BxT1.shape
+    logp_AxMxT = jax.lax.map(one, tokens_BxT1.reshape(B // A, A, T1).swapaxes(0, 1))
+    return logp_AxMxT.swapaxes(0, 1).reshape(B, T1 - 1)
+  return params, jax.jit(score, in_shardings=(s.state_shardings.params, s.batch_sharding),
+                         out_shardings=s.batch_sharding)
+
+
+class Step:
+  """One GRPO step, as the loop calls it: (state, the step's task items) -> (state, metrics)."""
+
+  def __init__(self, s: state_lib.Setup, data: TaskData, update, eng, ref):
+    self.s, self.data, self.update, self.engine, self.ref = s, data, update, eng, ref
+    self.g = s.config.grpo
+    self.stop = stop_strings(self.g)
+    # This process's totals; GRPOLogger reports their growth between logged steps.
+    self.counters = dict.fromkeys(COUNTERS, 0.0)
+
+  def __call__(self, state: state_lib.TrainState, items: list):
+    g, tokenizer, reward = self.g, self.data.tokenizer, self.data.sources.reward
+    step = int(jax.device_get(state.step)) + 1
+    t0 = time.perf_counter()
+    self.engine.params = state.params
+    seed = int(np.random.SeedSequence([self.s.config.train.seed, step]).generate_state(1)[0])
+    r = rollouts(self.engine, [_encode(tokenizer, item.prompt) for item in items],
+                 g.num_samples, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                 seed=seed, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id, stop=self.stop,
+                 width=self.data.width)
+    t1 = time.perf_counter()
+    rewards = np.array([tasks.score(reward, text, items[b // g.num_samples])
+                        for b, text in enumerate(r.completions)], np.float32)
+    advantages_B = np.asarray(group_advantages(
+        jnp.asarray(rewards.reshape(len(items), g.num_samples)), g.scale_rewards)).reshape(-1)
+    batch = jax.device_put({
+        'tokens': r.tokens_BxT1, 'mask': r.mask_BxT, 'rollout_logp': r.logp_BxT,
+        'advantages': np.broadcast_to(advantages_B[:, None], r.mask_BxT.shape).copy()},
+                           self.s.batch_sharding)
+    if self.ref is not None:
+      batch['ref_logp'] = self.ref[1](self.ref[0], batch)
+    state, metrics = self.update(state, batch)
+    # The next rollout samples with these params: waiting here costs nothing, and times the
+    # update apart from the generation.
+    jax.block_until_ready(state)
+    self.counters['rollout_seconds'] += t1 - t0
+    self.counters['update_seconds'] += time.perf_counter() - t1
+    self.counters['rollout_tokens'] += int(r.lengths.sum())
+    self.counters['update_tokens'] += int((r.tokens_BxT1 != tokenizer.pad_id).sum())
+    metrics = dict(metrics, reward=float(rewards.mean()), accuracy=tasks.accuracy(rewards),
+                   reward_std=float(rewards.reshape(len(items), -1).std(axis=1, ddof=1).mean()),
+                   completion_tokens=float(r.lengths.mean()), **self.counters)
+    return state, metrics
+
+
+def task_eval_hooks(ctx: train_lib.Context, eng) -> list[loop_lib.Hook]:
+  """eval/accuracy (greedy, the task's reward) on the held-out task: before the first step of a
+  new run (logged as step 0), every train.eval_every steps and at the end."""
+  from jax_pretrain import evaluate  # noqa: PLC0415  (evaluate's task accuracy, the one way)
+  g, sources = ctx.config.grpo, ctx.data.sources
+
+  def accuracy(step: int, params) -> dict:
+    t0 = time.perf_counter()
+    eng.params = params
+    rewards = [r for _, r in evaluate.task_rewards(eng, sources.eval_items, sources.reward,
+                                                   g.max_new_tokens, stop_strings(g))]
+    scalars = {'eval/accuracy': tasks.accuracy(rewards), 'eval/reward': float(np.mean(rewards))}
+    ctx.logger.write(step, scalars)
+    multihost.log(f'eval at step {step} | accuracy {scalars["eval/accuracy"]:.4f} '
+                  f'({sum(r >= 1 for r in rewards)} of {len(rewards)}, greedy) | reward '
+                  f'{scalars["eval/reward"]:.4f} | {time.perf_counter() - t0:.1f}s')
+    ctx.logger.pause()
+    return scalars
+
+  def at_start(info: loop_lib.StepInfo) -> None:
+    if info.step == 1 and ctx.start_step == 0:
+      accuracy(0, info.state.params)
+
+  return [loop_lib.Hook(at_start, every=1, phase=loop_lib.BEFORE_STEP, at_last=False,
+                        name='eval_task_at_start'),
+          loop_lib.Hook(lambda info: accuracy(info.step, info.state.params),
+                        every=ctx.config.train.eval_every, phase=loop_lib.EVAL, name='eval_task')]
+
+
+def _init_into_config(argv: list[str]) -> list[str]:
+  """--init=RUN is --config=FILE:RUN (the config file takes the run's model and seq_len): the
+  --config value is rewritten before flags are parsed."""
+  init = next((a.split('=', 1)[1] for a in argv if a.startswith('--init=')), '')
+  if not init:
+    return argv
+  given = [i for i, a in enumerate(argv) if a.startswith('--config=')]
+  out = list(argv)
+  if given:
+    value = out[given[0]].split('=', 1)[1]
+    if ':' not in value:
+      out[given[0]] = f'--config={value}:{init}'
+  else:
+    out.insert(1, f'--config={PRESETS_DIR}/grpo.py:{init}')
+  return out
+
+
+def main(workdir: str, config_holder, flag_values) -> None:
+  from jax_pretrain import cli  # noqa: PLC0415
+  from jax_pretrain import runtime  # noqa: PLC0415
+  runtime.configure()
+  config = cli.config_value(config_holder)
+  for field in ('task', 'eval_task'):
+    if flag_values[field]:
+      config.grpo[field] = flag_values[field]
+  init = flag_values['init']
+  if init and os.path.normpath(config.checkpoint.restore_from) != os.path.normpath(init):
+    raise UserError(f'--init={init} but the config restores from '
+                    f'{config.checkpoint.restore_from!r}: give one of them.')
+  train_lib.train(config, workdir, GRPO())
+
+
+if __name__ == '__main__':
+  sys.argv = _init_into_config(sys.argv)
+  from absl import flags  # noqa: I001
+  from jax_pretrain import cli
+  _CONFIG = cli.define_config('grpo.py', 'Config file (configs/grpo.py); its model and seq_len '
+                             'are the --init run\'s. Fields: --config.grpo.FIELD=VALUE, ...')
+  _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory of this GRPO run (config, logs, '
+                                 'TensorBoard, checkpoints).', required=True)
+  _INIT = flags.DEFINE_string('init', '', 'The trained run to fine-tune (its workdir).')
+  _TASK = flags.DEFINE_string('task', '', 'Training task: JSONL of {"prompt", "answer"} '
+                              '(sets grpo.task).')
+  _EVAL_TASK = flags.DEFINE_string('eval_task', '', 'Held-out task for eval/accuracy (sets '
+                                   'grpo.eval_task).')
+  cli.run(lambda: main(_WORKDIR.value, _CONFIG, {'init': _INIT.value, 'task': _TASK.value,
+                                                 'eval_task': _EVAL_TASK.value}))

@@ -1,4 +1,5 @@
-"""A pretraining run: train.py's setup and loop with the pretraining hooks, listed in `hooks`.
+"""A pretraining run: train.py's setup and loop with the pretraining hooks, listed in
+`Pretraining.hooks`.
 
   pretrain.train_and_evaluate(config, workdir)   # what `python -m jax_pretrain.main` runs
 
@@ -17,31 +18,34 @@ from jax_pretrain import sample as sample_lib
 from jax_pretrain import train as train_lib
 
 
-def hooks(ctx: train_lib.Context) -> list[loop_lib.Hook]:
-  """Every hook of a pretraining run (loop.py says when each phase runs). The step metrics (the
-  console line, TensorBoard, W&B) and the non-finite check are the loop's `metrics` and `checks`
-  (train.py)."""
-  t = ctx.config.train
-  return [
-      *train_lib.profile_hooks(ctx),  # BEFORE_STEP / AFTER_STEP: train.profile_steps
-      train_lib.eval_hook(ctx),  # EVAL: every train.eval_every steps and at the end
-      *train_lib.checkpoint_hooks(ctx),  # SAVE: checkpoint.every_steps, the end, a stop
-      *([lm_eval_hook(ctx)] if t.lm_eval_tasks else []),  # AFTER_SAVE
-      *([sample_hook(ctx)] if t.sample_prompt and t.sample_tokens > 0 else []),  # END
-  ]
+class Pretraining(train_lib.Program):
+  """Pretraining and SFT: train.Program's data (data.train's text or SFT examples) and step, with
+  the hooks below."""
 
+  def hooks(self, ctx: train_lib.Context) -> list[loop_lib.Hook]:
+    """Every hook of a pretraining run (loop.py says when each phase runs). The step metrics (the
+    console line, TensorBoard, W&B) and the non-finite check are the loop's `metrics` and `checks`
+    (train.py)."""
+    t = ctx.config.train
+    return [
+        *train_lib.profile_hooks(ctx),  # BEFORE_STEP / AFTER_STEP: train.profile_steps
+        train_lib.eval_hook(ctx),  # EVAL: every train.eval_every steps and at the end
+        *train_lib.checkpoint_hooks(ctx),  # SAVE: checkpoint.every_steps, the end, a stop
+        *([lm_eval_hook(ctx)] if t.lm_eval_tasks else []),  # AFTER_SAVE
+        *([sample_hook(ctx)] if t.sample_prompt and t.sample_tokens > 0 else []),  # END
+    ]
 
-def check(resolved: ml_collections.ConfigDict) -> None:
-  """Checks before any work: a misspelt lm_eval task fails now, not after the first steps."""
-  if resolved.train.lm_eval_tasks:
-    from jax_pretrain import lm_eval as lm_eval_lib  # noqa: PLC0415
-    lm_eval_lib.check_tasks(resolved.train)
+  def check(self, resolved: ml_collections.ConfigDict) -> None:
+    """Checks before any work: a misspelt lm_eval task fails now, not after the first steps."""
+    if resolved.train.lm_eval_tasks:
+      from jax_pretrain import lm_eval as lm_eval_lib  # noqa: PLC0415
+      lm_eval_lib.check_tasks(resolved.train)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        devices=None) -> dict[str, float]:
   """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics."""
-  return train_lib.train(config, workdir, hooks, devices, check=check)
+  return train_lib.train(config, workdir, Pretraining(), devices)
 
 
 def run_lm_eval(params, tokenizer, config: ml_collections.ConfigDict,

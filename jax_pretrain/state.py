@@ -72,6 +72,22 @@ class TrainState:
   loss_scale: LossScale | None = None  # float16 runs only (None: no leaves, as before)
 
 
+def target_logprobs(model: nn.Module, params, batch) -> jax.Array:
+  """log p(tokens[:, t+1] | tokens[:, :t+1]) over the whole vocabulary, float32 [B, T], for
+  batch {'tokens': int32 [B, T+1]} (optionally 'segments', see make_loss_fn): what the loss and
+  GRPO's objective differentiate."""
+  tokens_BxT1 = batch['tokens']
+  inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+  logits_BxTxV = model.apply({'params': params}, inputs_BxT,
+                             segments_BxT=batch.get('segments')).astype(jnp.float32)
+  logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+  # A masked sum, not take_along_axis: XLA's SPMD partitioner aborts on that gather when the
+  # vocabulary is split over 'tensor' inside the train step's shard_map.
+  is_target_BxTxV = targets_BxT[..., None] == jnp.arange(logits_BxTxV.shape[-1])
+  target_logit_BxT = jnp.sum(jnp.where(is_target_BxTxV, logits_BxTxV, 0.0), axis=-1)
+  return target_logit_BxT - logz_BxT
+
+
 def make_loss_fn(model: nn.Module, pad_id: int):
   """(params, batch) -> (sum of next-token NLL over the weighted targets, the sum of weights).
 
@@ -83,26 +99,23 @@ def make_loss_fn(model: nn.Module, pad_id: int):
   """
   def loss_fn(params, batch):
     batch = batch if isinstance(batch, dict) else {'tokens': batch}
-    tokens_BxT1 = batch['tokens']
-    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-    logits_BxTxV = model.apply({'params': params}, inputs_BxT,
-                               segments_BxT=batch.get('segments')).astype(jnp.float32)
-    logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    # A masked sum, not take_along_axis: XLA's SPMD partitioner aborts on that gather when the
-    # vocabulary is split over 'tensor' inside the train step's shard_map.
-    is_target_BxTxV = targets_BxT[..., None] == jnp.arange(logits_BxTxV.shape[-1])
-    target_logit_BxT = jnp.sum(jnp.where(is_target_BxTxV, logits_BxTxV, 0.0), axis=-1)
+    nll_BxT = -target_logprobs(model, params, batch)
     if 'weights' in batch:
       weights_BxT = batch['weights'].astype(jnp.float32)
     else:
-      weights_BxT = (targets_BxT != pad_id).astype(jnp.float32)
-    return jnp.sum((logz_BxT - target_logit_BxT) * weights_BxT), jnp.sum(weights_BxT)
+      weights_BxT = (batch['tokens'][:, 1:] != pad_id).astype(jnp.float32)
+    return jnp.sum(nll_BxT * weights_BxT), jnp.sum(weights_BxT)
   return loss_fn
 
 
 def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id: int,
-                    mesh=None, loss_scaling: bool = False):
+                    mesh=None, loss_scaling: bool = False, loss_fn=None):
   """A pure (state, batch) -> (state, metrics) function; jit it once.
+
+  loss_fn: (params, batch) -> (loss summed over the batch's weighted targets, their weight) as
+  make_loss_fn (the default) gives, or (loss sum, (weight, sums)) with a dict of further sums
+  over the same targets (GRPO's clipped share, KL, mismatch), reported in the metrics divided by
+  the weight. The optimizer steps on the gradient of loss sum / weight.
 
   loss_scaling (float16 runs; state.loss_scale is then a LossScale): each micro-batch's gradient is
   that of its mean loss × scale (see local_sums), and the summed gradients are divided by the scale
@@ -115,17 +128,23 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   'tensor' stay with the compiler (GSPMD): FSDP gathers each layer's weights, and reduce-scatters
   their gradients, per micro-batch, which is what keeps its memory at 1/fsdp of the state.
   """
-  loss_fn = make_loss_fn(model, pad_id)
+  default_loss_fn = make_loss_fn(model, pad_id)
+  given_loss_fn = loss_fn or default_loss_fn
+
+  def loss_fn(params, batch):  # -> (loss sum, (weight, sums))
+    loss, aux = given_loss_fn(params, batch)
+    return loss, (aux if isinstance(aux, tuple) else (aux, {}))
   loss_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
   def scaled_loss(params, batch, factor):
-    loss, weight = loss_fn(params, batch)
-    return loss * factor, (loss, weight)
+    loss, aux = loss_fn(params, batch)
+    return loss * factor, (loss, aux)
   scaled_loss_and_grad = jax.value_and_grad(scaled_loss, has_aux=True)
 
   def local_sums(params, batch, scale):
-    """(loss sum, target count, float32 grads) over this replica's rows, micro-batch by
-    micro-batch. Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps its own rows.
+    """(loss sum, (target count, further sums), float32 grads) over this replica's rows,
+    micro-batch by micro-batch. Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps
+    its own rows.
 
     With a loss scale, the backward pass starts from scale × the micro-batch's mean loss (over its
     B/A·T target positions), the magnitude GradScaler's defaults are set for (PyTorch losses are
@@ -143,19 +162,25 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
 
     def accumulate(carry, micro_batch):
       if scale is None:
-        (loss_i, weight_i), grads_i = loss_and_grad(params, micro_batch)
+        (loss_i, aux_i), grads_i = loss_and_grad(params, micro_batch)
       else:
-        (_, (loss_i, weight_i)), grads_i = scaled_loss_and_grad(params, micro_batch, factor)
-      loss_sum, weight, grads = carry
-      return (loss_sum + loss_i, weight + weight_i, jax.tree.map(jnp.add, grads, grads_i)), None
+        (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(params, micro_batch, factor)
+      loss_sum, aux, grads = carry
+      return (loss_sum + loss_i, jax.tree.map(jnp.add, aux, aux_i),
+              jax.tree.map(jnp.add, grads, grads_i)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+    micro = jax.tree.map(micro_batches, batch)
+    if given_loss_fn is default_loss_fn:
+      aux_zeros = (jnp.zeros((), jnp.float32), {})
+    else:  # the structure of its sums, from an abstract trace of one micro-batch
+      aux_zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), jax.eval_shape(
+          lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro))[1]))
+    zeros = (jnp.zeros((), jnp.float32), aux_zeros,
              jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-    (loss_sum, weight, grads), _ = jax.lax.scan(accumulate, zeros,
-                                                jax.tree.map(micro_batches, batch))
+    (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, zeros, micro)
     if factor is not None:
       grads = jax.tree.map(lambda g: g / factor, grads)
-    return loss_sum, weight, grads
+    return loss_sum, aux, grads
 
   def data_parallel_sums(params, batch, scale):
     # check_vma=False: no implicit psum per micro-batch for the replicated params; the one
@@ -171,7 +196,7 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
 
   def train_step(state: TrainState, batch):
     scale = state.loss_scale.scale if loss_scaling else None
-    loss_sum, weight, grads = sums_fn(state.params, batch, scale)
+    loss_sum, (weight, sums), grads = sums_fn(state.params, batch, scale)
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
     loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
@@ -198,7 +223,8 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
         loss_scale=loss_scale)
     metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
                'nonfinite_count': new_state.nonfinite_count,
-               'consecutive_nonfinite': new_state.consecutive_nonfinite}
+               'consecutive_nonfinite': new_state.consecutive_nonfinite,
+               **{name: total / weight for name, total in sums.items()}}
     if loss_scaling:
       metrics['loss_scale'] = loss_scale.scale
       metrics['loss_scale_skips'] = loss_scale.skips
@@ -297,10 +323,12 @@ def state_from_host_params(s: Setup, params) -> TrainState:
                       s.state_shardings)
 
 
-def jit_train_step(s: Setup, pad_id: int):
+def jit_train_step(s: Setup, pad_id: int, loss_fn=None):
+  """The train step (make_train_step) jitted in the state's and the batch's shardings, the state
+  donated; loss_fn as make_train_step takes it (default: next-token NLL)."""
   step = make_train_step(s.model, s.optimizer, s.schedule,
                          grad_accum_steps=s.run.grad_accum_steps, pad_id=pad_id, mesh=s.mesh,
-                         loss_scaling=uses_loss_scale(s.config))
+                         loss_scaling=uses_loss_scale(s.config), loss_fn=loss_fn)
   return jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding),
                  out_shardings=(s.state_shardings, sharding.replicated(s.mesh)),
                  donate_argnums=(0,))

@@ -145,6 +145,13 @@ def score(fn: Reward, completion: str, item: Item) -> float:
   return value
 
 
+def accuracy(rewards) -> float:
+  """The share of completions that are fully right: reward >= 1 (the built-in rewards are 0 or 1,
+  so for them it is the mean reward)."""
+  rewards = [float(r) for r in rewards]
+  return sum(r >= 1 for r in rewards) / max(len(rewards), 1)
+
+
 def _plain(record: dict) -> tuple[str, str, tuple[str, ...]]:
   return record['prompt'], record['answer'], tuple(record.get('choices') or ())
 

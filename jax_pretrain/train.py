@@ -1,21 +1,22 @@
-"""A training run's setup, then the loop (loop.py) with the hooks its caller gives.
+"""A training run's setup, then the loop (loop.py), for a Program: what one kind of training
+brings (its data, its step, its metrics, its hooks).
 
-  train.train(config, workdir, hooks, devices=None, check=None)
+  train.train(config, workdir, program, devices=None)
 
-Flow: data.open_sources -> config.resolve (the run's one resolve; everything after it takes the
-resolved config and its RunShape) -> check(resolved) -> claim the workdir -> the config against
-the checkpoint's -> memory.fit_micro_batch (train.micro_batch_size=0 on a GPU) -> state.build ->
-restore or init the state -> load the data -> AOT-compile the step -> loop.Loop(step,
-metrics=StepLogger, stop signals, the non-finite check) with hooks(Context) -> its run.
-pretrain.py gives the pretraining hooks (evaluation, checkpointing, lm_eval, the end-of-run
-sample, profiling); this module imports nothing that runs after training (lm_eval, sample,
-engine, serve).
+Flow: program.open_sources -> config.resolve (the run's one resolve; everything after it takes the
+resolved config and its RunShape) -> program.check(resolved) -> claim the workdir -> the config
+against the checkpoint's -> memory.fit_micro_batch (train.micro_batch_size=0 on a GPU) ->
+state.build -> restore (or restore_from, or init) the state -> program.open_data -> program.compile
+(the step, AOT) -> loop.Loop(step, metrics=program.logger, stop signals, the non-finite check)
+with program.hooks(Context) -> its run over program.batches.
+Pretraining and SFT are pretrain.Pretraining (its hooks: evaluation, checkpointing, lm_eval, the
+end-of-run sample, profiling); GRPO is grpo.GRPO (rollouts through the engine in its step). This
+module imports nothing that runs after training (lm_eval, sample, engine, serve).
 """
 import contextlib
 import dataclasses
 import os
 import time
-from typing import Callable
 
 import jax
 import ml_collections
@@ -66,7 +67,9 @@ class StepLogger:
   """Turns step metrics into scalars, the console line and the writers, one step late.
 
   `record(step, metrics)` keeps the device arrays of a logged step; they are read (`flush`) after
-  the next step has been dispatched, so logging never waits for the device to go idle.
+  the next step has been dispatched, so logging never waits for the device to go idle. `report`
+  makes the scalars and the console line of the metrics read (a program's own logger overrides
+  it: grpo.GRPOLogger).
   """
 
   def __init__(self, s: Setup, writer: metrics_lib.MetricWriter, start_step: int):
@@ -97,6 +100,14 @@ class StepLogger:
     now = time.perf_counter()
     step_time = (now - self._last_time) / max(step - self._last_step, 1)
     self._last_time, self._last_step = now, step
+    scalars, line = self.report(step, m, step_time)
+    self.write(step, scalars)
+    multihost.log(f'step {step}/{self._steps} | {line} | ETA '
+                  f'{_format_eta((self._steps - step) * step_time)}')
+    return {'step': step, **m}
+
+  def report(self, step: int, m: dict, step_time: float) -> tuple[dict, str]:
+    """(scalars, the console line's middle) of step metrics read from the device."""
     tokens_per_sec = self._tokens_per_step / step_time
     mfu = metrics_lib.mfu(self._flops_per_token, tokens_per_sec, self._num_devices, self._peak)
     scalars = {'train/loss': m['loss'], 'train/ppl': metrics_lib.perplexity(m['loss']),
@@ -108,14 +119,14 @@ class StepLogger:
     if 'loss_scale' in m:  # float16 runs: dynamic loss scaling (state.LossScale)
       scalars.update({'train/loss_scale': m['loss_scale'],
                       'train/loss_scale_skips': m['loss_scale_skips']})
-    self.write(step, scalars)
     mfu_text = f' | MFU {mfu:.1%}' if mfu is not None else ''
-    skips = f' | skipped {m["nonfinite_count"]}' if m['nonfinite_count'] else ''
-    multihost.log(f'step {step}/{self._steps} | loss {m["loss"]:.4f} | lr {m["lr"]:.2e} | '
-                  f'grad_norm {m["grad_norm"]:.3f} | {tokens_per_sec:,.0f} tok/s | '
-                  f'{step_time:.3f} s/step{mfu_text}{skips} | '
-                  f'ETA {_format_eta((self._steps - step) * step_time)}')
-    return {'step': step, **m}
+    return scalars, (f'loss {m["loss"]:.4f} | lr {m["lr"]:.2e} | grad_norm {m["grad_norm"]:.3f} '
+                     f'| {tokens_per_sec:,.0f} tok/s | {step_time:.3f} s/step{mfu_text}'
+                     f'{self.skipped(m)}')
+
+  @staticmethod
+  def skipped(m: dict) -> str:
+    return f' | skipped {m["nonfinite_count"]}' if m['nonfinite_count'] else ''
 
   def write(self, step: int, scalars: dict) -> None:
     self._writer.write(step, scalars)
@@ -169,20 +180,21 @@ def _initial_state(s: Setup, checkpointer, is_main: bool) -> TrainState:
   return state_lib.init_state(s)
 
 
-def _compile(s: Setup, pad_id: int):
+def compile_step(s: Setup, pad_id: int, abstract_batch, loss_fn=None):
+  """The train step (state.jit_train_step) compiled ahead of time for this batch."""
   t0 = time.perf_counter()
-  train_step = state_lib.jit_train_step(s, pad_id).lower(
-      s.abstract_state, state_lib.abstract_batch(s, s.config.train.batch_size)).compile()
+  train_step = state_lib.jit_train_step(s, pad_id, loss_fn).lower(s.abstract_state,
+                                                                  abstract_batch).compile()
   multihost.log(f'compiled train step in {time.perf_counter() - t0:.1f}s')
   return train_step
 
 
 @dataclasses.dataclass
 class Context:
-  """What the setup built, for the hooks (see pretrain.hooks)."""
+  """What the setup built, for the hooks (see pretrain.Pretraining.hooks)."""
   setup: Setup
   workdir: str
-  data: data_lib.Data
+  data: data_lib.Data  # or what the program's open_data gave
   checkpoints: loop_lib.Checkpointing
   logger: StepLogger
   start_step: int
@@ -190,6 +202,39 @@ class Context:
   @property
   def config(self) -> ml_collections.ConfigDict:
     return self.setup.config
+
+
+class Program:
+  """What one kind of training brings to `train`; these defaults train on data.train's text or
+  SFT examples (pretrain.Pretraining adds its hooks). grpo.GRPO replaces the data, the step and
+  the logger. Each method is called once, in this order."""
+
+  def open_sources(self, config: ml_collections.ConfigDict):
+    """Before the config is resolved: the data's sources, with the run's `tokenizer`."""
+    return data_lib.open_sources(config)
+
+  def check(self, resolved: ml_collections.ConfigDict) -> None:
+    """Cheap checks of the resolved config, before any work."""
+
+  def open_data(self, resolved: ml_collections.ConfigDict, sources, step: int):
+    """The data, positioned after `step` steps: `tokenizer`, `train` (an iterator with close())."""
+    return data_lib.open_batches(resolved, sources, jax.process_index(), jax.process_count(),
+                                 step)
+
+  def compile(self, s: Setup, data):
+    """The loop's step function: (state, batch) -> (state, metrics)."""
+    return compile_step(s, data.tokenizer.pad_id,
+                        state_lib.abstract_batch(s, s.config.train.batch_size))
+
+  def batches(self, s: Setup, data):
+    """What the step takes, one item a step (an iterator with close())."""
+    return data_lib.Prefetcher(data.train, s.batch_sharding)
+
+  def logger(self, s: Setup, writer: metrics_lib.MetricWriter, step: int) -> StepLogger:
+    return StepLogger(s, writer, step)
+
+  def hooks(self, ctx: Context) -> list[loop_lib.Hook]:
+    return []
 
 
 def run_eval(eval_step, params, data, s: Setup, logger: StepLogger, step: int) -> dict:
@@ -225,24 +270,23 @@ def profile_hooks(ctx: Context) -> list[loop_lib.Hook]:
                            config_lib.profile_steps(ctx.config.train)).hooks()
 
 
-def train(config: ml_collections.ConfigDict, workdir: str,
-          hooks: Callable[[Context], list[loop_lib.Hook]], devices=None,
-          check: Callable[[ml_collections.ConfigDict], None] | None = None) -> dict[str, float]:
-  """Trains per the config with hooks(Context), writing logs and checkpoints to workdir; returns
-  the last logged scalars ({} when a stop signal came before the first step).
+def train(config: ml_collections.ConfigDict, workdir: str, program: Program,
+          devices=None) -> dict[str, float]:
+  """Trains per the config and the program, writing logs and checkpoints to workdir; returns the
+  last logged scalars ({} when a stop signal came before the first step).
 
-  Cheap checks come first (config, data sources, check(resolved config), the workdir's lock, the
-  config against the checkpoint's); then the micro-batch is chosen (GPUs), the state restored,
-  the data loaded and the step compiled, each interruptible by a stop signal; then the loop.
+  Cheap checks come first (config, data sources, program.check(resolved config), the workdir's
+  lock, the config against the checkpoint's); then the micro-batch is chosen (GPUs), the state
+  restored, the data loaded and the step compiled, each interruptible by a stop signal; then the
+  loop.
   """
-  sources = data_lib.open_sources(config)
+  sources = program.open_sources(config)
   devices = jax.devices() if devices is None else devices
   # The run's one resolve: every field checked, nothing built.
   resolved, run_shape = config_lib.resolve(config, len(devices), device=devices[0],
                                            tokenizer_vocab_size=sources.tokenizer.vocab_size)
   is_main = multihost.is_main()
-  if check is not None:
-    check(resolved)
+  program.check(resolved)
   with _claim(workdir):
     ck = resolved.checkpoint
     stop = signals.StopSignal(check_every=resolved.train.log_every)
@@ -271,15 +315,14 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         workdir_lib.write_config(workdir, resolved)
         workdir_lib.save_tokenizer(workdir, sources.tokenizer)
         workdir_lib.record_launch(workdir, step, changes)
-      data = stop.wait('loading the data', data_lib.open_batches, resolved, sources,
-                       jax.process_index(), jax.process_count(), step)
+      data = stop.wait('loading the data', program.open_data, resolved, sources, step)
       try:
-        train_step = stop.wait('compiling', _compile, s, sources.tokenizer.pad_id)
+        train_step = stop.wait('compiling', program.compile, s, data)
         writer = metrics_lib.MetricWriter(workdir, enabled=is_main, start_step=step,
                                           config=config_lib.as_dict(resolved))
-        prefetcher = data_lib.Prefetcher(data.train, s.batch_sharding)
+        batches = program.batches(s, data)
         try:
-          logger = StepLogger(s, writer, step)
+          logger = program.logger(s, writer, step)
           checkpoints = loop_lib.Checkpointing(checkpointer, config_lib.as_dict(resolved),
                                                every=ck.every_steps, save_final=ck.save_final)
           ctx = Context(s, workdir, data, checkpoints, logger, step)
@@ -288,14 +331,14 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                              metrics=logger, stop=stop,
                              checks=[loop_lib.nonfinite_check(resolved.train, checkpoints,
                                                               skips_at_start)])
-          for hook in hooks(ctx):
+          for hook in program.hooks(ctx):
             lp.add(hook)
-          state = lp.run(state, prefetcher, step)
+          state = lp.run(state, batches, step)
           if state is None:
             multihost.log(f'received {stop.name}: saved step {lp.step} to '
                           f'{checkpointer.directory}; run the same command to resume.')
         finally:
-          prefetcher.close()
+          batches.close()
           writer.close()
       finally:
         data.train.close()  # stops grain's worker processes, if any

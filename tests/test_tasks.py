@@ -112,7 +112,8 @@ def test_evaluate_task_prints_the_greedy_accuracy_under_the_reward(tmp_path, tmp
   out = run_cli('-m', 'jax_pretrain.evaluate', f'--workdir={workdir}', f'--task={path}',
                 f'--reward={tmp_path}/starts.py:starts', '--max_new_tokens=8',
                 f'--json={tmp_path}/r.json')
-  assert f'{path}: accuracy 0.5000 (3 of 6 under reward' in out, out
+  assert f'{path}: accuracy 0.5000 (3 of 6 right under reward' in out, out
+  assert 'mean reward 0.5000' in out, out
   result = json.loads((tmp_path / 'r.json').read_text())
   assert [item['completion'] for item in result['items']] == greedy  # the same greedy tokens
   assert [item['reward'] for item in result['items']] == [1.0, 0.0] * 3
