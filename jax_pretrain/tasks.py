@@ -1,12 +1,19 @@
 """Verifiable tasks for fine-tuning and evaluation: task files, and the rewards that score a
 completion against an item's answer.
 
-A task file is JSONL, one item per line: {"prompt": ..., "answer": ...}, optionally "choices":
-[...]. Built-in formats read other layouts into items (`FORMATS`: MedQA-USMLE's 4 options, as
-lm-eval's medqa_4options; GSM8K's `#### number` answers). Rewards are registered by name
-(`REWARDS`: exact, choice, number) or given as a user's function, `module:function` or
-`path.py:function`, called as fn(completion, item) -> float. Every mistake in a file or a reward
-is a TaskError naming the file and line, or the function.
+A task is JSONL, one item per line: {"prompt": ..., "answer": ...}, optionally "choices": [...];
+or a Hugging Face dataset, named as data sources name one (data/hub.py):
+hf:NAME_OR_PATH[:CONFIG][@SPLIT], a save_to_disk directory, a local directory of data files, or a
+dataset on the Hub (streamed, read in order). Built-in formats read other layouts into items
+(`FORMATS`: MedQA-USMLE's 4 options, as lm-eval's medqa_4options, e.g.
+hf:GBaker/MedQA-USMLE-4-options@test; GSM8K's `#### number` answers, e.g.
+hf:openai/gsm8k:main@test). A field mapping, 'FIELD=COLUMN,...', reads a format's fields from
+other columns (plain: 'prompt=question,answer=label,choices=options').
+
+Rewards are registered by name (`REWARDS`: exact, choice, number) or given as a user's function,
+`module:function` or `path.py:function`, called as fn(completion, item) -> float. Every mistake in
+a task or a reward is a TaskError naming the file and line (FILE:LINE), the dataset and row
+(hf:NAME@SPLIT:ROW, rows counted from 1), or the function.
 """
 import dataclasses
 import importlib
@@ -17,6 +24,9 @@ import re
 import string
 from typing import Callable
 
+from jax_pretrain.data import hub
+from jax_pretrain.data import sources
+from jax_pretrain.data.errors import DataError
 from jax_pretrain.errors import UserError
 
 
@@ -30,7 +40,7 @@ class Item:
   prompt: str
   answer: str
   choices: tuple[str, ...] = ()
-  where: str = ''  # FILE:LINE, for messages
+  where: str = ''  # FILE:LINE or hf:NAME@SPLIT:ROW, for messages
 
 
 Reward = Callable[[str, Item], float]
@@ -176,16 +186,40 @@ def _gsm8k(record: dict) -> tuple[str, str, tuple[str, ...]]:
   return f'Question: {record["question"]}\nAnswer:', answer.split('####')[-1].strip(), ()
 
 
-FORMATS = {'plain': _plain, 'medqa': _medqa, 'gsm8k': _gsm8k}
+@dataclasses.dataclass(frozen=True)
+class Format:
+  """A layout of task records: its converter to (prompt, answer, choices), and the fields the
+  converter reads, which a field mapping may name (a record without a required one is an error)."""
+  convert: Callable[[dict], tuple[str, str, tuple[str, ...]]]
+  required: tuple[str, ...]
+  optional: tuple[str, ...] = ()
 
 
-def load(path: str, format_name: str = 'plain') -> list[Item]:
-  """The items of a JSONL task file; every bad line is a TaskError naming FILE:LINE."""
-  if format_name not in FORMATS:
-    raise TaskError(f'task format {format_name!r}: choose one of {sorted(FORMATS)}.')
+FORMATS = {'plain': Format(_plain, ('prompt', 'answer'), ('choices',)),
+           'medqa': Format(_medqa, ('question', 'options'), ('answer_idx', 'answer')),
+           'gsm8k': Format(_gsm8k, ('question', 'answer'))}
+
+
+def _field_mapping(fields: str, format_name: str) -> dict[str, str]:
+  """{FIELD: COLUMN} of 'FIELD=COLUMN,...', each FIELD one the format reads."""
+  names, mapping = (*FORMATS[format_name].required, *FORMATS[format_name].optional), {}
+  for part in filter(None, (p.strip() for p in fields.split(','))):
+    field, sep, column = (s.strip() for s in part.partition('='))
+    if not (sep and field and column):
+      raise TaskError(f'task fields {fields!r}: {part!r} is not FIELD=COLUMN.')
+    if field not in names:
+      raise TaskError(f'task fields {fields!r}: format {format_name!r} reads no field {field!r} '
+                      f'(its fields: {", ".join(names)}).')
+    if field in mapping:
+      raise TaskError(f'task fields {fields!r}: {field!r} is mapped twice.')
+    mapping[field] = column
+  return mapping
+
+
+def _file_records(path: str):
+  """(FILE:LINE, record) of each non-blank line of a JSONL file."""
   if not os.path.isfile(path):
     raise TaskError(f'{path}: no such task file (JSONL, one {{"prompt", "answer"}} per line).')
-  convert, items = FORMATS[format_name], []
   with open(path, encoding='utf-8') as f:
     for n, line in enumerate(f, 1):
       where = f'{path}:{n}'
@@ -197,17 +231,63 @@ def load(path: str, format_name: str = 'plain') -> list[Item]:
         raise TaskError(f'{where}: not valid JSON ({e.msg}).') from None
       if not isinstance(record, dict):
         raise TaskError(f'{where}: a task line is a JSON object, got {type(record).__name__}.')
-      try:
-        prompt, answer, choices = convert(record)
-      except KeyError as e:
-        raise TaskError(f'{where}: no {e.args[0]!r} field (format {format_name!r}).') from None
-      if not isinstance(prompt, str) or not prompt:
-        raise TaskError(f'{where}: "prompt" must be a non-empty string.')
-      if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
-        raise TaskError(f'{where}: "answer" must be a string or a number.')
-      items.append(Item(prompt, str(answer), tuple(str(c) for c in choices), where))
+      yield where, record
+
+
+def _dataset_records(source: str, format_name: str, mapping: dict[str, str]):
+  """(hf:NAME@SPLIT:ROW, record) of each row of a dataset, opened as data sources open it
+  (data/hub.py), rows counted from 1. The columns the format needs are checked first where the
+  dataset declares its columns (a streamed one may not)."""
+  name, split = hub.parse(source)
+  where = hub.spec(name, split)
+  try:
+    ds, _ = hub.open_dataset(name, split)
+  except DataError as e:
+    raise TaskError(str(e)) from None
+  columns = ds.column_names
+  if columns is not None:
+    for field in dict.fromkeys((*FORMATS[format_name].required, *mapping)):
+      column = mapping.get(field, field)
+      if column not in columns:
+        why = (f'named by the task field {field}={column}' if field in mapping else
+               f'which format {format_name!r} reads; name the column to read instead in the '
+               f'task fields: {field}=COLUMN')
+        raise TaskError(f'{where}: no column {column!r} (columns: {", ".join(columns)}), {why}.')
+  for n, record in enumerate(ds, 1):
+    yield f'{where}:{n}', record
+
+
+def load(source: str, format_name: str = 'plain', fields: str = '') -> list[Item]:
+  """The items of a task: a JSONL file, or a Hugging Face dataset hf:NAME_OR_PATH[:CONFIG][@SPLIT]
+  (as data sources name one), in the layout `format_name`. `fields`, 'FIELD=COLUMN,...', names
+  the column each of the format's fields is read from where it is not the field's own name (plain:
+  'prompt=question,answer=label,choices=options'). Every bad record is a TaskError naming FILE:LINE,
+  or hf:NAME@SPLIT:ROW."""
+  if format_name not in FORMATS:
+    raise TaskError(f'task format {format_name!r}: choose one of {sorted(FORMATS)}.')
+  convert, mapping = FORMATS[format_name].convert, _field_mapping(fields, format_name)
+  records = (_dataset_records(source, format_name, mapping)
+             if sources.HfDataset.claims(source) else _file_records(source))
+  items = []
+  for where, record in records:
+    missing = next((column for column in mapping.values() if column not in record), None)
+    if missing is not None:
+      raise TaskError(f'{where}: no {missing!r} field (task fields {fields!r}).')
+    record = {**record, **{field: record[column] for field, column in mapping.items()}}
+    try:
+      prompt, answer, choices = convert(record)
+    except KeyError as e:
+      raise TaskError(f'{where}: no {e.args[0]!r} field (format {format_name!r}).') from None
+    except (TypeError, AttributeError) as e:
+      raise TaskError(f'{where}: not a {format_name!r} record ({type(e).__name__}: {e}).'
+                      ) from None
+    if not isinstance(prompt, str) or not prompt:
+      raise TaskError(f'{where}: "prompt" must be a non-empty string.')
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+      raise TaskError(f'{where}: "answer" must be a string or a number.')
+    items.append(Item(prompt, str(answer), tuple(str(c) for c in choices), where))
   if not items:
-    raise TaskError(f'{path}: no task items.')
+    raise TaskError(f'{source}: no task items.')
   return items
 
 

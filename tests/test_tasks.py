@@ -1,5 +1,7 @@
-"""Task files and rewards: what each reward accepts, user reward functions, and one error line
-(naming the file and line, or the function) for every mistake."""
+"""Task files and rewards: what each reward accepts, user reward functions, tasks from Hugging
+Face datasets (hf:, made here) with field mappings, and one error line (naming the file and line,
+the dataset and row, or the function) for every mistake."""
+import dataclasses
 import json
 
 import pytest
@@ -77,6 +79,118 @@ def test_medqa_and_gsm8k_layouts(tmp_path):
   gsm = write(tmp_path / 'gsm.jsonl', [{'question': 'How many?', 'answer': 'so 3 + 4\n#### 7'}])
   [item] = tasks.load(gsm, 'gsm8k')
   assert item.answer == '7' and tasks.number(' 7 apples', item) == 1
+
+
+MEDQA = [{'question': 'Which drug?', 'options': {'A': 'aspirin', 'B': 'heparin', 'C': 'warfarin',
+                                                  'D': 'insulin'},
+          'answer': 'heparin', 'answer_idx': 'B'},
+         {'question': 'Which organ?', 'options': {'A': 'liver', 'B': 'lung', 'C': 'heart',
+                                                   'D': 'skin'},
+          'answer': 'heart', 'answer_idx': 'C'}]
+GSM8K = [{'question': 'How many?', 'answer': 'so 3 + 4\n#### 7'},
+         {'question': 'How much?', 'answer': '2 * 617 = 1234\n#### 1,234'}]
+PLAIN = [{'q': 'Capital of France?', 'label': 'Paris', 'options': ['Rome', 'Paris']},
+         {'q': '2 + 2 = ', 'label': '4', 'options': ['3', '4']}]
+
+
+@pytest.fixture(scope='module')
+def hf_tasks(tmp_path_factory):
+  """The same rows as JSONL files and as datasets, the ways data sources read them (see
+  test_data_hf.py): MedQA as a saved DatasetDict, GSM8K as a local directory with a 'main'
+  configuration (its README's), plain rows under other column names as a directory of JSONL files,
+  and two saved Datasets with a bad second row."""
+  datasets = pytest.importorskip('datasets')
+  d = tmp_path_factory.mktemp('hf_tasks')
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(datasets.config, 'HF_DATASETS_CACHE', str(d / 'cache'))  # not ~/.cache
+    for name, rows in (('medqa', MEDQA), ('gsm8k', GSM8K), ('plain', PLAIN)):
+      write(d / f'{name}.jsonl', rows)
+    datasets.DatasetDict({'train': datasets.Dataset.from_list(MEDQA[:1]),
+                          'test': datasets.Dataset.from_list(MEDQA)}).save_to_disk(str(d / 'medqa'))
+    (d / 'gsm8k' / 'main').mkdir(parents=True)
+    write(d / 'gsm8k' / 'main' / 'test.jsonl', GSM8K)
+    (d / 'gsm8k' / 'README.md').write_text(
+        '---\nconfigs:\n- config_name: main\n  data_files:\n  - split: test\n'
+        '    path: main/test.jsonl\n---\n')
+    (d / 'plain').mkdir()
+    write(d / 'plain' / 'train.jsonl', PLAIN)
+    datasets.Dataset.from_list([{'prompt': 'ok', 'answer': '1'}, {'prompt': '', 'answer': '2'}]
+                               ).save_to_disk(str(d / 'bad_plain'))
+    datasets.Dataset.from_list([GSM8K[0], {'question': 'And?', 'answer': None}]
+                               ).save_to_disk(str(d / 'bad_gsm8k'))
+    yield d
+
+
+@pytest.mark.parametrize('source, jsonl, format_name, fields', [
+    ('medqa@test', 'medqa.jsonl', 'medqa', ''),
+    ('gsm8k:main@test', 'gsm8k.jsonl', 'gsm8k', ''),
+    ('plain@train', 'plain.jsonl', 'plain', 'prompt=q, answer=label,choices=options'),
+])
+def test_a_dataset_gives_the_items_of_the_same_rows_as_jsonl(hf_tasks, source, jsonl, format_name,
+                                                             fields):
+  items = tasks.load(f'hf:{hf_tasks}/{source}', format_name, fields)
+  same = tasks.load(str(hf_tasks / jsonl), format_name, fields)
+  assert [dataclasses.replace(item, where='') for item in items] == [
+      dataclasses.replace(item, where='') for item in same]
+  assert [item.where for item in items] == [f'hf:{hf_tasks}/{source}:{n}' for n in (1, 2)]
+
+
+def test_the_items_of_each_layout_from_a_dataset(hf_tasks):
+  [_, organ] = tasks.load(f'hf:{hf_tasks}/medqa@test', 'medqa')
+  assert organ == tasks.Item('Question: Which organ?\nA. liver\nB. lung\nC. heart\nD. skin\n'
+                             'Answer:', 'C', ('liver', 'lung', 'heart', 'skin'),
+                             f'hf:{hf_tasks}/medqa@test:2')
+  assert tasks.choice(' C. heart', organ) == 1 and tasks.choice(' B', organ) == 0
+  [_, much] = tasks.load(f'hf:{hf_tasks}/gsm8k:main@test', 'gsm8k')
+  assert much.prompt == 'Question: How much?\nAnswer:' and much.answer == '1,234'
+  assert tasks.number(' 1234 dollars', much) == 1
+  [paris, _] = tasks.load(f'hf:{hf_tasks}/plain@train',
+                          fields='prompt=q,answer=label,choices=options')
+  assert paris == tasks.Item('Capital of France?', 'Paris', ('Rome', 'Paris'),
+                             f'hf:{hf_tasks}/plain@train:1')
+  assert tasks.choice('B', paris) == 1
+
+
+@pytest.mark.parametrize('source, format_name, fields, message', [
+    ('plain@train', 'plain', 'prompt=q,answer=lbl',
+     "hf:{d}/plain@train: no column 'lbl' (columns: q, label, options), named by the task field "
+     'answer=lbl.'),
+    ('plain@train', 'plain', 'answer=label',
+     "hf:{d}/plain@train: no column 'prompt' (columns: q, label, options), which format 'plain' "
+     'reads; name the column to read instead in the task fields: prompt=COLUMN.'),
+    ('plain@train', 'plain', 'prompt=q,solution=label',
+     "task fields 'prompt=q,solution=label': format 'plain' reads no field 'solution' (its fields: "
+     'prompt, answer, choices).'),
+    ('gsm8k:main@test', 'gsm8k', 'question', "task fields 'question': 'question' is not "
+     'FIELD=COLUMN.'),
+    ('plain@train', 'plain', 'prompt=q,prompt=label',
+     "task fields 'prompt=q,prompt=label': 'prompt' is mapped twice."),
+    ('medqa@validation', 'medqa', '',
+     "hf:{d}/medqa@validation: no split 'validation' (splits: train, test)."),
+    ('medqa:main@test', 'medqa', '',
+     'hf:{d}/medqa:main@test: a saved dataset has no configurations; drop :main.'),
+    ('gsm8k:socratic@test', 'gsm8k', '',
+     "hf:{d}/gsm8k:socratic@test: cannot open it (ValueError: BuilderConfig 'socratic' not found"),
+])
+def test_a_task_dataset_or_mapping_that_cannot_work_is_one_error(hf_tasks, source, format_name,
+                                                                fields, message):
+  with pytest.raises(tasks.TaskError) as e:
+    tasks.load(f'hf:{hf_tasks}/{source}', format_name, fields)
+  assert str(e.value).startswith(message.format(d=hf_tasks))  # the last: datasets' words follow
+
+
+def test_a_bad_record_names_its_row_or_line(hf_tasks, tmp_path):
+  with pytest.raises(tasks.TaskError) as e:
+    tasks.load(f'hf:{hf_tasks}/bad_plain')
+  assert str(e.value) == f'hf:{hf_tasks}/bad_plain:2: "prompt" must be a non-empty string.'
+  with pytest.raises(tasks.TaskError) as e:
+    tasks.load(f'hf:{hf_tasks}/bad_gsm8k', 'gsm8k')
+  assert str(e.value) == (f"hf:{hf_tasks}/bad_gsm8k:2: not a 'gsm8k' record (AttributeError: "
+                          "'NoneType' object has no attribute 'split').")
+  path = write(tmp_path / 't.jsonl', [{'q': 'a', 'label': 'b'}, {'q': 'c', 'answer': 'd'}])
+  with pytest.raises(tasks.TaskError) as e:
+    tasks.load(path, fields='prompt=q,answer=label')
+  assert str(e.value) == f"{path}:2: no 'label' field (task fields 'prompt=q,answer=label')."
 
 
 def test_a_prompt_longer_than_the_context_is_one_error(tmp_path):

@@ -1,5 +1,6 @@
-"""Text from the Hugging Face ecosystem: datasets (`hf:NAME_OR_PATH[@SPLIT]`, sources.HfDataset)
-and Parquet files on URLs that fsspec opens (`hf://datasets/...`, sources.RemoteFiles).
+"""Text from the Hugging Face ecosystem: datasets (`hf:NAME_OR_PATH[:CONFIG][@SPLIT]`,
+sources.HfDataset and task files in tasks.py) and Parquet files on URLs that fsspec opens
+(`hf://datasets/...`, sources.RemoteFiles).
 
 A dataset is opened the way its name says:
   hf:PATH              a directory written by Dataset.save_to_disk (a DatasetDict: its SPLIT,
@@ -8,6 +9,8 @@ A dataset is opened the way its name says:
                        (data files such as *.jsonl or *.parquet; cached as Arrow files)
   hf:OWNER/NAME@SPLIT  a dataset on the Hub: load_dataset(..., streaming=True), nothing downloaded
                        ahead of use
+A `:CONFIG` after the name or path (hf:openai/gsm8k:main@test) is the dataset's configuration,
+load_dataset's second argument; a saved directory has none.
 A local dataset is random access: work items are row ranges, read in any process, and its tokens
 are the same on every start, so runs on it are deterministic and resume exactly. A streamed one
 has no random access: one work item per shard (data file), read in order; its data is the same
@@ -42,14 +45,39 @@ def is_saved(path: str) -> bool:
   return any(os.path.isfile(os.path.join(path, f)) for f in ('state.json', 'dataset_dict.json'))
 
 
+def parse(text: str) -> tuple[str, str]:
+  """(NAME, SPLIT) of hf:NAME_OR_PATH[:CONFIG][@SPLIT]: NAME keeps its :CONFIG, SPLIT is '' when
+  none is given (the default)."""
+  name, _, split = text.removeprefix('hf:').partition('@')
+  return name, split
+
+
+def spec(name: str, split: str) -> str:
+  """hf:NAME[@SPLIT], as messages name a dataset."""
+  return f'hf:{name}' + (f'@{split}' if split else '')
+
+
+def _path_and_config(name: str) -> tuple[str, str]:
+  """NAME_OR_PATH and CONFIG of NAME_OR_PATH[:CONFIG] (CONFIG '': none). The colon counts only in
+  the last path component, and not when the whole name is a directory."""
+  path, sep, config = name.rpartition(':')
+  if not sep or '/' in config or os.path.isdir(name):
+    return name, ''
+  return path, config
+
+
 @functools.lru_cache(maxsize=16)
 def open_dataset(name: str, split: str):
-  """(dataset, streamed) for hf:NAME@SPLIT (split '' : the default), opened once per process."""
+  """(dataset, streamed) for hf:NAME[:CONFIG]@SPLIT (split '' : the default), opened once per
+  process."""
   datasets = _datasets()
-  where = f'hf:{name}' + (f'@{split}' if split else '')
+  where = spec(name, split)
+  path, config = _path_and_config(name)
   try:
-    if os.path.isdir(name) and is_saved(name):
-      ds = datasets.load_from_disk(name)
+    if os.path.isdir(path) and is_saved(path):
+      if config:
+        raise DataError(f'{where}: a saved dataset has no configurations; drop :{config}.')
+      ds = datasets.load_from_disk(path)
       if isinstance(ds, datasets.DatasetDict):
         if (split or 'train') not in ds:
           raise DataError(f'{where}: no split {split or "train"!r} (splits: {", ".join(ds)}).')
@@ -57,8 +85,9 @@ def open_dataset(name: str, split: str):
       if split:
         raise DataError(f'{where}: a saved Dataset has no splits; drop @{split}.')
       return ds, False
-    streamed = not os.path.isdir(name)
-    return datasets.load_dataset(name, split=split or 'train', streaming=streamed), streamed
+    streamed = not os.path.isdir(path)
+    named = (path, config) if config else (path,)
+    return datasets.load_dataset(*named, split=split or 'train', streaming=streamed), streamed
   except DataError:
     raise
   except Exception as e:  # noqa: BLE001  (datasets raises many types)
@@ -69,7 +98,7 @@ def open_dataset(name: str, split: str):
 def work_items(reader: str, name: str, split: str, field: str) -> list[formats.WorkItem]:
   """Work items of a dataset (see the module docstring); item.path is NAME@SPLIT."""
   ds, streamed = open_dataset(name, split)
-  where = f'hf:{name}' + (f'@{split}' if split else '')
+  where = spec(name, split)
   columns = ds.column_names  # None for a streamed dataset without declared features
   if columns is not None and field not in columns:
     raise DataError(f'{where}: no column "{field}" (columns: {", ".join(columns)}); write '
@@ -79,7 +108,8 @@ def work_items(reader: str, name: str, split: str, field: str) -> list[formats.W
         '%s is streamed from the Hub: its data is the same on every read only while the '
         "dataset's files there do not change (nothing checks it), and a resumed run reads it "
         'again. To pin it, prepare it once with scripts/prepare_data.py, or read its Parquet '
-        'files at a revision (hf://datasets/%s@REVISION/...).', where, name)
+        'files at a revision (hf://datasets/%s@REVISION/...).', where,
+        _path_and_config(name)[0])
     return [formats.WorkItem(reader, f'{name}@{split}', k, k + 1, 1, field)
             for k in range(ds.num_shards)]
   if len(ds) == 0:
@@ -105,7 +135,7 @@ def read(item: formats.WorkItem):
 
 def location(item: formats.WorkItem, n: int) -> str:
   _, streamed = open_dataset(*item.path.rsplit('@', 1))
-  name = 'hf:' + item.path.rstrip('@')
+  name = spec(*item.path.rsplit('@', 1))
   return f'{name}: shard {item.start}, record {n}' if streamed else f'{name}: row {n}'
 
 
