@@ -57,7 +57,8 @@ def run(main) -> None:
 
 def _parse_flags(argv):
   try:
-    return app.parse_flags_with_usage(argv)
+    with user_errors():  # a config file's own error (e.g. configs/sft.py:RUN without a run)
+      return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError) as e:  # ml_collections: an override naming no field
     _unknown_config_field(e)
 

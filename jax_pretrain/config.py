@@ -22,7 +22,6 @@ import ml_collections
 from jax_pretrain import PRESETS_DIR
 from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
-from jax_pretrain import tasks
 from jax_pretrain.errors import UserError
 from jax_pretrain.kernels import attention
 
@@ -193,10 +192,12 @@ CHECKPOINT = (
 
 GRPO = (  # read by `python -m jax_pretrain.grpo` only (jax_pretrain/grpo.py)
     F('task', '', STREAM, 'required by grpo: the training task, JSONL of {"prompt", "answer"'
-      '[, "choices"]} (jax_pretrain/tasks.py; --task)'),
+      '[, "choices"]} or hf:NAME[:CONFIG][@SPLIT] (jax_pretrain/tasks.py; --task)'),
     F('eval_task', '', SAFE, "held-out task: eval/accuracy at step 0, every train.eval_every "
       "steps and at the end ('': none; --eval_task)"),
     F('task_format', 'plain', STREAM, "layout of the task files: 'plain' | 'medqa' | 'gsm8k'"),
+    F('task_fields', '', STREAM, "'FIELD=COLUMN,...': the column each of the format's fields is "
+      "read from (e.g. 'prompt=question,answer=label'; '': their own names)"),
     F('reward', 'exact', SAFE, "'exact' | 'choice' | 'number' | 'module:function' | "
       "'path.py:function'"),
     F('num_samples', 16, STREAM, 'completions sampled per prompt (a group); train.batch_size '
@@ -557,6 +558,7 @@ def _resolve_grpo(g: ml_collections.ConfigDict) -> None:
          'sample).')
   _check(g.beta >= 0, f'grpo.beta={g.beta} must be >= 0.')
   _choice(g, 'grpo', 'scale_rewards', ('group', 'none'))
+  from jax_pretrain import tasks  # noqa: PLC0415  (it loads the data package: only here)
   _choice(g, 'grpo', 'task_format', tuple(tasks.FORMATS))
 
 

@@ -2,7 +2,7 @@
 
   python -m jax_pretrain.evaluate --workdir=runs/x [--data=SOURCES] [--max_tokens=1000000]
   python -m jax_pretrain.evaluate --workdir=runs/x --task=HELDOUT.jsonl [--reward=exact]
-      [--task_format=plain|medqa|gsm8k] [--max_new_tokens=32]
+      [--task_format=plain|medqa|gsm8k] [--task_fields=prompt=COL,answer=COL] [--max_new_tokens=32]
 
 --task: the greedy accuracy on a task file (one {"prompt", "answer"} per line;
 jax_pretrain/tasks.py) under a reward (exact, choice, number, or a user's module:function /
@@ -123,7 +123,8 @@ def main_task(f) -> None:
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import engine as engine_lib  # noqa: PLC0415
   from jax_pretrain import sample as sample_lib  # noqa: PLC0415
-  items, reward = tasks.load(f.task, f.task_format), tasks.reward_fn(f.reward)
+  items = tasks.load(f.task, f.task_format, f.task_fields)
+  reward = tasks.reward_fn(f.reward)
   run = workdir_lib.load(f.workdir, f.step)
   context = run.config.data.seq_len
   tasks.check_lengths(items, lambda text: sample_lib.encode_prompt(run.tokenizer, text), context,
@@ -170,6 +171,8 @@ if __name__ == '__main__':
   flags.DEFINE_string('task', '', 'A task file (JSONL of prompt/answer): print the greedy accuracy '
                       'under --reward instead of the loss (jax_pretrain/tasks.py).')
   flags.DEFINE_string('task_format', 'plain', 'Layout of --task: plain | medqa | gsm8k.')
+  flags.DEFINE_string('task_fields', '', "--task's columns: 'FIELD=COLUMN,...' (e.g. "
+                      "'prompt=question,answer=label'); '': the fields' own names.")
   flags.DEFINE_string('reward', 'exact', "--task's reward: exact | choice | number | "
                       'module:function | path.py:function.')
   flags.DEFINE_integer('max_new_tokens', 32, '--task: tokens generated per prompt at most.')

@@ -291,9 +291,9 @@ class GRPO(train_lib.Program):
                       'jax_pretrain/tasks.py).')
     if not os.path.isdir(os.path.join(run, checkpoint_lib.DIRECTORY)):
       raise UserError(f'--init={run}: no checkpoints there (a training run\'s workdir).')
-    self.sources = TaskSources(workdir_lib.load_tokenizer(run), tasks.load(g.task, g.task_format),
-                               tasks.load(g.eval_task, g.task_format) if g.eval_task else [],
-                               tasks.reward_fn(g.reward))
+    load = lambda source: tasks.load(source, g.task_format, g.task_fields)
+    self.sources = TaskSources(workdir_lib.load_tokenizer(run), load(g.task),
+                               load(g.eval_task) if g.eval_task else [], tasks.reward_fn(g.reward))
     return self.sources
 
   def check(self, resolved: ml_collections.ConfigDict) -> None:
@@ -450,8 +450,8 @@ def task_eval_hooks(ctx: train_lib.Context, eng) -> list[loop_lib.Hook]:
 
 def _init_into_config(argv: list[str]) -> list[str]:
   """--init=RUN is --config=FILE:RUN (the config file takes the run's model and seq_len): the
-  --config value is rewritten before flags are parsed."""
-  init = next((a.split('=', 1)[1] for a in argv if a.startswith('--init=')), '')
+  --config value is rewritten before flags are parsed. The last --init counts, as absl's."""
+  init = next((a.split('=', 1)[1] for a in reversed(argv) if a.startswith('--init=')), '')
   if not init:
     return argv
   given = [i for i, a in enumerate(argv) if a.startswith('--config=')]

@@ -1,5 +1,12 @@
 """GRPO's objective against a float64 NumPy reference of the same formula, and what one update
-does to the log-probabilities of better- and worse-than-average completions."""
+does to the log-probabilities of better- and worse-than-average completions; the program
+(python -m jax_pretrain.grpo): resume after SIGTERM, learning a toy task, a mesh, bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +16,9 @@ import pytest
 from jax_pretrain import config as config_lib
 from jax_pretrain import engine
 from jax_pretrain import grpo
+from tests.conftest import ROOT
 from tests.conftest import build_setup
+from tests.conftest import subprocess_env
 
 EPS, BETA = 0.2, 0.04
 
@@ -152,3 +161,156 @@ def test_rollouts_keep_the_log_probabilities_the_training_forward_gives(tmp_path
   assert np.all(r.logp_BxT[r.mask_BxT > 0] < 0) and np.all(r.logp_BxT[r.mask_BxT == 0] == 0)
   # The same seed samples the same completions; another seed others.
   assert sample(seed=3).completions == r.completions != sample(seed=4).completions
+
+
+class _Engine:
+  """Stands in for engine.Engine in rollouts' row assembly: completions as given."""
+
+  def __init__(self, completions):
+    self.completions = completions
+
+  def generate(self, sequences):
+    for seq, (tokens, logprobs, eos_logprob, text) in zip(sequences, self.completions):
+      seq.tokens, seq.logprobs, seq.eos_logprob, seq.text = tokens, logprobs, eos_logprob, text
+    return sequences
+
+
+def test_rollout_rows_train_the_eos_that_ended_a_completion():
+  eng = _Engine([([5, 6], [-0.5, -0.25], -0.125, 'ab'),  # ended by EOS: trained on it
+                 ([7, 8, 9], [-1.0, -2.0, -3.0], None, 'cde')])  # max_new_tokens: no EOS
+  r = grpo.rollouts(eng, [[1, 2, 3]], 2, max_new_tokens=3, temperature=1.0, seed=0, pad_id=0,
+                    eos_id=99, width=8)
+  np.testing.assert_array_equal(r.tokens_BxT1, [[1, 2, 3, 5, 6, 99, 0, 0],
+                                                [1, 2, 3, 7, 8, 9, 0, 0]])
+  np.testing.assert_array_equal(r.mask_BxT, [[0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(r.logp_BxT[0, 2:5], [-0.5, -0.25, -0.125])
+  np.testing.assert_array_equal(r.lengths, [3, 3])
+  assert r.completions == ['ab', 'cde']
+
+
+def _step_batch(model, params, rng, B=8, T=11):
+  """A GRPO update batch: 2 groups of 4, prompts of 3 tokens, completions of 3 to 8 tokens."""
+  tokens = rng.integers(0, 256, (B, T + 1))
+  mask = np.zeros((B, T), np.float32)
+  for b in range(B):
+    mask[b, 2:2 + rng.integers(3, 9)] = 1
+  logp = np.asarray(engine.token_logprobs(model, params, jnp.asarray(tokens, jnp.int32))[0],
+                    np.float64)
+  rewards = rng.integers(0, 2, (2, 4)).astype(np.float64)
+  rewards[:, 0] = 1 - rewards[:, 1]  # no group all alike
+  adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards)), np.float64).reshape(-1)
+  batch = {'tokens': tokens.astype(np.int32), 'mask': mask,
+           'advantages': np.repeat(adv[:, None], T, 1).astype(np.float32),
+           'rollout_logp': (logp + rng.normal(0, 0.01, logp.shape) * mask).astype(np.float32),
+           'ref_logp': (logp + rng.normal(0, 0.3, logp.shape)).astype(np.float32)}
+  return batch, logp, adv
+
+
+def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(tiny):
+  """The loss the update differentiates (on-policy: logp_old is the forward's own, held
+  constant) against grpo's formula in float64: loss, gradient (chained through the model's
+  VJP), KL, mismatch; the clipped share is 0 with one update per batch."""
+  model, params = tiny
+  batch, logp, adv = _step_batch(model, params, np.random.default_rng(5))
+  mask = batch['mask'].astype(np.float64)
+  ref = batch['ref_logp'].astype(np.float64)
+  loss_fn = grpo.make_loss_fn(model, beta=BETA)
+  (loss_sum, (weight, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+  want_loss, want_dlogp, clipped = _reference(logp, logp, adv, mask, ref)
+  assert clipped == 0
+  np.testing.assert_allclose(float(loss_sum / weight), want_loss, rtol=1e-5)
+  assert float(weight) == mask.sum()
+  kl = np.exp(ref - logp) - (ref - logp) - 1
+  np.testing.assert_allclose(float(sums['kl'] / weight), (kl * mask).sum() / mask.sum(),
+                             rtol=1e-4)
+  mismatch = np.abs(logp - batch['rollout_logp']) * mask
+  np.testing.assert_allclose(float(sums['logp_mismatch'] / weight),
+                             mismatch.sum() / mask.sum(), rtol=1e-3)
+  assert float(sums['clip_fraction']) == 0
+  tokens = jnp.asarray(batch['tokens'])
+  _, vjp = jax.vjp(lambda p: engine.token_logprobs(model, p, tokens)[0], params)
+  (want,) = vjp(jnp.asarray(want_dlogp * mask.sum(), jnp.float32))  # d loss_sum, not the mean
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-7)
+
+
+# The program on a toy task: completions are rewarded for their share of the letter 'e' (a user's
+# reward function), which varies from the start, so groups have advantages to learn from.
+E_REWARD = ('def share_of_e(completion, item):\n'
+            '  return completion.count("e") / max(len(completion), 1)\n')
+STEPS = 8
+
+
+@pytest.fixture(scope='module')
+def toy(tmp_path_factory):
+  """(the tiny pretrained run, the task's files, the reward) for the program's tests."""
+  from tests import tiny_run  # noqa: PLC0415
+  base = tiny_run.train_once(tmp_path_factory)
+  d = tmp_path_factory.mktemp('toy_task')
+  for name, numbers in (('train', range(32)), ('heldout', range(32, 40))):
+    with open(d / f'{name}.jsonl', 'w', encoding='utf-8') as f:
+      for i in numbers:
+        f.write(json.dumps({'prompt': f'Item {i}: ', 'answer': 'e'}) + '\n')
+  (d / 'reward_e.py').write_text(E_REWARD)
+  return base, d
+
+
+def _grpo_command(toy, workdir, *extra):
+  base, d = toy
+  return [sys.executable, '-m', 'jax_pretrain.grpo', f'--workdir={workdir}', f'--init={base}',
+          f'--task={d}/train.jsonl', f'--eval_task={d}/heldout.jsonl',
+          f'--config.grpo.reward={d}/reward_e.py:share_of_e', '--config.grpo.num_samples=4',
+          '--config.train.batch_size=16', '--config.grpo.max_new_tokens=12',
+          f'--config.train.steps={STEPS}', '--config.optim.warmup_steps=2',
+          '--config.optim.learning_rate=1e-3', '--config.optim.min_learning_rate=1e-3',
+          '--config.train.eval_every=4', '--config.checkpoint.every_steps=4', *extra]
+
+
+def _records(workdir) -> dict[int, dict]:
+  """step -> every scalar logged for it (train and eval), from metrics.jsonl."""
+  steps = {}
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    for record in map(json.loads, f):
+      steps.setdefault(record.pop('step'), {}).update(record)
+  return steps
+
+
+def test_a_grpo_run_stopped_by_sigterm_and_rerun_equals_a_straight_run_and_learns(toy, tmp_path):
+  straight, stopped = tmp_path / 'straight', tmp_path / 'stopped'
+  out = subprocess.run(_grpo_command(toy, straight), cwd=ROOT, env=subprocess_env(),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  proc = subprocess.Popen(_grpo_command(toy, stopped), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=ROOT)
+  for line in proc.stdout:
+    if line.startswith('step 3/'):
+      proc.send_signal(signal.SIGTERM)  # stops after the step in flight, saves, exits 0
+  assert proc.wait(timeout=300) == 0
+  rerun = subprocess.run(_grpo_command(toy, stopped), cwd=ROOT, env=subprocess_env(),
+                         capture_output=True, text=True, timeout=300)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert 'resuming from step' in rerun.stdout
+  want, got = _records(straight), _records(stopped)
+  assert sorted(want) == list(range(STEPS + 1))  # step 0: eval/accuracy before training
+  for step in range(1, STEPS + 1):
+    for name in ('train/reward', 'train/loss', 'train/grad_norm', 'train/logp_mismatch',
+                 'train/completion_tokens'):
+      assert got[step][name] == want[step][name], (step, name)  # bitwise: same rollouts
+  assert 0 < want[1]['perf/generation_share'] < 1 and want[1]['train/clip_fraction'] == 0
+  # The policy learns the reward: held-out greedy completions score more than before training.
+  assert want[STEPS]['eval/reward'] > want[0]['eval/reward'] + 0.2, (want[0], want[STEPS])
+
+
+@pytest.mark.parametrize('extra, message', [
+    (['--init=/nonexistent'], 'configs/grpo.py:/nonexistent: /nonexistent/config.json not found'),
+    (['--config.train.batch_size=18'], 'train.batch_size=18 (completions a step) is not a '
+     'multiple of grpo.num_samples=4'),
+    (['--config.grpo.max_new_tokens=60'], 'exceeds the context of 64'),
+    (['--config.grpo.reward=nosuch'], "reward 'nosuch': no such reward"),
+])
+def test_bad_input_is_one_error_line(toy, tmp_path, extra, message):
+  out = subprocess.run(_grpo_command(toy, tmp_path / 'w', *extra), cwd=ROOT, env=subprocess_env(),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines() == [out.stderr.strip()] and message in out.stderr, \
+      out.stderr[-2000:]
