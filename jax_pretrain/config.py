@@ -203,6 +203,8 @@ GRPO = (  # read by `python -m jax_pretrain.grpo` only (jax_pretrain/grpo.py)
     F('num_samples', 16, STREAM, 'completions sampled per prompt (a group); train.batch_size '
       'counts completions, so batch_size / num_samples prompts a step'),
     F('max_new_tokens', 64, SAFE, 'tokens generated per completion at most'),
+    F('rollout_slots', 0, SAFE, "completions decoded at once (the engine's KV-cache rows, its "
+      "memory); 0: all of a step's (train.batch_size)"),
     F('temperature', 1.0, SAFE, 'rollout sampling temperature (TRL: 1.0)'),
     F('stop', '\\n', SAFE, "a completion ends at this text (backslash escapes read; '': only at "
       'EOS or max_new_tokens); rewards see the text before it'),
@@ -557,6 +559,7 @@ def _resolve_grpo(g: ml_collections.ConfigDict) -> None:
   _check(g.temperature > 0, f'grpo.temperature={g.temperature} must be positive (rollouts '
          'sample).')
   _check(g.beta >= 0, f'grpo.beta={g.beta} must be >= 0.')
+  _check(g.rollout_slots >= 0, f'grpo.rollout_slots={g.rollout_slots} must be >= 0 (0: all).')
   _choice(g, 'grpo', 'scale_rewards', ('group', 'none'))
   from jax_pretrain import tasks  # noqa: PLC0415  (it loads the data package: only here)
   _choice(g, 'grpo', 'task_format', tuple(tasks.FORMATS))

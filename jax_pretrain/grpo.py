@@ -319,18 +319,14 @@ class GRPO(train_lib.Program):
 
   def compile(self, s: state_lib.Setup, data: TaskData):
     c, g = s.config, s.config.grpo
-    B, T = c.train.batch_size, data.width - 1
-    row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=s.batch_sharding)
-    batch = {'tokens': row((B, T + 1), jnp.int32), 'mask': row((B, T), jnp.float32),
-             'advantages': row((B, T), jnp.float32), 'rollout_logp': row((B, T), jnp.float32)}
-    if g.beta:
-      batch['ref_logp'] = row((B, T), jnp.float32)
-    update = train_lib.compile_step(s, data.tokenizer.pad_id, batch, make_loss_fn(s.model, g.beta))
+    B = c.train.batch_size
+    update = train_lib.compile_step(s, data.tokenizer.pad_id, update_batch(s, data.width),
+                                    make_loss_fn(s.model, g.beta))
     ref = None
     if g.beta:  # the initial model, in the policy's shardings, scoring each batch once
       ref = _reference(s, c.checkpoint.restore_from, data.tokenizer.pad_id)
-    eng = engine_lib.Engine(config_lib.model_config(c), None, data.tokenizer, slots=B,
-                            context=c.data.seq_len)
+    eng = engine_lib.Engine(config_lib.model_config(c), None, data.tokenizer,
+                            slots=rollout_slots(c), context=c.data.seq_len)
     multihost.log(
         f'grpo              {len(data.sources.items)} task items, {B // g.num_samples} prompts × '
         f'{g.num_samples} completions a step (rows of {data.width} tokens), at most '
@@ -351,6 +347,24 @@ class GRPO(train_lib.Program):
     if ctx.data.sources.eval_items:
       hooks += task_eval_hooks(ctx, self.engine)
     return hooks + train_lib.checkpoint_hooks(ctx)
+
+
+def update_batch(s: state_lib.Setup, width: int) -> dict:
+  """The update's batch, abstract (ShapeDtypeStructs in the batch sharding): batch_size rows of
+  `width` tokens (make_loss_fn says what each array holds)."""
+  B, T = s.config.train.batch_size, width - 1
+  row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=s.batch_sharding)
+  batch = {'tokens': row((B, T + 1), jnp.int32), 'mask': row((B, T), jnp.float32),
+           'advantages': row((B, T), jnp.float32), 'rollout_logp': row((B, T), jnp.float32)}
+  if s.config.grpo.beta:
+    batch['ref_logp'] = row((B, T), jnp.float32)
+  return batch
+
+
+def rollout_slots(c: ml_collections.ConfigDict) -> int:
+  """Completions the engine decodes at once (its KV cache's rows): grpo.rollout_slots, or all of
+  a step's."""
+  return c.grpo.rollout_slots or c.train.batch_size
 
 
 def _reference(s: state_lib.Setup, run: str, pad_id: int):
