@@ -149,10 +149,12 @@ def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.
       f'{m} -> {p / GIB:.1f} GiB' + (f' +{f / base - 1:.0%} FLOPs' if f > base * 1.005 else '')
       for m, (p, f) in sorted(tried.items()))
   if chosen is None:
+    remat = ('' if resolved.model.remat == 'full' else ', or set --config.model.remat=full '
+             f'(now {resolved.model.remat})')
     raise config_lib.ConfigError(
         f'the train step does not fit {FIT_MARGIN:.0%} of the {limit / GIB:.1f} GiB per device '
         f'even with one sequence per device (compiled: {compiled}): shard the state '
-        '(--config.mesh.fsdp), or set --config.model.remat=full.')
+        f'(--config.mesh.fsdp){remat}.')
   return (*with_micro_batch(config, resolved, run, chosen),
           f'micro-batch {chosen} (auto: the largest within {FIT_MARGIN:.0%} of {limit / GIB:.1f} '
           f'GiB that XLA does not recompute more of; compiled: {compiled})')

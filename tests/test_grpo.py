@@ -317,8 +317,9 @@ def test_bad_input_is_one_error_line(toy, tmp_path, extra, message):
 
 
 def test_grpo_on_a_mesh_agrees_with_one_device(toy, tmp_path):
-  """Rollouts (the engine on the policy's sharded params) and updates on a data=2, fsdp=2,
-  tensor=2 mesh: the same completions and rewards as one device, losses to 1e-5."""
+  """Rollouts (the engine on the policy's sharded params) and updates (2 micro-batches a device,
+  the KL against the reference model held in the policy's shardings) on a data=2, fsdp=2, tensor=2
+  mesh: the same completions and rewards as one device, losses and KL to 1e-5."""
   from jax_pretrain import train as train_lib  # noqa: PLC0415
   base, d = toy
 
@@ -330,14 +331,18 @@ def test_grpo_on_a_mesh_agrees_with_one_device(toy, tmp_path):
     c.train.batch_size, c.train.steps, c.train.eval_every = 16, 3, 3
     c.optim.warmup_steps, c.optim.learning_rate, c.optim.min_learning_rate = 1, 1e-3, 1e-3
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+    c.train.micro_batch_size = 16 // (2 * mesh[0] * mesh[1])
+    c.grpo.beta = 0.04
     train_lib.train(c, str(workdir), grpo.GRPO(), devices)
     return _records(workdir)
 
   one = run(tmp_path / 'one', jax.devices()[:1], 1, 1, 1)
   mesh = run(tmp_path / 'mesh', jax.devices()[:8], 2, 2, 2)
+  assert one[3]['train/kl'] > 1e-4  # the policy has moved from the reference (step 1: lr 0)
   for step in (1, 2, 3):
     assert mesh[step]['train/reward'] == one[step]['train/reward'], step
     assert mesh[step]['train/completion_tokens'] == one[step]['train/completion_tokens'], step
     np.testing.assert_allclose(mesh[step]['train/loss'], one[step]['train/loss'], atol=1e-5)
+    np.testing.assert_allclose(mesh[step]['train/kl'], one[step]['train/kl'], atol=1e-5)
     np.testing.assert_allclose(mesh[step]['train/grad_norm'], one[step]['train/grad_norm'],
                                rtol=1e-4)
