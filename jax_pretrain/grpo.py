@@ -34,6 +34,9 @@ divided by their count, so long completions weigh by their tokens. Defaults (TRL
 epsilon 0.2 (epsilon_high = epsilon), scale_rewards 'group', temperature 1.0; the guide's
 learning rate 1e-5 and 16 samples (configs/grpo.py).
 
+logp is that of the distribution the rollouts sample, softmax(logits / temperature), as TRL
+scores it (at temperature 1, the model's own).
+
 logp_old: one update per rollout batch (TRL's and tunix's default, num_iterations=1), so the
 policy that sampled is the one being updated and logp_old is this forward's own log-probability,
 held constant (the re-score with the training forward that the ratio needs, at no extra pass):
@@ -120,22 +123,27 @@ def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Ar
   return jnp.sum(per_token_BxT * mask_BxT) / tokens, metrics
 
 
-def make_loss_fn(model, beta: float):
+def make_loss_fn(model, beta: float, temperature: float = 1.0):
   """The train step's loss (state.make_train_step's loss_fn): (params, batch) -> (the per-token
   loss summed over completion tokens, (their count, {clip_fraction, logp_mismatch[, kl]} sums)).
 
   batch: 'tokens' int32 [B, T+1]; float32 [B, T] 'mask' (1 where target t is a completion
   token), 'advantages' (its completion's advantage), 'rollout_logp' (the engine's log-probability
-  of it) and with beta > 0 'ref_logp' (the initial model's). logp_old is this forward's own
-  log-probability, held constant (see the module docstring)."""
+  of it, at temperature 1) and with beta > 0 'ref_logp' (the initial model's, at `temperature`).
+  logp is that of the sampling distribution, softmax(logits / temperature), as TRL scores it;
+  logp_old is this forward's own, held constant (see the module docstring). The mismatch compares
+  temperature-1 log-probabilities, the engine's scale."""
+  temperatures = (temperature,) if temperature == 1.0 else (temperature, 1.0)
+
   def loss_fn(params, batch):
-    logp_BxT = state_lib.target_logprobs(model, params, batch)
+    logp_BxT, *untempered = state_lib.target_logprobs(model, params, batch, temperatures)
     held_BxT = jax.lax.stop_gradient(logp_BxT)
+    at_one_BxT = jax.lax.stop_gradient(untempered[0]) if untempered else held_BxT
     mask_BxT = batch['mask']
     per_token_BxT, clipped_BxT, kl_BxT = token_terms(
         logp_BxT, held_BxT, batch['advantages'], batch.get('ref_logp'), beta=beta)
     sums = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT),
-            'logp_mismatch': jnp.sum(jnp.abs(held_BxT - batch['rollout_logp']) * mask_BxT)}
+            'logp_mismatch': jnp.sum(jnp.abs(at_one_BxT - batch['rollout_logp']) * mask_BxT)}
     if kl_BxT is not None:
       sums['kl'] = jnp.sum(kl_BxT * mask_BxT)
     return jnp.sum(per_token_BxT * mask_BxT), (jnp.sum(mask_BxT), sums)
@@ -321,10 +329,10 @@ class GRPO(train_lib.Program):
     c, g = s.config, s.config.grpo
     B = c.train.batch_size
     update = train_lib.compile_step(s, data.tokenizer.pad_id, update_batch(s, data.width),
-                                    make_loss_fn(s.model, g.beta))
+                                    make_loss_fn(s.model, g.beta, g.temperature))
     ref = None
     if g.beta:  # the initial model, in the policy's shardings, scoring each batch once
-      ref = _reference(s, c.checkpoint.restore_from, data.tokenizer.pad_id)
+      ref = _reference(s, c.checkpoint.restore_from, g.temperature)
     eng = engine_lib.Engine(config_lib.model_config(c), None, data.tokenizer,
                             slots=rollout_slots(c), context=c.data.seq_len)
     multihost.log(
@@ -367,9 +375,10 @@ def rollout_slots(c: ml_collections.ConfigDict) -> int:
   return c.grpo.rollout_slots or c.train.batch_size
 
 
-def _reference(s: state_lib.Setup, run: str, pad_id: int):
+def _reference(s: state_lib.Setup, run: str, temperature: float):
   """(params, score): the run's params in the policy's shardings and a jitted scoring of a
-  batch's targets with them, micro-batch by micro-batch as the train step goes."""
+  batch's targets with them (at the sampling temperature), micro-batch by micro-batch as the
+  train step goes."""
   checkpointer = checkpoint_lib.Checkpointer(run, read_only=True)
   try:
     _, params = checkpointer.restore_params(s.abstract_state.params)
@@ -379,7 +388,8 @@ def _reference(s: state_lib.Setup, run: str, pad_id: int):
 
   def score(params, batch):
     def one(tokens_MxT1):
-      return state_lib.target_logprobs(s.model, params, {'tokens': tokens_MxT1})
+      return state_lib.target_logprobs(s.model, params, {'tokens': tokens_MxT1},
+                                       (temperature,))[0]
     tokens_BxT1 = batch['tokens']
     B, T1 = tokens_BxT1.shape
     logp_AxMxT = jax.lax.map(one, tokens_BxT1.reshape(B // A, A, T1).swapaxes(0, 1))

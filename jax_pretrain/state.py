@@ -72,20 +72,29 @@ class TrainState:
   loss_scale: LossScale | None = None  # float16 runs only (None: no leaves, as before)
 
 
-def target_logprobs(model: nn.Module, params, batch) -> jax.Array:
+def target_logprobs(model: nn.Module, params, batch,
+                    temperatures: tuple[float, ...] = (1.0,)) -> tuple[jax.Array, ...]:
   """log p(tokens[:, t+1] | tokens[:, :t+1]) over the whole vocabulary, float32 [B, T], for
   batch {'tokens': int32 [B, T+1]} (optionally 'segments', see make_loss_fn): what the loss and
-  GRPO's objective differentiate."""
+  GRPO's objective differentiate. One array per temperature, of the distribution at it
+  (softmax(logits / temperature): what sampling at that temperature draws from), from one
+  forward pass."""
   tokens_BxT1 = batch['tokens']
   inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
   logits_BxTxV = model.apply({'params': params}, inputs_BxT,
                              segments_BxT=batch.get('segments')).astype(jnp.float32)
-  logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
   # A masked sum, not take_along_axis: XLA's SPMD partitioner aborts on that gather when the
   # vocabulary is split over 'tensor' inside the train step's shard_map.
   is_target_BxTxV = targets_BxT[..., None] == jnp.arange(logits_BxTxV.shape[-1])
   target_logit_BxT = jnp.sum(jnp.where(is_target_BxTxV, logits_BxTxV, 0.0), axis=-1)
-  return target_logit_BxT - logz_BxT
+  out = []
+  for temperature in temperatures:
+    if temperature == 1.0:
+      out.append(target_logit_BxT - jax.nn.logsumexp(logits_BxTxV, axis=-1))
+    else:
+      out.append(target_logit_BxT / temperature
+                 - jax.nn.logsumexp(logits_BxTxV / temperature, axis=-1))
+  return tuple(out)
 
 
 def make_loss_fn(model: nn.Module, pad_id: int):
@@ -99,7 +108,7 @@ def make_loss_fn(model: nn.Module, pad_id: int):
   """
   def loss_fn(params, batch):
     batch = batch if isinstance(batch, dict) else {'tokens': batch}
-    nll_BxT = -target_logprobs(model, params, batch)
+    nll_BxT = -target_logprobs(model, params, batch)[0]
     if 'weights' in batch:
       weights_BxT = batch['weights'].astype(jnp.float32)
     else:

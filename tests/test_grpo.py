@@ -188,33 +188,49 @@ def test_rollout_rows_train_the_eos_that_ended_a_completion():
   assert r.completions == ['ab', 'cde']
 
 
-def _step_batch(model, params, rng, B=8, T=11):
-  """A GRPO update batch: 2 groups of 4, prompts of 3 tokens, completions of 3 to 8 tokens."""
+def _logprobs(model, params, tokens, temperature):
+  """log softmax(logits / temperature) of each target, in jax (differentiable)."""
+  logits = model.apply({'params': params}, tokens[:, :-1]).astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+  return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def _step_batch(model, params, rng, temperature, B=8, T=11):
+  """A GRPO update batch: 2 groups of 4, prompts of 3 tokens, completions of 3 to 8 tokens; and
+  (float64) the log-probabilities at the temperature and the completions' advantages."""
   tokens = rng.integers(0, 256, (B, T + 1))
   mask = np.zeros((B, T), np.float32)
   for b in range(B):
     mask[b, 2:2 + rng.integers(3, 9)] = 1
-  logp = np.asarray(engine.token_logprobs(model, params, jnp.asarray(tokens, jnp.int32))[0],
-                    np.float64)
+  logits = np.asarray(model.apply({'params': params}, jnp.asarray(tokens[:, :-1], jnp.int32)),
+                      np.float64)
+  def log_softmax_at(t):
+    z = logits / t
+    z = z - z.max(-1, keepdims=True)
+    all_logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return np.take_along_axis(all_logp, tokens[:, 1:, None], -1)[..., 0]
+  logp, at_one = log_softmax_at(temperature), log_softmax_at(1.0)
   rewards = rng.integers(0, 2, (2, 4)).astype(np.float64)
   rewards[:, 0] = 1 - rewards[:, 1]  # no group all alike
   adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards)), np.float64).reshape(-1)
   batch = {'tokens': tokens.astype(np.int32), 'mask': mask,
            'advantages': np.repeat(adv[:, None], T, 1).astype(np.float32),
-           'rollout_logp': (logp + rng.normal(0, 0.01, logp.shape) * mask).astype(np.float32),
+           'rollout_logp': (at_one + rng.normal(0, 0.01, logp.shape) * mask).astype(np.float32),
            'ref_logp': (logp + rng.normal(0, 0.3, logp.shape)).astype(np.float32)}
-  return batch, logp, adv
+  return batch, logp, at_one, adv
 
 
-def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(tiny):
+@pytest.mark.parametrize('temperature', [1.0, 0.7])
+def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(tiny, temperature):
   """The loss the update differentiates (on-policy: logp_old is the forward's own, held
-  constant) against grpo's formula in float64: loss, gradient (chained through the model's
-  VJP), KL, mismatch; the clipped share is 0 with one update per batch."""
+  constant; logp of the sampling distribution, logits / temperature) against grpo's formula in
+  float64: loss, gradient (chained through the model's VJP), KL, mismatch (at temperature 1,
+  the engine's scale); the clipped share is 0 with one update per batch."""
   model, params = tiny
-  batch, logp, adv = _step_batch(model, params, np.random.default_rng(5))
+  batch, logp, at_one, adv = _step_batch(model, params, np.random.default_rng(5), temperature)
   mask = batch['mask'].astype(np.float64)
   ref = batch['ref_logp'].astype(np.float64)
-  loss_fn = grpo.make_loss_fn(model, beta=BETA)
+  loss_fn = grpo.make_loss_fn(model, beta=BETA, temperature=temperature)
   (loss_sum, (weight, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
   want_loss, want_dlogp, clipped = _reference(logp, logp, adv, mask, ref)
   assert clipped == 0
@@ -223,15 +239,15 @@ def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(tiny
   kl = np.exp(ref - logp) - (ref - logp) - 1
   np.testing.assert_allclose(float(sums['kl'] / weight), (kl * mask).sum() / mask.sum(),
                              rtol=1e-4)
-  mismatch = np.abs(logp - batch['rollout_logp']) * mask
+  mismatch = np.abs(at_one - batch['rollout_logp']) * mask
   np.testing.assert_allclose(float(sums['logp_mismatch'] / weight),
                              mismatch.sum() / mask.sum(), rtol=1e-3)
   assert float(sums['clip_fraction']) == 0
   tokens = jnp.asarray(batch['tokens'])
-  _, vjp = jax.vjp(lambda p: engine.token_logprobs(model, p, tokens)[0], params)
+  _, vjp = jax.vjp(lambda p: _logprobs(model, p, tokens, temperature), params)
   (want,) = vjp(jnp.asarray(want_dlogp * mask.sum(), jnp.float32))  # d loss_sum, not the mean
-  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-7)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):  # (entries up to ~4: float32)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6)
 
 
 # The program on a toy task: completions are rewarded for their share of the letter 'e' (a user's
