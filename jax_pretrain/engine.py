@@ -297,21 +297,54 @@ class Engine:
     over their mesh, if any), as the arrays that replace them will be: so the first and later
     calls of a shape share one compile."""
     if self._cache is None:
-      where = jax.tree.leaves(self.params)[0].sharding
-      if isinstance(where, jax.sharding.NamedSharding):
-        where = jax.sharding.NamedSharding(where.mesh, jax.P())
       self._cache, self._logits_SxV = jax.device_put(
-          _empty(self.model.config, self.slots, self.context), where)
+          _empty(self.model.config, self.slots, self.context), self._where())
     return self._cache, self._logits_SxV
+
+  def _where(self):
+    """Where the cache and logits live: where the params are, replicated over their mesh."""
+    where = jax.tree.leaves(self.params)[0].sharding
+    if isinstance(where, jax.sharding.NamedSharding):
+      where = jax.sharding.NamedSharding(where.mesh, jax.P())
+    return where
+
+  def abstract_state(self):
+    """The cache and last logits as _state places them, abstract (ShapeDtypeStructs with their
+    sharding): nothing is allocated. The params may be abstract too (with their shardings)."""
+    where = self._where()
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+                        jax.eval_shape(_empty, self.model.config, self.slots, self.context))
+
+  def largest_prefill(self, prompt_tokens: int) -> tuple[int, int]:
+    """(rows, length) of the largest prefill call that prompts of at most prompt_tokens tokens
+    can ask for (_admit's buckets)."""
+    P = bucket(prompt_tokens, self.context, MIN_BUCKET)
+    return self._most_rows(P), P
+
+  def lower_prefill(self, rows: int, length: int):
+    """The prefill call of `rows` prompts padded to `length` tokens, lowered (not run) with this
+    engine's params and abstract_state: what that call compiles, e.g. for a GPU this machine does
+    not have (plan.py). As warmup's prefills, it writes to no slot."""
+    inputs = (np.zeros((rows, length), np.int32), np.ones(rows, np.int32),
+              np.full(rows, self.slots, np.int32))
+    return _prefill.lower(self.model, self.params, *self.abstract_state(), *_abstract(inputs),
+                          _abstract(self._allowed_V))
+
+  def lower_decode(self, rows: int):
+    """The decode call of the first `rows` slots (up to `chunk` steps), lowered as lower_prefill
+    lowers its call."""
+    return _decode.lower(self.model, self.params, *self.abstract_state(),
+                         *_abstract(self._decode_inputs(rows, [])), _abstract(self._allowed_V),
+                         _abstract(np.int32(self.chunk)), rows=rows, chunk=self.chunk)
 
   def _prefill(self, prompts_NxP, lengths_N, slots_N) -> None:
     self.shapes.add(('prefill', *prompts_NxP.shape))
     self._cache, self._logits_SxV = _prefill(self.model, self.params, *self._state(),
                                              prompts_NxP, lengths_N, slots_N, self._allowed_V)
 
-  def _decode(self, rows: int, busy: list[int], steps: int):
-    """`steps` decoding steps of the first `rows` slots, of which `busy` hold sequences: their
-    tokens [rows, chunk], logprobs [rows, chunk] and alternatives [rows, chunk, TOP_N]."""
+  def _decode_inputs(self, rows: int, busy: list[int]) -> tuple:
+    """The per-row inputs of a decode call (positions, seeds, streams, counts, temperature, top_k,
+    top_p) of the first `rows` slots, of which `busy` hold sequences."""
     positions, streams, counts, top_k = (np.zeros(rows, np.int32) for _ in range(4))
     seeds, temperature, top_p = (np.zeros(rows, np.uint32), np.zeros(rows, np.float32),
                                  np.ones(rows, np.float32))
@@ -320,10 +353,15 @@ class Engine:
       positions[i] = len(seq.prompt) + len(seq.tokens)
       seeds[i], streams[i], counts[i] = seq.seed % 2**32, seq.stream, len(seq.tokens)
       temperature[i], top_k[i], top_p[i] = seq.temperature, seq.top_k, seq.top_p
+    return positions, seeds, streams, counts, temperature, top_k, top_p
+
+  def _decode(self, rows: int, busy: list[int], steps: int):
+    """`steps` decoding steps of the first `rows` slots, of which `busy` hold sequences: their
+    tokens [rows, chunk], logprobs [rows, chunk] and alternatives [rows, chunk, TOP_N]."""
     self.shapes.add(('decode', rows))
     self._cache, self._logits_SxV, *out = _decode(
-        self.model, self.params, *self._state(), positions, seeds, streams, counts, temperature,
-        top_k, top_p, self._allowed_V, np.int32(steps), rows=rows, chunk=self.chunk)
+        self.model, self.params, *self._state(), *self._decode_inputs(rows, busy),
+        self._allowed_V, np.int32(steps), rows=rows, chunk=self.chunk)
     return jax.device_get(out)
 
   def _extend(self, seq: Sequence, tokens, logprobs, top_lp_CxN, top_ids_CxN) -> None:
@@ -362,6 +400,11 @@ class Engine:
     seq.finish_reason = reason
     if seq.on_update:
       seq.on_update(seq)
+
+
+def _abstract(tree):
+  """ShapeDtypeStructs of host arrays, unplaced (jit places them as it places the arrays)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
 def _first_stop(text: str, stop) -> int | None:

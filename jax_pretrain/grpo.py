@@ -320,7 +320,7 @@ class GRPO(train_lib.Program):
                 step: int) -> TaskData:
     g = resolved.grpo
     longest = max(len(_encode(sources.tokenizer, item.prompt)) for item in sources.items)
-    width = min(-(-(longest + g.max_new_tokens) // 8) * 8, resolved.data.seq_len)
+    width = update_width(resolved, longest)
     prompts = Prompts(sources.items, resolved.train.batch_size // g.num_samples,
                       resolved.train.seed, step)
     return TaskData(sources.tokenizer, prompts, sources, width)
@@ -367,6 +367,12 @@ def update_batch(s: state_lib.Setup, width: int) -> dict:
   if s.config.grpo.beta:
     batch['ref_logp'] = row((B, T), jnp.float32)
   return batch
+
+
+def update_width(c: ml_collections.ConfigDict, longest_prompt: int) -> int:
+  """Tokens per row of the update: the longest prompt + grpo.max_new_tokens, rounded up to a
+  multiple of 8, at most data.seq_len."""
+  return min(-(-(longest_prompt + c.grpo.max_new_tokens) // 8) * 8, c.data.seq_len)
 
 
 def rollout_slots(c: ml_collections.ConfigDict) -> int:

@@ -305,8 +305,10 @@ def _fusion_bytes(instruction: Instruction, computations, shapes) -> float:
   return total
 
 
-def analyze(text: str, devices_per_node: int = 8) -> Stats:
-  """Per-device FLOPs, HBM bytes, kernels and collectives of one run of the program in `text`."""
+def analyze(text: str, devices_per_node: int = 8, unknown_trips: int = 1) -> Stats:
+  """Per-device FLOPs, HBM bytes, kernels and collectives of one run of the program in `text`.
+  unknown_trips: how many times a while loop whose trip count the HLO does not say runs (e.g. a
+  fori_loop over a traced bound; counted in Stats.unknown_trip_counts)."""
   computations, entry = parse(text)
   by_name = {i.name: i for body in computations.values() for i in body}
   shapes = {name: i.shape for name, i in by_name.items()}
@@ -365,7 +367,7 @@ def analyze(text: str, devices_per_node: int = 8) -> Stats:
         n = trip_count(i, computations, by_name)
         if n is None:
           stats.unknown_trip_counts += 1
-          n = 1
+          n = unknown_trips
         for body in i.called('body'):
           walk(body, times * n)
         continue

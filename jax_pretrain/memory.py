@@ -10,7 +10,9 @@ both use them.
 """
 import dataclasses
 
+import jax
 import ml_collections
+import numpy as np
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import gpu_targets
@@ -47,6 +49,13 @@ def peak_bytes(compiled) -> float:
   m = compiled.memory_analysis()
   return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
           + m.temp_size_in_bytes)
+
+
+def device_bytes(tree) -> float:
+  """Bytes one device holds of a tree of abstract arrays (ShapeDtypeStructs with a sharding, e.g.
+  state.Setup.abstract_state): each leaf's shard."""
+  return float(sum(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x in jax.tree.leaves(tree)))
 
 
 def micro_batch_candidates(per_device: int) -> list[int]:

@@ -1,7 +1,8 @@
 """Compiles the real train step for a GPU this machine does not have, and says what it would do.
 
   python -m jax_pretrain.plan --config=configs/xlarge.py [--config.x=y ...] \\
-      --target=h100|a100-80|a100-40|cpu [--num_devices=8] [--json]
+      --target=h100|a100-80|a100-40|cpu [--num_devices=8] [--json] \\
+      [--grpo [--grpo_prompt_tokens=N]]
 
 For a GPU target, XLA's GPU compiler (in jax's CUDA plugin: pip install -r requirements-gpu.txt;
 no GPU needed) compiles the trainer's own step (memory.compile_step: state.build,
@@ -15,6 +16,20 @@ gives, per device and optimizer step:
                speeds (gpu_targets), collectives bytes / link bandwidth, added up without overlap:
                a step time and tokens/s that are estimates, not measurements (no autotuning ran).
 Targets: gpu_targets.TARGETS. 'cpu' compiles for this machine's CPU devices (no roofline).
+
+With --grpo, the programs of a GRPO step (grpo.py) instead, for --grpo_prompt_tokens-token prompts
+(default: the longest that leave room for grpo.max_new_tokens in data.seq_len):
+  update       the train step with grpo.make_loss_fn on grpo.update_batch (batch_size rows of
+               the prompt + max_new_tokens, rounded up to 8), reported as above, its micro-batch
+               chosen as the trainer chooses it (memory.fit_micro_batch);
+  rollout      the engine's calls (engine.py) on the params in the train state's shardings, with
+               its KV cache of grpo.rollout_slots rows × data.seq_len where the engine puts it
+               (replicated over the mesh): the largest prefill call such prompts ask for, and a
+               decode call of every slot (`chunk` steps), each with its memory and roofline.
+Each program's memory counts what stays on the device beside its own buffers while it runs: the
+engine's cache (kept between rollouts) during the update, the optimizer state during the rollout,
+and with grpo.beta > 0 the reference params (a copy of the params in their shardings; the
+reference's scoring call is not compiled here).
 """
 import dataclasses
 import os
@@ -91,8 +106,14 @@ def roofline(stats, target: gpu_targets.Target) -> Roofline | None:
 
 
 def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = None,
-           choices=()) -> dict:
-  """The plan of a compiled step (see the module docstring), as a JSON-ready dict."""
+           choices=(), *, tokens_per_step: int | None = None, seq_len: int | None = None,
+           alongside: dict[str, float] | None = None) -> dict:
+  """The plan of a compiled step (see the module docstring), as a JSON-ready dict.
+
+  tokens_per_step, seq_len: a step's tokens and rows' length when they are not the run's
+  (GRPO's update: batch_size rows of its width); alongside: {what: bytes per device} that stays
+  on each device while the step runs without being one of its buffers: 'fits' counts it.
+  """
   # (imported here: importing them starts jax, which `main` configures first)
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import hlo  # noqa: PLC0415
@@ -104,10 +125,14 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
   m = compiled.memory_analysis()
   peak = memory.peak_bytes(compiled)
   usable = runtime.mem_fraction() * target.device_memory if target.file else target.device_memory
-  flops_per_token = model_lib.flops_per_token(config_lib.model_config(c), c.data.seq_len)
-  model_flops = flops_per_token * run.tokens_per_step / n
+  tokens_per_step = tokens_per_step or run.tokens_per_step
+  flops_per_token = model_lib.flops_per_token(config_lib.model_config(c),
+                                              seq_len or c.data.seq_len)
+  model_flops = flops_per_token * tokens_per_step / n
   r = roofline(stats, target)
-  tokens_per_s = run.tokens_per_step / r.step_s if r else None
+  tokens_per_s = tokens_per_step / r.step_s if r else None
+  alongside = alongside or {}
+  total = peak + sum(alongside.values())
   return {
       'target': target.name,
       'device_kind': target.device_kind,
@@ -118,14 +143,16 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
       'remat': c.model.remat,
       'micro_batch_size': c.train.micro_batch_size,
       'grad_accum_steps': run.grad_accum_steps,
-      'tokens_per_step': run.tokens_per_step,
+      'tokens_per_step': tokens_per_step,
       'choices': list(run.choices) + list(choices),
       'peak_memory_gib': peak / memory.GIB,
       'argument_gib': m.argument_size_in_bytes / memory.GIB,
       'temp_gib': m.temp_size_in_bytes / memory.GIB,
+      'alongside_gib': {k: v / memory.GIB for k, v in alongside.items()},
+      'total_memory_gib': total / memory.GIB,
       'device_memory_gib': target.device_memory / memory.GIB,
       'usable_memory_gib': usable / memory.GIB,
-      'fits': peak <= usable,
+      'fits': total <= usable,
       'compute_flops_per_step': stats.flops,
       'matmul_flops_per_step': stats.matmul_flops,
       'fp8_matmul_flops_per_step': stats.fp8_matmul_flops,
@@ -173,8 +200,159 @@ def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | Non
   return report(s, compiled, t, compile_s, [fitted] if fitted else [])
 
 
+class _Vocabulary:
+  """What the engine reads of a tokenizer, for a plan without one: the ids it may sample (values
+  of a mask, not shapes)."""
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size, self.pad_id = vocab_size, -1
+
+
+def call_report(compiled, target: gpu_targets.Target, alongside: dict[str, float], tokens: int,
+                compile_s: float | None = None, unknown_trips: int = 1) -> dict:
+  """Memory, collectives and roofline of one call of a compiled program other than the train
+  step (the engine's prefill and decode), as a JSON-ready dict. alongside: as `report` takes it;
+  tokens: what one call processes, for tokens/s; unknown_trips: the trips of a loop whose count
+  is traced (the decode's steps)."""
+  from jax_pretrain import hlo  # noqa: PLC0415
+  stats = hlo.analyze(compiled.as_text(), target.devices_per_node, unknown_trips)
+  m = compiled.memory_analysis()
+  peak = memory.peak_bytes(compiled)
+  usable = memory.usable_memory(None, target)
+  total = peak + sum(alongside.values())
+  r = roofline(stats, target)
+  return {
+      'peak_memory_gib': peak / memory.GIB,
+      'argument_gib': m.argument_size_in_bytes / memory.GIB,
+      'temp_gib': m.temp_size_in_bytes / memory.GIB,
+      'alongside_gib': {k: v / memory.GIB for k, v in alongside.items()},
+      'total_memory_gib': total / memory.GIB,
+      'device_memory_gib': target.device_memory / memory.GIB,
+      'usable_memory_gib': usable / memory.GIB,
+      'fits': total <= usable,
+      'compute_flops_per_call': stats.flops,
+      'hbm_bytes_per_call': stats.hbm_bytes,
+      'unknown_trip_counts': stats.unknown_trip_counts,
+      'collective_counts_per_call': {k: v.count for k, v in stats.collectives.items()},
+      'collective_bytes_per_call': {k: v.bytes for k, v in stats.collectives.items()},
+      'compute_s': r.compute_s if r else None,
+      'communication_s': r.communication_s if r else None,
+      'call_s': r.step_s if r else None,
+      'tokens_per_s': tokens / r.step_s if r else None,
+      'compile_s': compile_s,
+  }
+
+
+def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens: int = 0,
+              hlo_path: str | None = None, memory_gib: float | None = None) -> dict:
+  """Compiles the programs of a GRPO step of `config` (the module docstring) for `num_devices` of
+  `target`, for prompts of at most prompt_tokens tokens (0: data.seq_len - grpo.max_new_tokens):
+  {'grpo': the step's shapes and what each device holds, 'update': `report`'s dict of the
+  update, 'prefill' and 'decode': `call_report`'s dicts of the engine's calls, 'rollout': the
+  calls a step makes at most and their roofline time}. hlo_path: the update's HLO text.
+
+  Raises PlanError (no CUDA plugin, too few CPU devices, prompts that leave no room, an update
+  that cuDNN's attention does not compile) and config.ConfigError.
+  """
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
+  from jax_pretrain import engine as engine_lib  # noqa: PLC0415
+  from jax_pretrain import grpo as grpo_lib  # noqa: PLC0415
+  from jax_pretrain import state as state_lib  # noqa: PLC0415
+  t = gpu_targets.TARGETS[target]
+  if memory_gib:
+    t = dataclasses.replace(t, memory_override=memory_gib * memory.GIB)
+  devices = devices_for(t, num_devices)
+  resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
+  g, B, T = resolved.grpo, resolved.train.batch_size, resolved.data.seq_len
+  if B % g.num_samples:
+    raise config_lib.ConfigError(
+        f'train.batch_size={B} (completions a step) is not a multiple of '
+        f'grpo.num_samples={g.num_samples} (completions a prompt).')
+  prompt_tokens = prompt_tokens or T - g.max_new_tokens
+  if prompt_tokens < 1 or prompt_tokens + g.max_new_tokens > T:
+    raise PlanError(f'--grpo_prompt_tokens={prompt_tokens} with grpo.max_new_tokens='
+                    f'{g.max_new_tokens} do not fit data.seq_len={T}.')
+  # As train.train chooses it for GRPO too.
+  resolved, run, fitted = memory.fit_micro_batch(config, resolved, run, devices, t)
+  s = state_lib.build(resolved, run, devices)
+  width = grpo_lib.update_width(resolved, prompt_tokens)
+  eng = engine_lib.Engine(config_lib.model_config(resolved), s.abstract_state.params,
+                          _Vocabulary(resolved.model.vocab_size),
+                          slots=grpo_lib.rollout_slots(resolved), context=T)
+  params = memory.device_bytes(s.abstract_state.params)
+  cache = memory.device_bytes(eng.abstract_state())
+  reference = {'reference params': params} if g.beta else {}
+
+  t0 = time.perf_counter()
+  step = state_lib.jit_train_step(s, -1, grpo_lib.make_loss_fn(s.model, g.beta))
+  try:
+    lowered = step.lower(s.abstract_state, grpo_lib.update_batch(s, width))
+  except NotImplementedError as e:
+    if resolved.model.attention != 'cudnn':
+      raise
+    raise PlanError(
+        f"the GRPO update does not compile with model.attention='cudnn': {e} (jax's cuDNN "
+        f'attention does not train on an odd number of positions, and rows of {width} tokens '
+        f'are {width - 1} inputs); --config.model.attention=xla plans it.') from None
+  update = lowered.compile()
+  update_s = time.perf_counter() - t0
+  if hlo_path:
+    with open(hlo_path, 'w', encoding='utf-8') as f:
+      f.write(update.as_text())
+  update_report = report(s, update, t, update_s, [fitted] if fitted else [],
+                         tokens_per_step=B * width, seq_len=width,
+                         alongside={'engine cache': cache, **reference})
+
+  during_rollout = {'optimizer state': memory.device_bytes(s.abstract_state) - params,
+                    **reference}
+  rows, length = eng.largest_prefill(prompt_tokens)
+  t0 = time.perf_counter()
+  prefill = eng.lower_prefill(rows, length).compile()
+  prefill_report = call_report(prefill, t, during_rollout, rows * length,
+                               time.perf_counter() - t0)
+  t0 = time.perf_counter()
+  decode = eng.lower_decode(eng.slots).compile()
+  decode_report = call_report(decode, t, during_rollout, eng.slots * eng.chunk,
+                              time.perf_counter() - t0, unknown_trips=eng.chunk)
+
+  # At most: every completion decodes max_new_tokens, a wave of `slots` at a time.
+  waves = -(-B // eng.slots)
+  decode_calls = waves * -(-g.max_new_tokens // eng.chunk)
+  prefill_calls = waves * -(-min(B, eng.slots) // rows)
+  rollout_s = (decode_calls * decode_report['call_s'] + prefill_calls * prefill_report['call_s']
+               if decode_report['call_s'] is not None else None)
+  return {
+      'grpo': {'num_samples': g.num_samples, 'prompts_per_step': B // g.num_samples,
+               'completions_per_step': B, 'prompt_tokens': prompt_tokens,
+               'max_new_tokens': g.max_new_tokens, 'width': width, 'beta': g.beta,
+               'rollout_slots': eng.slots, 'context': T, 'chunk': eng.chunk,
+               'params_gib': params / memory.GIB, 'engine_cache_gib': cache / memory.GIB,
+               'reference_gib': params / memory.GIB if g.beta else 0.0},
+      'update': update_report,
+      'prefill': {'rows': rows, 'length': length, **prefill_report},
+      'decode': {'rows': eng.slots, 'steps': eng.chunk, **decode_report},
+      'rollout': {'decode_calls': decode_calls, 'prefill_calls': prefill_calls,
+                  'rollout_s': rollout_s, 'update_s': update_report['step_s'],
+                  'generation_share': (rollout_s / (rollout_s + update_report['step_s'])
+                                       if rollout_s is not None else None)},
+  }
+
+
 def _gb(x: float) -> str:
   return f'{x / 1e9:,.2f} GB'
+
+
+def _memory(r: dict) -> str:
+  """A program's peak per device, what stays beside it, and whether they fit."""
+  alongside = r.get('alongside_gib') or {}
+  held = ''
+  if alongside:
+    parts = ', '.join(f'{k} {v:.1f}' for k, v in alongside.items())
+    held = (f' + {sum(alongside.values()):.1f} GiB held alongside ({parts}) = '
+            f'{r["total_memory_gib"]:.1f} GiB')
+  return (f'{r["peak_memory_gib"]:.1f} GiB peak per device (arguments {r["argument_gib"]:.1f}, '
+          f'temporaries {r["temp_gib"]:.1f}){held} of {r["usable_memory_gib"]:.1f} GiB usable '
+          f'({r["device_memory_gib"]:.1f} GiB device): {"fits" if r["fits"] else "DOES NOT FIT"}')
 
 
 def format_report(r: dict) -> str:
@@ -185,10 +363,7 @@ def format_report(r: dict) -> str:
       f'settings     attention {r["attention"]}, remat {r["remat"]}, micro-batch '
       f'{r["micro_batch_size"]} × {r["grad_accum_steps"]} accumulation steps per device',
   ] + [f'chosen       {x}' for x in r['choices']] + [
-      f'memory       {r["peak_memory_gib"]:.1f} GiB peak per device (arguments '
-      f'{r["argument_gib"]:.1f}, temporaries {r["temp_gib"]:.1f}) of {r["usable_memory_gib"]:.1f} '
-      f'GiB usable ({r["device_memory_gib"]:.1f} GiB device): '
-      f'{"fits" if r["fits"] else "DOES NOT FIT"}',
+      f'memory       {_memory(r)}',
       f'FLOPs        {r["compute_flops_per_step"] / 1e12:,.1f} TFLOP per device per step in the '
       f'compiled program (matmul {r["matmul_flops_per_step"] / 1e12:,.1f}, fused attention '
       f'{r["attention_flops_per_step"] / 1e12:,.1f}); model {r["model_flops_per_step"] / 1e12:,.1f}'
@@ -212,6 +387,43 @@ def format_report(r: dict) -> str:
   return '\n'.join(lines)
 
 
+def format_grpo_report(r: dict) -> str:
+  g, u, ro = r['grpo'], r['update'], r['rollout']
+  lines = format_report(u).splitlines()
+  at = next(i for i, line in enumerate(lines) if line.startswith('memory'))
+  lines[at:at] = [
+      f'grpo         {g["prompts_per_step"]} prompts × {g["num_samples"]} completions a step, '
+      f'prompts of at most {g["prompt_tokens"]:,} tokens + {g["max_new_tokens"]:,} new, beta '
+      f'{g["beta"]}',
+      f'update       the train step with grpo\'s loss on {g["completions_per_step"]} rows of '
+      f'{g["width"]:,} tokens:']
+
+  def call(name, c, what):
+    line = f'{name:<12} {what}: {_memory(c)}'
+    if c['call_s'] is not None:
+      line += (f'; roofline {c["call_s"]:.3f} s a call -> {c["tokens_per_s"]:,.0f} tokens/s')
+    moved = [f'{k} {c["collective_counts_per_call"][k]:g} × = {_gb(v)}'
+             for k, v in c['collective_bytes_per_call'].items() if v]
+    if moved:
+      line += f'; collectives {"; ".join(moved)} a call'
+    return line + (f'; compiled in {c["compile_s"]:.1f} s' if c['compile_s'] is not None else '')
+
+  p, d = r['prefill'], r['decode']
+  lines += [
+      f'rollout      the engine: {g["rollout_slots"]} slots × {g["context"]:,} tokens, KV cache '
+      f'{g["engine_cache_gib"]:.1f} GiB per device (replicated: every device holds and decodes '
+      'every slot)',
+      call('prefill', p, f'{p["rows"]} prompts × {p["length"]:,} tokens (the largest call)'),
+      call('decode', d, f'{d["rows"]} slots × {d["steps"]} steps')]
+  if ro['rollout_s'] is not None:
+    lines.append(
+        f'step         at most {ro["decode_calls"]} decode and {ro["prefill_calls"]} prefill '
+        f'calls (every completion to {g["max_new_tokens"]:,} tokens): {ro["rollout_s"]:.2f} s of '
+        f'rollout + {ro["update_s"]:.2f} s of update, generating {ro["generation_share"]:.0%}: '
+        'roofline, compiled, not measured')
+  return '\n'.join(lines)
+
+
 def main():
   f = flags.FLAGS
   # After flags: the runtime settings precede jax's backend.
@@ -226,8 +438,14 @@ def main():
     jax.config.update('jax_platforms', 'cpu')
   if f.target == 'cpu':
     jax.config.update('jax_num_cpu_devices', f.num_devices)
-  result = plan(cli.config_value(_CONFIG), f.target, f.num_devices, f.hlo, f.memory_gib)
-  print(json.dumps(result, indent=1) if f.json else format_report(result), flush=True)
+  if f.grpo:
+    result = grpo_plan(cli.config_value(_CONFIG), f.target, f.num_devices, f.grpo_prompt_tokens,
+                       f.hlo, f.memory_gib)
+    text = format_grpo_report
+  else:
+    result = plan(cli.config_value(_CONFIG), f.target, f.num_devices, f.hlo, f.memory_gib)
+    text = format_report
+  print(json.dumps(result, indent=1) if f.json else text(result), flush=True)
 
 
 if __name__ == '__main__':
@@ -239,6 +457,10 @@ if __name__ == '__main__':
                        'from the config, data=-1 by default).')
   flags.DEFINE_bool('json', False, 'Print one JSON object instead of the report.')
   flags.DEFINE_string('hlo', None, 'Also write the compiled program (HLO text) to this file.')
+  flags.DEFINE_bool('grpo', False, "A GRPO step's programs instead (jax_pretrain/grpo.py): the "
+                    "update and the engine's rollout calls (--hlo: the update's).")
+  flags.DEFINE_integer('grpo_prompt_tokens', 0, 'With --grpo: tokens of the longest prompt (0: '
+                       'data.seq_len - grpo.max_new_tokens).')
   flags.DEFINE_float('memory_gib', None, "Device memory in GiB instead of the target's: a card of "
                      'the same family with less memory (e.g. --target=a100-40 --memory_gib=24).')
   cli.run(main)

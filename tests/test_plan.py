@@ -6,6 +6,7 @@ The GPU-target tests compile the real H100 program on this CPU with jax's CUDA p
 import json
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -177,3 +178,91 @@ def test_a_fitted_micro_batch_is_what_resolving_with_it_gives(micro_batch, eval_
   expected, expected_run = config_lib.resolve(c, 4, backend='cpu')
   assert fitted.to_dict() == expected.to_dict() and fitted_run == expected_run
   assert fitted_run.grad_accum_steps == 4 // micro_batch
+
+
+def _grpo_test_config(beta: float = 0.0):
+  c = config_lib.preset('test')
+  c.mesh.data = 2
+  c.train.batch_size = 16  # 4 prompts × 4 completions
+  c.grpo.num_samples, c.grpo.max_new_tokens, c.grpo.rollout_slots = 4, 8, 8
+  c.grpo.beta = beta
+  return c
+
+
+@pytest.mark.parametrize('beta', [0.0, 0.04])
+def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta):
+  r = plan.grpo_plan(_grpo_test_config(beta), target='cpu', num_devices=2, prompt_tokens=10)
+  g, update, prefill, decode = r['grpo'], r['update'], r['prefill'], r['decode']
+  assert g['width'] == 24 and update['tokens_per_step'] == 16 * 24  # 10 + 8, rounded up to 8
+  # The engine's cache and logits, float32, on each device whole: 8 slots of the 32-token context.
+  m = config_lib.model_config(config_lib.resolve(_grpo_test_config(), 2, backend='cpu')[0])
+  cache = 2 * m.num_layers * 8 * 32 * m.num_kv_heads * m.head_dim * 4 + 8 * m.vocab_size * 4
+  assert g['engine_cache_gib'] * memory.GIB == cache
+  reference = {'reference params': g['params_gib']} if beta else {}
+  assert update['alongside_gib'] == {'engine cache': g['engine_cache_gib'], **reference}
+  assert update['total_memory_gib'] == pytest.approx(
+      update['peak_memory_gib'] + g['engine_cache_gib'] + (g['params_gib'] if beta else 0))
+  # Prompts of 10 tokens pad to 16; 8 of them (the slots) fit one prefill call.
+  assert (prefill['rows'], prefill['length'], decode['rows'], decode['steps']) == (8, 16, 8, 8)
+  for call in (prefill, decode):
+    assert call['argument_gib'] >= g['engine_cache_gib'] + g['params_gib']
+    assert set(call['alongside_gib']) == {'optimizer state', *reference}
+    assert call['fits'] and call['call_s'] is None  # no roofline for the CPU
+  # 16 completions in waves of 8 slots, 8 new tokens a call.
+  assert (r['rollout']['decode_calls'], r['rollout']['prefill_calls']) == (2, 2)
+  assert update['fits'] and r['rollout']['rollout_s'] is None
+
+
+def test_the_engines_lowered_calls_are_the_ones_it_runs():
+  """Engine.lower_prefill and lower_decode take abstract params and cache (the plan has no
+  arrays) and lower the programs that the engine's calls on real arrays lower."""
+  from jax_pretrain import engine as engine_lib  # noqa: PLC0415
+  from jax_pretrain import state as state_lib  # noqa: PLC0415
+  resolved, run = config_lib.resolve(_grpo_test_config(), 2, backend='cpu')
+  s = state_lib.build(resolved, run, jax.devices()[:2])
+  params = state_lib.init_state(s).params
+  vocabulary = types.SimpleNamespace(vocab_size=resolved.model.vocab_size, pad_id=0)
+  make = lambda p: engine_lib.Engine(config_lib.model_config(resolved), p, vocabulary, slots=8,
+                                     context=32)
+  eng, abstract = make(params), make(s.abstract_state.params)
+  # What Engine._prefill and Engine._decode pass (the cache and logits as the engine allocates
+  # them, the host arrays as warmup and step make them).
+  prefill, decode = engine_lib._prefill, engine_lib._decode  # noqa: SLF001
+  (cache, logits), allowed = eng._state(), eng._allowed_V  # noqa: SLF001
+  rows = eng._decode_inputs(8, [])  # noqa: SLF001
+  prompts = (np.zeros((4, 16), np.int32), np.ones(4, np.int32), np.full(4, 8, np.int32))
+  real = prefill.lower(eng.model, params, cache, logits, *prompts, allowed)
+  assert abstract.lower_prefill(4, 16).as_text() == real.as_text()
+  real = decode.lower(eng.model, params, cache, logits, *rows, allowed, np.int32(3), rows=8,
+                      chunk=eng.chunk)
+  assert abstract.lower_decode(8).as_text() == real.as_text()
+
+
+def test_grpo_plan_cli_prints_the_update_and_the_rollout():
+  out = run_cli('-m', 'jax_pretrain.plan', '--config=configs/test.py', '--target=cpu',
+                '--num_devices=2', '--grpo', '--grpo_prompt_tokens=10',
+                '--config.train.batch_size=16', '--config.grpo.num_samples=4',
+                '--config.grpo.max_new_tokens=8')
+  lines = {line.split()[0]: line for line in out.splitlines()}
+  assert 'grpo' in lines and 'update' in lines and 'rows of 24 tokens' in lines['update']
+  assert 'engine cache' in lines['memory'] and lines['memory'].endswith('fits')
+  assert '16 slots × 32 tokens' in lines['rollout']
+  assert lines['prefill'].startswith('prefill      16 prompts × 16 tokens')
+  assert lines['decode'].startswith('decode       16 slots × 8 steps')
+
+
+@requires_plugin
+def test_xlarge_grpo_on_8_a100_80_holds_every_slot_on_every_device():
+  c = config_lib.preset('xlarge')
+  c.model.attention = 'xla'  # (cuDNN's attention does not train on the update's odd inputs)
+  c.train.batch_size, c.train.micro_batch_size = 128, 16
+  c.grpo.num_samples, c.grpo.max_new_tokens, c.grpo.rollout_slots = 16, 512, 32
+  r = plan.grpo_plan(c, target='a100-80', num_devices=8, prompt_tokens=512)
+  g, update, decode = r['grpo'], r['update'], r['decode']
+  assert update['tokens_per_step'] == 128 * 1024 and update['mesh']['data'] == 8
+  # bfloat16 keys and values of 32 slots × 2048 positions on each of the 8 devices: 15 GiB.
+  assert g['engine_cache_gib'] == pytest.approx(2 * 32 * 32 * 2048 * 15 * 128 * 2 / memory.GIB,
+                                                rel=1e-3)
+  assert decode['argument_gib'] >= g['engine_cache_gib'] + g['params_gib']
+  assert all(r[k]['fits'] for k in ('update', 'prefill', 'decode'))
+  assert r['rollout']['generation_share'] > 0.5
