@@ -370,9 +370,11 @@ def update_batch(s: state_lib.Setup, width: int) -> dict:
 
 
 def update_width(c: ml_collections.ConfigDict, longest_prompt: int) -> int:
-  """Tokens per row of the update: the longest prompt + grpo.max_new_tokens, rounded up to a
-  multiple of 8, at most data.seq_len."""
-  return min(-(-(longest_prompt + c.grpo.max_new_tokens) // 8) * 8, c.data.seq_len)
+  """Tokens per row of the update: room for the longest prompt + grpo.max_new_tokens, such that
+  the model's inputs (all but the last token) are a multiple of 8 long (cuDNN's fused attention
+  trains on no odd length), and at most data.seq_len of them."""
+  inputs = -(-(longest_prompt + c.grpo.max_new_tokens - 1) // 8) * 8
+  return min(inputs, c.data.seq_len) + 1
 
 
 def rollout_slots(c: ml_collections.ConfigDict) -> int:

@@ -195,6 +195,18 @@ def _logprobs(model, params, tokens, temperature):
   return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
+@pytest.mark.parametrize('prompt, new, seq_len, width', [
+    (10, 8, 64, 25),  # inputs 17 -> 24: a multiple of 8 (cuDNN trains on no odd length)
+    (9, 8, 64, 17),  # inputs 16 already
+    (40, 24, 64, 65),  # capped at seq_len inputs
+])
+def test_update_rows_give_the_model_inputs_a_multiple_of_8_long(prompt, new, seq_len, width):
+  c = config_lib.defaults()
+  c.grpo.max_new_tokens, c.data.seq_len = new, seq_len
+  assert grpo.update_width(c, prompt) == width
+  assert width >= prompt + new  # every rollout fits its row
+
+
 def _step_batch(model, params, rng, temperature, B=8, T=11):
   """A GRPO update batch: 2 groups of 4, prompts of 3 tokens, completions of 3 to 8 tokens; and
   (float64) the log-probabilities at the temperature and the completions' advantages."""

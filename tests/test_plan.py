@@ -193,7 +193,9 @@ def _grpo_test_config(beta: float = 0.0):
 def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta):
   r = plan.grpo_plan(_grpo_test_config(beta), target='cpu', num_devices=2, prompt_tokens=10)
   g, update, prefill, decode = r['grpo'], r['update'], r['prefill'], r['decode']
-  assert g['width'] == 24 and update['tokens_per_step'] == 16 * 24  # 10 + 8, rounded up to 8
+  # 10 + 8 tokens, of which the model's inputs are all but the last: 17, rounded up to 24 (cuDNN
+  # trains on no odd length), and the last target.
+  assert g['width'] == 25 and update['tokens_per_step'] == 16 * 25
   # The engine's cache and logits, float32, on each device whole: 8 slots of the 32-token context.
   m = config_lib.model_config(config_lib.resolve(_grpo_test_config(), 2, backend='cpu')[0])
   cache = 2 * m.num_layers * 8 * 32 * m.num_kv_heads * m.head_dim * 4 + 8 * m.vocab_size * 4
@@ -244,7 +246,7 @@ def test_grpo_plan_cli_prints_the_update_and_the_rollout():
                 '--config.train.batch_size=16', '--config.grpo.num_samples=4',
                 '--config.grpo.max_new_tokens=8')
   lines = {line.split()[0]: line for line in out.splitlines()}
-  assert 'grpo' in lines and 'update' in lines and 'rows of 24 tokens' in lines['update']
+  assert 'grpo' in lines and 'update' in lines and 'rows of 25 tokens' in lines['update']
   assert 'engine cache' in lines['memory'] and lines['memory'].endswith('fits')
   assert '16 slots × 32 tokens' in lines['rollout']
   assert lines['prefill'].startswith('prefill      16 prompts × 16 tokens')
