@@ -76,24 +76,16 @@ def _write(path: str, records: list[dict]) -> None:
   os.replace(tmp, path)
 
 
-def write_task(output_dir: str, task: str, train: int, heldout: int, seed: int,
-               sft_prefix: str = '', sft_prefix_share: float = 0.0) -> None:
-  """train.jsonl, sft.jsonl and heldout.jsonl (module docstring) into output_dir; a share
-  sft_prefix_share of sft.jsonl's completions (drawn with the seed) start with sft_prefix."""
+def write_task(output_dir: str, task: str, train: int, heldout: int, seed: int) -> None:
+  """train.jsonl, sft.jsonl and heldout.jsonl (module docstring) into output_dir."""
   if train < 1 or heldout < 1:
     raise UserError(f'--train and --heldout must be at least 1 (got {train} and {heldout}).')
-  if not 0 <= sft_prefix_share <= 1 or (sft_prefix_share and not sft_prefix):
-    raise UserError(f'--sft-prefix-share must be between 0 and 1 and needs --sft-prefix (got '
-                    f'{sft_prefix_share} and {sft_prefix!r}).')
   items = make_items(task, train + heldout, seed)
-  prefixed = set(random.Random(f'prefix:{seed}').sample(range(train),
-                                                        round(sft_prefix_share * train)))
   os.makedirs(output_dir, exist_ok=True)
   _write(os.path.join(output_dir, 'train.jsonl'),
          [{'prompt': p, 'answer': a} for p, a in items[:train]])
   _write(os.path.join(output_dir, 'sft.jsonl'),
-         [{'prompt': p, 'completion': (sft_prefix if k in prefixed else '') + a + '\n'}
-          for k, (p, a) in enumerate(items[:train])])
+         [{'prompt': p, 'completion': a + '\n'} for p, a in items[:train]])
   _write(os.path.join(output_dir, 'heldout.jsonl'),
          [{'prompt': p, 'answer': a} for p, a in items[train:]])
 
@@ -105,19 +97,10 @@ def main() -> None:
   p.add_argument('--train', type=int, default=2000, help='items in train.jsonl and sft.jsonl')
   p.add_argument('--heldout', type=int, default=200, help='items in heldout.jsonl')
   p.add_argument('--seed', type=int, default=0)
-  p.add_argument('--sft-prefix', default='',
-                 help="text that starts some of sft.jsonl's completions (e.g. 'Answer: '): "
-                 'demonstrations merged from sources of two formats, of which the exact reward '
-                 'takes only the bare answer')
-  p.add_argument('--sft-prefix-share', type=float, default=0.0,
-                 help='the share of sft.jsonl completions that start with --sft-prefix')
   a = p.parse_args()
   with cli.user_errors():
-    write_task(a.output_dir, a.task, a.train, a.heldout, a.seed, a.sft_prefix,
-               a.sft_prefix_share)
-  mixed = (f', {a.sft_prefix_share:.0%} of its completions starting {a.sft_prefix!r}'
-           if a.sft_prefix_share else '')
-  print(f'wrote {a.output_dir}/train.jsonl, sft.jsonl ({a.train} items{mixed}) and heldout.jsonl '
+    write_task(a.output_dir, a.task, a.train, a.heldout, a.seed)
+  print(f'wrote {a.output_dir}/train.jsonl, sft.jsonl ({a.train} items) and heldout.jsonl '
         f'({a.heldout} items) of task {a.task!r}, seed {a.seed}')
 
 

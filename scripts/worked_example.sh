@@ -40,6 +40,6 @@ echo
 echo "held-out accuracy (greedy, exact answers, $(wc -l < "$task/heldout.jsonl") items):"
 for stage in default sft grpo; do
   "${py[@]}" -c 'import json, sys
-r = json.load(open(sys.argv[2]))
-print(f"  {sys.argv[1]:<8} {r[\"accuracy\"]:.1%}")' "$stage" "$runs/$stage/heldout_accuracy.json"
+accuracy = json.load(open(sys.argv[2]))["accuracy"]
+print(f"  {sys.argv[1]:<8} {accuracy:.1%}")' "$stage" "$runs/$stage/heldout_accuracy.json"
 done

@@ -60,21 +60,3 @@ def test_make_task_too_many_items(tmp_path):
                        env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert out.returncode == 1
   assert out.stderr.startswith('error: task ') and 'lower --train or --heldout' in out.stderr
-
-
-def test_a_share_of_sft_completions_in_another_format(tmp_path):
-  """--sft-prefix/--sft-prefix-share: that share of sft.jsonl's completions (seeded) starts with
-  the prefix; train.jsonl and heldout.jsonl keep the bare answers, which alone score under
-  exact."""
-  plain = _make(tmp_path / 'plain', 'reverse', seed=3)
-  run_cli('scripts/make_task.py', f'--output-dir={tmp_path}/mixed', '--task=reverse', '--seed=3',
-          '--train=300', '--heldout=50', '--sft-prefix=Answer: ', '--sft-prefix-share=0.5')
-  mixed = {name: (tmp_path / 'mixed' / name).read_bytes() for name in FILES}
-  assert mixed['train.jsonl'] == plain['train.jsonl']
-  assert mixed['heldout.jsonl'] == plain['heldout.jsonl']
-  train, sft = _read(plain['train.jsonl']), _read(mixed['sft.jsonl'])
-  prefixed = [s['completion'] == 'Answer: ' + t['answer'] + '\n' for t, s in zip(train, sft)]
-  bare = [s['completion'] == t['answer'] + '\n' for t, s in zip(train, sft)]
-  assert sum(prefixed) == 150 and all(p != b for p, b in zip(prefixed, bare))
-  item = tasks.Item('rev abc=', 'cba')
-  assert tasks.exact('Answer: cba\n', item) == 0.0 and tasks.exact('cba\n', item) == 1.0
