@@ -551,6 +551,12 @@ def _resolve_rest(c: ml_collections.ConfigDict) -> None:
          'train.wandb_project empty).')
 
 
+def unescape(text: str) -> str:
+  """A config string with its backslash escapes read ('\\n' -> a newline); other characters,
+  non-ASCII ones too, as they are. Raises ValueError on a broken escape."""
+  return text.encode('latin-1', 'backslashreplace').decode('unicode_escape')
+
+
 def _resolve_grpo(g: ml_collections.ConfigDict) -> None:
   """The grpo group's values on their own (what they need of a run: grpo.GRPO.check)."""
   _check(g.num_samples >= 2, f'grpo.num_samples={g.num_samples}: a group needs at least 2 '
@@ -560,6 +566,11 @@ def _resolve_grpo(g: ml_collections.ConfigDict) -> None:
          'sample).')
   _check(g.beta >= 0, f'grpo.beta={g.beta} must be >= 0.')
   _check(g.rollout_slots >= 0, f'grpo.rollout_slots={g.rollout_slots} must be >= 0 (0: all).')
+  try:
+    unescape(g.stop)
+  except ValueError as e:
+    raise ConfigError(f'grpo.stop={g.stop!r}: not a string with readable backslash escapes '
+                      f'({e}); e.g. \'\\n\' for a newline.') from None
   _choice(g, 'grpo', 'scale_rewards', ('group', 'none'))
   from jax_pretrain import tasks  # noqa: PLC0415  (it loads the data package: only here)
   _choice(g, 'grpo', 'task_format', tuple(tasks.FORMATS))

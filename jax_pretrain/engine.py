@@ -388,6 +388,7 @@ class Engine:
                if _first_stop(self.tokenizer.decode(seq.tokens[:n]), seq.stop) is not None)
       del seq.tokens[n:], seq.logprobs[n:], seq.top_logprobs[n:]
       text, reason = text[:cut], 'stop'
+      seq.eos_logprob = None  # it ends at the stop string: an EOS sampled later is not its own
     seq.text = text  # once: a reader in another thread never sees a stop string in it
     self.tokens_generated += len(seq.tokens) - before
     if reason:

@@ -131,7 +131,8 @@ def main_task(f) -> None:
                       f.max_new_tokens)
   eng = engine_lib.Engine(config_lib.model_config(run.config), run.params, run.tokenizer,
                           slots=16, context=context)
-  scored = task_rewards(eng, items, reward, f.max_new_tokens)
+  stop = (config_lib.unescape(f.stop),) if f.stop else ()
+  scored = task_rewards(eng, items, reward, f.max_new_tokens, stop)
   rewards = [r for _, r in scored]
   accuracy, mean = tasks.accuracy(rewards), sum(rewards) / len(rewards)
   print(f'{f.task}: accuracy {accuracy:.4f} ({sum(r >= 1 for r in rewards)} of {len(items)} right '
@@ -176,4 +177,7 @@ if __name__ == '__main__':
   flags.DEFINE_string('reward', 'exact', "--task's reward: exact | choice | number | "
                       'module:function | path.py:function.')
   flags.DEFINE_integer('max_new_tokens', 32, '--task: tokens generated per prompt at most.')
+  flags.DEFINE_string('stop', '', "--task: a completion ends at this text (backslash escapes "
+                      "read: '\\n' scores as GRPO's eval/accuracy does); '': at EOS or "
+                      'max_new_tokens.')
   cli.run(main)

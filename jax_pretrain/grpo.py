@@ -46,7 +46,6 @@ do. The rollout's own log-probabilities (the engine's, over the ids it may sampl
 with the training forward's: train/logp_mismatch, the mean absolute gap per completion token.
 The EOS that ends a completion is one of its trained tokens, so that a policy learns to stop.
 """
-import codecs
 import dataclasses
 import os
 import sys
@@ -193,7 +192,7 @@ def rollouts(eng, prompts: list[list[int]], num_samples: int, *, max_new_tokens:
 
 def stop_strings(g) -> tuple[str, ...]:
   """grpo.stop with its backslash escapes read ('\\n' -> a newline); () for ''."""
-  return (codecs.decode(g.stop, 'unicode_escape'),) if g.stop else ()
+  return (config_lib.unescape(g.stop),) if g.stop else ()
 
 
 class Prompts:
@@ -206,7 +205,7 @@ class Prompts:
 
   def _order(self, epoch: int) -> np.ndarray:
     if epoch not in self._orders:
-      self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(
+      self._orders = {epoch: np.random.default_rng([self.seed % 2**32, epoch]).permutation(
           len(self.items))}
     return self._orders[epoch]
 
@@ -276,9 +275,7 @@ class GRPOLogger(train_lib.StepLogger):
     if self._beta:
       scalars['train/kl'] = m['kl']
       kl = f' | kl {m["kl"]:.4f}'
-    if 'loss_scale' in m:
-      scalars.update({'train/loss_scale': m['loss_scale'],
-                      'train/loss_scale_skips': m['loss_scale_skips']})
+    scalars.update(self.loss_scale_scalars(m))
     return scalars, (f'reward {m["reward"]:.3f} | accuracy {m["accuracy"]:.3f} | loss '
                      f'{m["loss"]:.4f}{kl} | length {m["completion_tokens"]:.1f} | mismatch '
                      f'{m["logp_mismatch"]:.4f} | generating {share:.0%} | {step_time:.3f} s/step'
@@ -305,13 +302,11 @@ class GRPO(train_lib.Program):
     return self.sources
 
   def check(self, resolved: ml_collections.ConfigDict) -> None:
-    g, t = resolved.grpo, resolved.train
+    g = resolved.grpo
     if jax.process_count() > 1:
       raise UserError('GRPO runs in one process (the GPUs of one machine); start it without '
                       '--num_processes.')
-    if t.batch_size % g.num_samples:
-      raise UserError(f'train.batch_size={t.batch_size} (completions a step) is not a multiple of '
-                      f'grpo.num_samples={g.num_samples} (completions a prompt).')
+    check_batch(resolved)
     encode = lambda text: _encode(self.sources.tokenizer, text)
     for items in (self.sources.items, self.sources.eval_items):
       tasks.check_lengths(items, encode, resolved.data.seq_len, g.max_new_tokens)
@@ -329,7 +324,7 @@ class GRPO(train_lib.Program):
     c, g = s.config, s.config.grpo
     B = c.train.batch_size
     update = train_lib.compile_step(s, data.tokenizer.pad_id, update_batch(s, data.width),
-                                    make_loss_fn(s.model, g.beta, g.temperature))
+                                    update_loss_fn(s))
     ref = None
     if g.beta:  # the initial model, in the policy's shardings, scoring each batch once
       ref = _reference(s, c.checkpoint.restore_from, g.temperature)
@@ -355,6 +350,19 @@ class GRPO(train_lib.Program):
     if ctx.data.sources.eval_items:
       hooks += task_eval_hooks(ctx, self.engine)
     return hooks + train_lib.checkpoint_hooks(ctx)
+
+
+def check_batch(c: ml_collections.ConfigDict) -> None:
+  """A step's completions (train.batch_size) make whole groups (grpo.num_samples each)."""
+  if c.train.batch_size % c.grpo.num_samples:
+    raise config_lib.ConfigError(
+        f'train.batch_size={c.train.batch_size} (completions a step) is not a multiple of '
+        f'grpo.num_samples={c.grpo.num_samples} (completions a prompt).')
+
+
+def update_loss_fn(s: state_lib.Setup):
+  """The update's loss for the resolved config (make_loss_fn with its beta and temperature)."""
+  return make_loss_fn(s.model, s.config.grpo.beta, s.config.grpo.temperature)
 
 
 def update_batch(s: state_lib.Setup, width: int) -> dict:
@@ -411,7 +419,7 @@ class Step:
 
   def __init__(self, s: state_lib.Setup, data: TaskData, update, eng, ref):
     self.s, self.data, self.update, self.engine, self.ref = s, data, update, eng, ref
-    self.g = s.config.grpo
+    self.g = config_lib.grpo_config(s.config)
     self.stop = stop_strings(self.g)
     # This process's totals; GRPOLogger reports their growth between logged steps.
     self.counters = dict.fromkeys(COUNTERS, 0.0)
@@ -421,12 +429,14 @@ class Step:
     step = int(jax.device_get(state.step)) + 1
     t0 = time.perf_counter()
     self.engine.params = state.params
-    seed = int(np.random.SeedSequence([self.s.config.train.seed, step]).generate_state(1)[0])
+    seed = int(np.random.SeedSequence([self.s.config.train.seed % 2**32,
+                                       step]).generate_state(1)[0])
     r = rollouts(self.engine, [_encode(tokenizer, item.prompt) for item in items],
                  g.num_samples, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                  seed=seed, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id, stop=self.stop,
                  width=self.data.width)
     t1 = time.perf_counter()
+    self.counters['rollout_seconds'] += t1 - t0
     rewards = np.array([tasks.score(reward, text, items[b // g.num_samples])
                         for b, text in enumerate(r.completions)], np.float32)
     advantages_B = np.asarray(group_advantages(
@@ -435,14 +445,14 @@ class Step:
         'tokens': r.tokens_BxT1, 'mask': r.mask_BxT, 'rollout_logp': r.logp_BxT,
         'advantages': np.broadcast_to(advantages_B[:, None], r.mask_BxT.shape).copy()},
                            self.s.batch_sharding)
+    t2 = time.perf_counter()  # (scoring the rewards is neither generating nor updating)
     if self.ref is not None:
       batch['ref_logp'] = self.ref[1](self.ref[0], batch)
     state, metrics = self.update(state, batch)
     # The next rollout samples with these params: waiting here costs nothing, and times the
     # update apart from the generation.
     jax.block_until_ready(state)
-    self.counters['rollout_seconds'] += t1 - t0
-    self.counters['update_seconds'] += time.perf_counter() - t1
+    self.counters['update_seconds'] += time.perf_counter() - t2
     self.counters['rollout_tokens'] += int(r.lengths.sum())
     self.counters['update_tokens'] += int((r.tokens_BxT1 != tokenizer.pad_id).sum())
     metrics = dict(metrics, reward=float(rewards.mean()), accuracy=tasks.accuracy(rewards),
@@ -482,7 +492,15 @@ def task_eval_hooks(ctx: train_lib.Context, eng) -> list[loop_lib.Hook]:
 
 def _init_into_config(argv: list[str]) -> list[str]:
   """--init=RUN is --config=FILE:RUN (the config file takes the run's model and seq_len): the
-  --config value is rewritten before flags are parsed. The last --init counts, as absl's."""
+  --config value is rewritten before flags are parsed. The last --init counts, as absl's; `--init
+  RUN` and `--config FILE` are read as `--init=RUN` and `--config=FILE`."""
+  joined = []
+  for a in argv:
+    if joined and joined[-1] in ('--init', '--config'):
+      joined[-1] = f'{joined[-1]}={a}'
+    else:
+      joined.append(a)
+  argv = joined
   init = next((a.split('=', 1)[1] for a in reversed(argv) if a.startswith('--init=')), '')
   if not init:
     return argv

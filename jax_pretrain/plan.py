@@ -264,10 +264,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   devices = devices_for(t, num_devices)
   resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
   g, B, T = resolved.grpo, resolved.train.batch_size, resolved.data.seq_len
-  if B % g.num_samples:
-    raise config_lib.ConfigError(
-        f'train.batch_size={B} (completions a step) is not a multiple of '
-        f'grpo.num_samples={g.num_samples} (completions a prompt).')
+  grpo_lib.check_batch(resolved)
   prompt_tokens = prompt_tokens or T - g.max_new_tokens
   if prompt_tokens < 1 or prompt_tokens + g.max_new_tokens > T:
     raise PlanError(f'--grpo_prompt_tokens={prompt_tokens} with grpo.max_new_tokens='
@@ -284,16 +281,15 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   reference = {'reference params': params} if g.beta else {}
 
   t0 = time.perf_counter()
-  step = state_lib.jit_train_step(s, -1, grpo_lib.make_loss_fn(s.model, g.beta))
+  step = state_lib.jit_train_step(s, -1, grpo_lib.update_loss_fn(s))
   try:
     lowered = step.lower(s.abstract_state, grpo_lib.update_batch(s, width))
   except NotImplementedError as e:
     if resolved.model.attention != 'cudnn':
       raise
-    raise PlanError(
-        f"the GRPO update does not compile with model.attention='cudnn': {e} (jax's cuDNN "
-        f'attention does not train on an odd number of positions, and rows of {width} tokens '
-        f'are {width - 1} inputs); --config.model.attention=xla plans it.') from None
+    raise PlanError(f"the GRPO update does not compile with model.attention='cudnn' (rows of "
+                    f'{width} tokens: {width - 1} inputs): {e}; --config.model.attention=xla '
+                    'plans it.') from None
   update = lowered.compile()
   update_s = time.perf_counter() - t0
   if hlo_path:

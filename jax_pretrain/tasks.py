@@ -19,6 +19,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import math
 import os
 import re
 import string
@@ -147,11 +148,14 @@ def reward_fn(spec: str) -> Reward:
 def score(fn: Reward, completion: str, item: Item) -> float:
   """fn(completion, item) as a float; a reward that raises or returns a non-number is a TaskError
   naming the function and the item."""
+  name = getattr(fn, '__qualname__', repr(fn))
   try:
     value = float(fn(completion, item))
   except Exception as e:  # noqa: BLE001  (a user's reward function)
-    name = getattr(fn, '__qualname__', repr(fn))
     raise TaskError(f'reward {name} failed on {item.where} ({type(e).__name__}: {e}).') from None
+  if not math.isfinite(value):
+    raise TaskError(f'reward {name} returned {value} on {item.where} (rewards must be finite: '
+                    'one would make its whole group non-finite).')
   return value
 
 

@@ -116,13 +116,18 @@ class StepLogger:
                'train/nonfinite_skips': m['nonfinite_count'],
                'perf/tokens_per_sec': tokens_per_sec, 'perf/step_time': step_time,
                'perf/mfu': mfu}
-    if 'loss_scale' in m:  # float16 runs: dynamic loss scaling (state.LossScale)
-      scalars.update({'train/loss_scale': m['loss_scale'],
-                      'train/loss_scale_skips': m['loss_scale_skips']})
+    scalars.update(self.loss_scale_scalars(m))
     mfu_text = f' | MFU {mfu:.1%}' if mfu is not None else ''
     return scalars, (f'loss {m["loss"]:.4f} | lr {m["lr"]:.2e} | grad_norm {m["grad_norm"]:.3f} '
                      f'| {tokens_per_sec:,.0f} tok/s | {step_time:.3f} s/step{mfu_text}'
                      f'{self.skipped(m)}')
+
+  @staticmethod
+  def loss_scale_scalars(m: dict) -> dict:
+    """float16 runs' dynamic loss scaling (state.LossScale): its scale and skipped steps."""
+    if 'loss_scale' not in m:
+      return {}
+    return {'train/loss_scale': m['loss_scale'], 'train/loss_scale_skips': m['loss_scale_skips']}
 
   @staticmethod
   def skipped(m: dict) -> str:

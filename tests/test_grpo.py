@@ -175,6 +175,28 @@ class _Engine:
     return sequences
 
 
+def test_a_completion_cut_at_its_stop_string_keeps_no_later_eos():
+  """In one decoding chunk the model writes 'cba', the stop string '\\n', more, then EOS: the
+  completion ends at the stop string, so the EOS (sampled elsewhere) is not its last token."""
+  from jax_pretrain.data import tokenizer as tokenizer_lib  # noqa: PLC0415
+  tok = tokenizer_lib.ByteTokenizer()
+  eng = engine.Engine.__new__(engine.Engine)  # _extend needs only the tokenizer and a count
+  eng.tokenizer, eng.tokens_generated = tok, 0
+  chunk = [*tok.encode('cba\nQ:').tolist(), tok.eos_id]
+  seq = engine.Sequence(prompt=[1], max_new_tokens=8, stop=('\n',))
+  eng._extend(seq, np.array(chunk), np.linspace(-1, -2, len(chunk)), np.zeros((8, 5)),  # noqa: SLF001
+              np.zeros((8, 5), np.int32))
+  assert (seq.text, seq.finish_reason, seq.eos_logprob) == ('cba', 'stop', None)
+  assert tok.decode(seq.tokens) == 'cba\n' and len(seq.logprobs) == 4
+  r = grpo.rollouts(_Engine([(seq.tokens, seq.logprobs, seq.eos_logprob, seq.text)]), [[1, 2]],
+                    1, max_new_tokens=8, temperature=1.0, seed=0, pad_id=0, eos_id=tok.eos_id)
+  assert r.tokens_BxT1[0].tolist() == [1, 2, *tok.encode('cba\n').tolist()]  # no EOS after it
+  seq = engine.Sequence(prompt=[1], max_new_tokens=8, stop=('\n',))  # EOS first: it is kept
+  eng._extend(seq, np.array([*tok.encode('ab').tolist(), tok.eos_id, 65]), np.full(4, -0.5),  # noqa: SLF001
+              np.zeros((8, 5)), np.zeros((8, 5), np.int32))
+  assert (seq.text, seq.eos_logprob) == ('ab', -0.5)
+
+
 def test_rollout_rows_train_the_eos_that_ended_a_completion():
   eng = _Engine([([5, 6], [-0.5, -0.25], -0.125, 'ab'),  # ended by EOS: trained on it
                  ([7, 8, 9], [-1.0, -2.0, -3.0], None, 'cde')])  # max_new_tokens: no EOS
@@ -279,7 +301,7 @@ def toy(tmp_path_factory):
     with open(d / f'{name}.jsonl', 'w', encoding='utf-8') as f:
       for i in numbers:
         f.write(json.dumps({'prompt': f'Item {i}: ', 'answer': 'e'}) + '\n')
-  (d / 'reward_e.py').write_text(E_REWARD)
+  (d / 'reward_e.py').write_text(E_REWARD + 'def nan(completion, item):\n  return float("nan")\n')
   return base, d
 
 
@@ -335,8 +357,11 @@ def test_a_grpo_run_stopped_by_sigterm_and_rerun_equals_a_straight_run_and_learn
      'multiple of grpo.num_samples=4'),
     (['--config.grpo.max_new_tokens=60'], 'exceeds the context of 64'),
     (['--config.grpo.reward=nosuch'], "reward 'nosuch': no such reward"),
+    (['--config.grpo.stop=a\\'], "grpo.stop='a\\\\': not a string with readable backslash"),
+    (['--config.grpo.reward={d}/reward_e.py:nan'], 'reward nan returned nan on '),
 ])
 def test_bad_input_is_one_error_line(toy, tmp_path, extra, message):
+  extra = [arg.format(d=toy[1]) for arg in extra]
   out = subprocess.run(_grpo_command(toy, tmp_path / 'w', *extra), cwd=ROOT, env=subprocess_env(),
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-2000:]
@@ -374,3 +399,9 @@ def test_grpo_on_a_mesh_agrees_with_one_device(toy, tmp_path):
     np.testing.assert_allclose(mesh[step]['train/kl'], one[step]['train/kl'], atol=1e-5)
     np.testing.assert_allclose(mesh[step]['train/grad_norm'], one[step]['train/grad_norm'],
                                rtol=1e-4)
+
+
+def test_stop_strings_read_escapes_and_keep_other_characters():
+  assert config_lib.unescape('\\n') == '\n' and config_lib.unescape('é→\\t') == 'é→\t'
+  with pytest.raises(ValueError):
+    config_lib.unescape('a\\')
