@@ -105,6 +105,25 @@ def roofline(stats, target: gpu_targets.Target) -> Roofline | None:
   return Roofline(compute, communication)
 
 
+def memory_report(compiled, target: gpu_targets.Target, alongside: dict[str, float]) -> dict:
+  """A compiled program's peak per device (XLA's buffer assignment), what stays on each device
+  beside it (alongside: {what: bytes}), and whether both fit the memory JAX may use there."""
+  m = compiled.memory_analysis()
+  peak = memory.peak_bytes(compiled)
+  usable = memory.usable_memory(None, target)
+  total = peak + sum(alongside.values())
+  return {
+      'peak_memory_gib': peak / memory.GIB,
+      'argument_gib': m.argument_size_in_bytes / memory.GIB,
+      'temp_gib': m.temp_size_in_bytes / memory.GIB,
+      'alongside_gib': {k: v / memory.GIB for k, v in alongside.items()},
+      'total_memory_gib': total / memory.GIB,
+      'device_memory_gib': target.device_memory / memory.GIB,
+      'usable_memory_gib': usable / memory.GIB,
+      'fits': total <= usable,
+  }
+
+
 def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = None,
            choices=(), *, tokens_per_step: int | None = None, seq_len: int | None = None,
            alongside: dict[str, float] | None = None) -> dict:
@@ -118,21 +137,15 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import hlo  # noqa: PLC0415
   from jax_pretrain import model as model_lib  # noqa: PLC0415
-  from jax_pretrain import runtime  # noqa: PLC0415
   c, run = s.config, s.run
   n = s.mesh.size
   stats = hlo.analyze(compiled.as_text(), target.devices_per_node)
-  m = compiled.memory_analysis()
-  peak = memory.peak_bytes(compiled)
-  usable = runtime.mem_fraction() * target.device_memory if target.file else target.device_memory
   tokens_per_step = tokens_per_step or run.tokens_per_step
   flops_per_token = model_lib.flops_per_token(config_lib.model_config(c),
                                               seq_len or c.data.seq_len)
   model_flops = flops_per_token * tokens_per_step / n
   r = roofline(stats, target)
   tokens_per_s = tokens_per_step / r.step_s if r else None
-  alongside = alongside or {}
-  total = peak + sum(alongside.values())
   return {
       'target': target.name,
       'device_kind': target.device_kind,
@@ -145,14 +158,7 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
       'grad_accum_steps': run.grad_accum_steps,
       'tokens_per_step': tokens_per_step,
       'choices': list(run.choices) + list(choices),
-      'peak_memory_gib': peak / memory.GIB,
-      'argument_gib': m.argument_size_in_bytes / memory.GIB,
-      'temp_gib': m.temp_size_in_bytes / memory.GIB,
-      'alongside_gib': {k: v / memory.GIB for k, v in alongside.items()},
-      'total_memory_gib': total / memory.GIB,
-      'device_memory_gib': target.device_memory / memory.GIB,
-      'usable_memory_gib': usable / memory.GIB,
-      'fits': total <= usable,
+      **memory_report(compiled, target, alongside or {}),
       'compute_flops_per_step': stats.flops,
       'matmul_flops_per_step': stats.matmul_flops,
       'fp8_matmul_flops_per_step': stats.fp8_matmul_flops,
@@ -216,20 +222,9 @@ def call_report(compiled, target: gpu_targets.Target, alongside: dict[str, float
   is traced (the decode's steps)."""
   from jax_pretrain import hlo  # noqa: PLC0415
   stats = hlo.analyze(compiled.as_text(), target.devices_per_node, unknown_trips)
-  m = compiled.memory_analysis()
-  peak = memory.peak_bytes(compiled)
-  usable = memory.usable_memory(None, target)
-  total = peak + sum(alongside.values())
   r = roofline(stats, target)
   return {
-      'peak_memory_gib': peak / memory.GIB,
-      'argument_gib': m.argument_size_in_bytes / memory.GIB,
-      'temp_gib': m.temp_size_in_bytes / memory.GIB,
-      'alongside_gib': {k: v / memory.GIB for k, v in alongside.items()},
-      'total_memory_gib': total / memory.GIB,
-      'device_memory_gib': target.device_memory / memory.GIB,
-      'usable_memory_gib': usable / memory.GIB,
-      'fits': total <= usable,
+      **memory_report(compiled, target, alongside),
       'compute_flops_per_call': stats.flops,
       'hbm_bytes_per_call': stats.hbm_bytes,
       'unknown_trip_counts': stats.unknown_trip_counts,

@@ -255,13 +255,15 @@ def test_grpo_plan_cli_prints_the_update_and_the_rollout():
 
 @requires_plugin
 def test_xlarge_grpo_on_8_a100_80_holds_every_slot_on_every_device():
-  c = config_lib.preset('xlarge')
-  c.model.attention = 'xla'  # (cuDNN's attention does not train on the update's odd inputs)
-  c.train.batch_size, c.train.micro_batch_size = 128, 16
+  c = config_lib.preset('xlarge')  # attention auto: cuDNN on the A100
+  c.train.batch_size, c.train.micro_batch_size = 128, 8
   c.grpo.num_samples, c.grpo.max_new_tokens, c.grpo.rollout_slots = 16, 512, 32
   r = plan.grpo_plan(c, target='a100-80', num_devices=8, prompt_tokens=512)
   g, update, decode = r['grpo'], r['update'], r['decode']
-  assert update['tokens_per_step'] == 128 * 1024 and update['mesh']['data'] == 8
+  # Rows of 1,025 tokens: 1,024 inputs (512 + 512 - 1, rounded up to 8: cuDNN trains on no odd
+  # length) and the last target.
+  assert update['attention'] == 'cudnn' and update['tokens_per_step'] == 128 * 1025
+  assert update['mesh']['data'] == 8
   # bfloat16 keys and values of 32 slots × 2048 positions on each of the 8 devices: 15 GiB.
   assert g['engine_cache_gib'] == pytest.approx(2 * 32 * 32 * 2048 * 15 * 128 * 2 / memory.GIB,
                                                 rel=1e-3)
