@@ -229,6 +229,14 @@ class TaskSources:
   items: list
   eval_items: list
   reward: tasks.Reward
+  _ids: dict = dataclasses.field(default_factory=dict)
+
+  def encode(self, prompt: str) -> list[int]:
+    """The prompt's ids as the engine takes them, tokenized once (the length check, the rows'
+    width and every step that draws it read them)."""
+    if prompt not in self._ids:
+      self._ids[prompt] = sample_lib.encode_prompt(self.tokenizer, prompt).tolist()
+    return self._ids[prompt]
 
 
 @dataclasses.dataclass
@@ -237,11 +245,7 @@ class TaskData:
   tokenizer: object
   train: Prompts
   sources: TaskSources
-  width: int  # tokens per row of the update: the longest prompt + max_new_tokens
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-  return sample_lib.encode_prompt(tokenizer, text).tolist()
+  width: int  # tokens per row of the update (update_width)
 
 
 class GRPOLogger(train_lib.StepLogger):
@@ -307,14 +311,13 @@ class GRPO(train_lib.Program):
       raise UserError('GRPO runs in one process (the GPUs of one machine); start it without '
                       '--num_processes.')
     check_batch(resolved)
-    encode = lambda text: _encode(self.sources.tokenizer, text)
     for items in (self.sources.items, self.sources.eval_items):
-      tasks.check_lengths(items, encode, resolved.data.seq_len, g.max_new_tokens)
+      tasks.check_lengths(items, self.sources.encode, resolved.data.seq_len, g.max_new_tokens)
 
   def open_data(self, resolved: ml_collections.ConfigDict, sources: TaskSources,
                 step: int) -> TaskData:
     g = resolved.grpo
-    longest = max(len(_encode(sources.tokenizer, item.prompt)) for item in sources.items)
+    longest = max(len(sources.encode(item.prompt)) for item in sources.items)
     width = update_width(resolved, longest)
     prompts = Prompts(sources.items, resolved.train.batch_size // g.num_samples,
                       resolved.train.seed, step)
@@ -431,7 +434,7 @@ class Step:
     self.engine.params = state.params
     seed = int(np.random.SeedSequence([self.s.config.train.seed % 2**32,
                                        step]).generate_state(1)[0])
-    r = rollouts(self.engine, [_encode(tokenizer, item.prompt) for item in items],
+    r = rollouts(self.engine, [self.data.sources.encode(item.prompt) for item in items],
                  g.num_samples, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                  seed=seed, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id, stop=self.stop,
                  width=self.data.width)
