@@ -108,3 +108,23 @@ def define_run_flags(workdir_help: str = 'Workdir of a training run (or of scrip
   workdir = flags.DEFINE_string('workdir', None, workdir_help, required=True)
   step = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest).')
   return workdir, step
+
+
+def define_process_flags():
+  """--coordinator_address, --num_processes, --process_id and --heartbeat_timeout (a run over
+  several processes, jax_pretrain/multihost.py). Returns start(): jax.distributed initialized
+  from them (or from SLURM / Open MPI variables), after runtime.configure and before any
+  computation."""
+  coordinator = flags.DEFINE_string('coordinator_address', None,
+                                    'host:port of process 0, for a multi-process run.')
+  count = flags.DEFINE_integer('num_processes', None, 'Processes in a multi-process run.')
+  index = flags.DEFINE_integer('process_id', None, 'This process, 0 .. num_processes - 1.')
+  heartbeat = flags.DEFINE_integer(
+      'heartbeat_timeout', 60, 'Seconds without a heartbeat after which a process of a '
+      'multi-process run counts as lost: the others then stop with one error line naming it and '
+      'the last complete checkpoint (see jax_pretrain/multihost.py).')
+
+  def start() -> None:
+    from jax_pretrain import multihost  # noqa: PLC0415  (imports jax: after runtime.configure)
+    multihost.initialize(coordinator.value, count.value, index.value, heartbeat.value)
+  return start

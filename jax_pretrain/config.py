@@ -203,8 +203,9 @@ GRPO = (  # read by `python -m jax_pretrain.grpo` only (jax_pretrain/grpo.py)
     F('num_samples', 16, STREAM, 'completions sampled per prompt (a group); train.batch_size '
       'counts completions, so batch_size / num_samples prompts a step'),
     F('max_new_tokens', 64, SAFE, 'tokens generated per completion at most'),
-    F('rollout_slots', 0, SAFE, "completions decoded at once (the engine's KV-cache rows, its "
-      "memory); 0: all of a step's (train.batch_size)"),
+    F('rollout_slots', 0, SAFE, "completions decoded at once over all devices (the engine's "
+      "KV-cache rows, split over the devices; rounded up to a multiple of them); 0: all of a "
+      "step's (train.batch_size)"),
     F('temperature', 1.0, SAFE, 'rollout sampling temperature (TRL: 1.0)'),
     F('stop', '\\n', SAFE, "a completion ends at this text (backslash escapes read; '': only at "
       'EOS or max_new_tokens); rewards see the text before it'),

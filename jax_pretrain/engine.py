@@ -1,27 +1,48 @@
-"""Batched decoding and scoring of many requests at once: the decoder behind the server (serve.py)
-and the harness (lm_eval.py).
+"""Batched decoding and scoring of many requests at once: the one decoder behind GRPO's rollouts
+(grpo.py), the server (serve.py), the harness (lm_eval.py), task evaluation and sample.py.
 
-Generation (Engine): a fixed number of slots, each a row of one KV cache [layers, slots, context,
-kv_heads, head_dim] allocated once, so memory is bounded by slots × context whatever the traffic.
-A request (a Sequence) waits until a slot is free; its prompt is then prefilled into that slot's
-row, and it decodes together with every other busy slot, up to `chunk` tokens per compiled call.
-Between calls the host takes the new tokens, ends sequences at EOS, at max_new_tokens or at a stop
-string, reports new text to the sequence's callback (streaming), frees the slots of finished
+Generation (Engine): a fixed number of slots, each a row of one KV cache (a buffer [slots, context,
+kv_heads, head_dim] per layer) allocated once, so memory is bounded by slots × context whatever the
+traffic. A request (a Sequence) waits until a slot is free; its prompt is then prefilled into that
+slot's row, and it decodes together with every other busy slot, up to `chunk` tokens per compiled
+call. Between calls the host takes the new tokens, ends sequences at EOS, at max_new_tokens or at a
+stop string, reports new text to the sequence's callback (streaming), frees the slots of finished
 sequences and admits waiting ones: sequences join and leave the batch every chunk (continuous
 batching), so a short request never waits for a long one to finish.
 
+What a decoding step moves, and nothing more: the engine holds its own copy of the params, every
+matrix in the compute dtype and the layers apart (decoding_params: converted once, when the params
+change: GRPO, once a step), so a step reads bf16 weights once instead of casting float32 ones; the
+cache's buffers are donated to each call and written in place (a scatter of the new positions),
+never copied; and the attention reads only the live part of each row (positions [0, live), live a
+bucket that covers the longest busy row), not the whole context.
+
+On a mesh (GRPO on the trainer's devices) the slots and the cache are split over every device of
+it, and each device prefills and decodes its own rows with a whole copy of the weights (shard_map:
+no communication but gathering the new tokens); `slots` counts them over all devices. Several
+processes run the same host logic on the same (replicated) tokens.
+
 Compiled shapes are bucketed, so that traffic does not recompile: a prefill pads its prompts to a
 power of two tokens (16 at least, the context at most) and its rows to a power of two; a decode
-call covers the first 1, 2, 4, ... slots, as many as cover the busy ones (a new sequence takes the
-lowest free slot); the number of steps of a call is traced, not static. The positions of a row
-work as in sample.py: each row has its own length and positions in its own cache row.
+call covers each device's first 1, 2, 4, ... slots, as many as cover the busy ones (a new sequence
+takes the free slot of lowest index on its device, spreading over the devices), with a live length
+of a power of two or 1.5 × one (live_bucket); the number of steps of a call is traced, not
+static. Sampling's top-k/top-p cut and the top-5 alternatives are compiled in only for calls whose
+rows ask for them.
+
+Positions: each row has its own length and positions in its own cache row. A prefill runs its
+prompts right-padded to P (pad positions write junk into the row beyond its prompt); a row's first
+new token is sampled from the logits at its position len - 1, and decode step i writes its token at
+position len + i, overwriting that junk before any query can see it (the causal mask only shows a
+query the positions at or before its own). So every row sees exactly its own prompt and its own
+continuation, at the positions it would have alone.
 
 Each row samples with its own settings and its own random stream (its seed, folded with its index
 among the choices of one request and with the token's index), so a sequence's tokens do not depend
-on which other sequences were decoded beside it.
+on which other sequences were decoded beside it, nor on the mesh.
 
-Scoring (token_logprobs): the log-probability of every next token of a batch of rows in one forward
-pass, for lm_eval's loglikelihood requests and for the logprobs of an echoed prompt.
+Scoring (token_logprobs, Engine.score): the log-probability of every next token of a batch of rows
+in one forward pass, for lm_eval's loglikelihood requests and for the logprobs of an echoed prompt.
 """
 import collections
 import dataclasses
@@ -31,10 +52,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jax_pretrain import model as model_lib
-from jax_pretrain import sample as sample_lib
+from jax_pretrain import multihost
 
 MIN_BUCKET = 16
 TOP_N = 5  # alternatives reported per generated token (OpenAI's logprobs allows at most 5)
@@ -56,6 +80,7 @@ class Sequence:
   seed: int = 0
   stream: int = 0  # index among the choices of one request: the same seed, other samples
   stop: tuple[str, ...] = ()  # the text ends before the first of these
+  alternatives: bool = False  # fill top_logprobs (the TOP_N most likely tokens at each step)
   on_update: Callable[['Sequence'], None] | None = None  # called (engine thread) on new text or end
   # Filled by the engine.
   tokens: list[int] = dataclasses.field(default_factory=list)  # new tokens, EOS excluded
@@ -66,6 +91,12 @@ class Sequence:
   finish_reason: str | None = None  # 'stop' (EOS or stop string) | 'length' | 'cancelled' | 'error'
   error: str = ''
   cancelled: bool = False  # set by the caller (a client went away): dropped at the next chunk
+  # Incremental detokenization: the text of tokens[:_read] is _decoded; _prefix <= _read starts
+  # the few tokens decoded again to continue it (a tokenizer may print a token differently at the
+  # start of a text), so that a chunk decodes a handful of tokens, not the whole sequence.
+  _decoded: str = dataclasses.field(default='', repr=False)
+  _prefix: int = dataclasses.field(default=0, repr=False)
+  _read: int = dataclasses.field(default=0, repr=False)
 
   @property
   def done(self) -> bool:
@@ -85,6 +116,69 @@ class Sequence:
           break
     return text[:keep]
 
+  def detokenize(self, tokenizer, final: bool = False) -> str:
+    """The text of self.tokens, decoding only the tokens since the last call (and the few before
+    them that the tokenizer needs to continue the text): an unfinished UTF-8 character at the end
+    is held back until its last byte comes. final: the whole sequence, decoded once."""
+    if final:
+      self._decoded = tokenizer.decode(self.tokens)
+      self._prefix = self._read = len(self.tokens)
+      return self._decoded
+    window = tokenizer.decode(self.tokens[self._prefix:])
+    if window.endswith('\ufffd'):  # an unfinished character: wait for its next byte
+      return self._decoded
+    known = tokenizer.decode(self.tokens[self._prefix:self._read])
+    self._decoded += window[len(known):]
+    self._prefix, self._read = self._read, len(self.tokens)
+    return self._decoded
+
+
+def filter_logits(logits_BxV: jax.Array, temperature, top_k, top_p, cuts: bool = True
+                  ) -> jax.Array:
+  """Logits divided by the temperature, with the tokens outside the top_k and then outside the
+  top_p set to -inf, float32.
+
+  The settings are numbers (one for the whole batch) or arrays [B] (one per row: the server decodes
+  requests with different settings together). top_k 0 and top_p 1.0 cut nothing; cuts=False
+  (static) leaves the cut out of the program (its sort), for calls that know no row asks for it.
+  """
+  temperature_Bx1, top_k_Bx1, top_p_Bx1 = (jnp.reshape(jnp.asarray(x), (-1, 1))
+                                           for x in (temperature, top_k, top_p))
+  logits_BxV = logits_BxV.astype(jnp.float32) / temperature_Bx1
+  if not cuts:
+    return logits_BxV
+  V = logits_BxV.shape[-1]
+
+  def threshold():
+    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+    k_Bx1 = jnp.where((top_k_Bx1 > 0) & (top_k_Bx1 < V), top_k_Bx1, V)
+    kth_Bx1 = jnp.take_along_axis(sorted_BxV, k_Bx1 - 1, axis=-1)
+    sorted_BxV = jnp.where(sorted_BxV < kth_Bx1, -jnp.inf, sorted_BxV)
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    # Keep a token while the tokens more likely than it hold less than top_p: always >= 1 kept.
+    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    n_kept_Bx1 = jnp.sum(before_BxV < top_p_Bx1, axis=-1, keepdims=True)
+    n_kept_Bx1 = jnp.where(top_p_Bx1 < 1.0, n_kept_Bx1, V)
+    return jnp.maximum(kth_Bx1, jnp.take_along_axis(sorted_BxV, n_kept_Bx1 - 1, axis=-1))
+
+  # The sort is the costly part of a decoding step on the CPU: skipped when nothing is cut.
+  cuts = jnp.any((top_k_Bx1 > 0) & (top_k_Bx1 < V)) | jnp.any(top_p_Bx1 < 1.0)
+  threshold_Bx1 = jax.lax.cond(cuts, threshold,
+                               lambda: jnp.full((logits_BxV.shape[0], 1), -jnp.inf))
+  return jnp.where(logits_BxV < threshold_Bx1, -jnp.inf, logits_BxV)
+
+
+def sample_rows(logits_BxV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array,
+                top_k_B: jax.Array, top_p_B: jax.Array, cuts: bool = True) -> jax.Array:
+  """Next token per row, int32 [B], each row with its own settings and its own key, so that a
+  request's tokens do not depend on the other requests decoded beside it. Temperature 0: greedy.
+  cuts: as filter_logits takes it."""
+  sampled_B = jax.vmap(lambda key, logits_V: jax.random.categorical(key, logits_V))(
+      keys_B, filter_logits(logits_BxV, jnp.where(temperature_B > 0, temperature_B, 1.0),
+                            top_k_B, top_p_B, cuts))
+  greedy_B = jnp.argmax(logits_BxV, axis=-1)
+  return jnp.where(temperature_B > 0, sampled_B, greedy_B).astype(jnp.int32)
+
 
 @functools.partial(jax.jit, static_argnames=('model', 'top_n'))
 def token_logprobs(model, params, tokens_BxT1, *, top_n: int = 0):
@@ -101,96 +195,192 @@ def token_logprobs(model, params, tokens_BxT1, *, top_n: int = 0):
   return target_BxT, greedy_BxT, top
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _empty(config: model_lib.ModelConfig, slots: int, context: int):
-  """The engine's cache and last logits, zero."""
-  return (model_lib.KVCache.zeros(config, slots, context),
-          jnp.zeros((slots, config.vocab_size), jnp.float32))
+def decoding_params(config: model_lib.ModelConfig, params):
+  """The engine's copy of a model's params: the layers apart (layers_0, layers_1, ...: the
+  unscanned model writes each layer's cache in place) and every matrix in the compute dtype (the
+  model casts it there at every use: the same numbers, cast once). Vectors (norm scales) stay."""
+  params = dict(params)
+  if 'layers' in params:
+    layers = params.pop('layers')
+    for i in range(config.num_layers):
+      params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], layers)
+  cast = lambda x: x.astype(config.dtype) if x.ndim >= 2 and jnp.issubdtype(
+      x.dtype, jnp.floating) else x
+  return jax.tree.map(cast, params)
 
 
-@functools.partial(jax.jit, static_argnames=('model',), donate_argnums=(2, 3))
-def _prefill(model, params, cache, logits_SxV, prompts_NxP, lengths_N, slots_N, allowed_V):
-  """Runs the prompts, right-padded, into a fresh cache of their length and copies it into their
-  slots' rows; keeps each prompt's last logits. Padding rows have slot == slots: dropped."""
+def _decoding_model(config: model_lib.ModelConfig) -> model_lib.Transformer:
+  """No remat (nothing is differentiated), unscanned (each layer's cache apart), no mesh (the
+  engine maps it over its devices)."""
+  return model_lib.Transformer(dataclasses.replace(config, remat='none', scan_layers=False))
+
+
+def cache_bytes(config: model_lib.ModelConfig, slots: int, context: int, devices: int) -> float:
+  """Bytes one device holds of an engine's cache and last logits (`slots` over `devices`)."""
+  local = -(-slots // devices)
+  kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(
+      config.dtype).itemsize
+  return float(local * (context * kv + config.vocab_size * 4))
+
+
+def live_bucket(n: int, context: int) -> int:
+  """Positions a decode call's attention reads: the smallest power of two or 1.5 × a power of
+  two that is >= n (MIN_BUCKET at least, the context at most): at most a third more than the
+  longest row needs (half with powers of two alone), for twice the compiled shapes."""
+  p = bucket(n, 1 << 62, MIN_BUCKET)
+  return min(context, 3 * p // 4 if 3 * p // 4 >= n and p > MIN_BUCKET else p)
+
+
+def _prefill_local(model, params, cache, logits_SxV, prompts_NxP, lengths_N, slots_N, allowed_V):
+  """One device's prefill: its prompts, right-padded, run through the model (causal attention over
+  themselves), their keys and values written into their slots' rows, each one's last logits kept.
+  Padding rows have slot == the device's slots: dropped."""
   N, P = prompts_NxP.shape
-  fresh = model_lib.KVCache.zeros(model.config, N, P)
   positions_NxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (N, P))
-  logits_NxPxV, fresh = model.apply({'params': params}, prompts_NxP, fresh, positions_NxP)
-  last_NxV = jnp.where(allowed_V, logits_NxPxV[jnp.arange(N), lengths_N - 1], -jnp.inf)
-  cache = model_lib.KVCache(
-      cache.k_LxBxSxKxH.at[:, slots_N, :P].set(fresh.k_LxBxSxKxH, mode='drop'),
-      cache.v_LxBxSxKxH.at[:, slots_N, :P].set(fresh.v_LxBxSxKxH, mode='drop'))
+  use = model_lib.CacheUse(positions_NxP, slots_B=slots_N, logits_at_B=lengths_N - 1)
+  logits_Nx1xV, cache = model.apply({'params': params}, prompts_NxP, cache, use)
+  last_NxV = jnp.where(allowed_V, logits_Nx1xV[:, 0], -jnp.inf)
   return cache, logits_SxV.at[slots_N].set(last_NxV, mode='drop')
 
 
-@functools.partial(jax.jit, static_argnames=('model', 'rows', 'chunk'), donate_argnums=(2, 3))
-def _decode(model, params, cache, logits_SxV, positions_R, seeds_R, streams_R, counts_R,
-            temperature_R, top_k_R, top_p_R, allowed_V, steps, *, rows: int, chunk: int):
-  """`steps` (<= chunk) decoding steps of the first `rows` slots: each step samples a token per row
-  from its logits and runs it at the row's next position. Returns the updated cache and logits,
-  the tokens [R, chunk], their logprobs [R, chunk] and the TOP_N alternatives [R, chunk, TOP_N]."""
-  context = cache.k_LxBxSxKxH.shape[2]
-  sub = model_lib.KVCache(cache.k_LxBxSxKxH[:, :rows], cache.v_LxBxSxKxH[:, :rows])
+def _decode_local(model, params, cache, logits_SxV, positions_R, seeds_R, streams_R, counts_R,
+                  temperature_R, top_k_R, top_p_R, allowed_V, steps, *, chunk: int, live: int,
+                  top_n: int, cuts: bool):
+  """One device's `steps` (<= chunk) decoding steps of its first R slots: each step samples a
+  token per row from its logits and runs it at the row's next position, attending over positions
+  [0, live). Returns the updated cache and logits, the tokens [R, chunk], their logprobs
+  [R, chunk] and with top_n the top_n alternatives ([R, chunk, top_n] logprobs and ids)."""
+  R = positions_R.shape[0]
+  context = cache.k[0].shape[1]
   streams_R = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds_R, streams_R)
 
   def body(i, state):
-    sub, logits_RxV, tokens_RxC, logprobs_RxC, top_lp_RxCxN, top_ids_RxCxN = state
+    cache, logits_RxV, tokens_RxC, logprobs_RxC, *top = state
     keys_R = jax.vmap(jax.random.fold_in)(streams_R, counts_R + i)
-    token_R = sample_lib.sample_rows(logits_RxV, keys_R, temperature_R, top_k_R, top_p_R)
+    token_R = sample_rows(logits_RxV, keys_R, temperature_R, top_k_R, top_p_R,
+                                     cuts=cuts)
     all_RxV = jax.nn.log_softmax(logits_RxV, axis=-1)
-    top_lp_RxN, top_ids_RxN = jax.lax.top_k(all_RxV, TOP_N)
+    if top_n:
+      top_lp_RxN, top_ids_RxN = jax.lax.top_k(all_RxV, top_n)
+      top = [top[0].at[:, i].set(top_lp_RxN), top[1].at[:, i].set(top_ids_RxN)]
     # A row past its end (finished within this call) keeps writing its last slot: never read.
     positions_Rx1 = jnp.minimum(positions_R + i, context - 1)[:, None]
-    logits_Rx1xV, sub = model.apply({'params': params}, token_R[:, None], sub, positions_Rx1)
-    return (sub, jnp.where(allowed_V, logits_Rx1xV[:, 0], -jnp.inf),
+    logits_Rx1xV, cache = model.apply({'params': params}, token_R[:, None], cache,
+                                      model_lib.CacheUse(positions_Rx1, live=live))
+    return (cache, jnp.where(allowed_V, logits_Rx1xV[:, 0], -jnp.inf),
             tokens_RxC.at[:, i].set(token_R),
             logprobs_RxC.at[:, i].set(jnp.take_along_axis(all_RxV, token_R[:, None], -1)[:, 0]),
-            top_lp_RxCxN.at[:, i].set(top_lp_RxN), top_ids_RxCxN.at[:, i].set(top_ids_RxN))
+            *top)
 
-  state = (sub, logits_SxV[:rows], jnp.zeros((rows, chunk), jnp.int32),
-           jnp.zeros((rows, chunk), jnp.float32), jnp.zeros((rows, chunk, TOP_N), jnp.float32),
-           jnp.zeros((rows, chunk, TOP_N), jnp.int32))
-  sub, logits_RxV, *out = jax.lax.fori_loop(0, steps, body, state)
-  cache = model_lib.KVCache(cache.k_LxBxSxKxH.at[:, :rows].set(sub.k_LxBxSxKxH),
-                            cache.v_LxBxSxKxH.at[:, :rows].set(sub.v_LxBxSxKxH))
-  return cache, logits_SxV.at[:rows].set(logits_RxV), *out
+  top = ([jnp.zeros((R, chunk, top_n), jnp.float32), jnp.zeros((R, chunk, top_n), jnp.int32)]
+         if top_n else [])
+  state = (cache, logits_SxV[:R], jnp.zeros((R, chunk), jnp.int32),
+           jnp.zeros((R, chunk), jnp.float32), *top)
+  cache, logits_RxV, *out = jax.lax.fori_loop(0, steps, body, state)
+  return cache, logits_SxV.at[:R].set(logits_RxV), *out
+
+
+def _slots_spec(mesh) -> P:
+  """Rows split over every device of the mesh."""
+  return P(tuple(mesh.axis_names))
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'mesh'), donate_argnums=(1, 2))
+def _prefill(params, cache, logits_SxV, prompts_NxP, lengths_N, slots_N, allowed_V, *, model,
+             mesh):
+  """_prefill_local on every device of the mesh, each on its rows of the prompts and the cache."""
+  rows = _slots_spec(mesh)
+  return jax.shard_map(functools.partial(_prefill_local, model), mesh=mesh,
+                       in_specs=(P(), rows, rows, rows, rows, rows, P()), out_specs=(rows, rows),
+                       check_vma=False)(params, cache, logits_SxV, prompts_NxP, lengths_N,
+                                        slots_N, allowed_V)
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'mesh', 'chunk', 'live', 'top_n', 'cuts'),
+                   donate_argnums=(1, 2))
+def _decode(params, cache, logits_SxV, positions_R, seeds_R, streams_R, counts_R, temperature_R,
+            top_k_R, top_p_R, allowed_V, steps, *, model, mesh, chunk: int, live: int, top_n: int,
+            cuts: bool):
+  """_decode_local on every device of the mesh, each on its first rows (the per-row inputs hold
+  R of them a device); the tokens, logprobs and alternatives gathered to every device."""
+  rows, axes = _slots_spec(mesh), tuple(mesh.axis_names)
+
+  def local(*args):
+    cache, logits_SxV, *out = _decode_local(model, *args, chunk=chunk, live=live, top_n=top_n,
+                                            cuts=cuts)
+    return cache, logits_SxV, *(jax.lax.all_gather(x, axes, tiled=True) for x in out)
+
+  outputs = 2 + (2 if top_n else 0)
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows) + (rows,) * 7 + (P(), P()),
+                       out_specs=(rows, rows) + (P(),) * outputs, check_vma=False)(
+      params, cache, logits_SxV, positions_R, seeds_R, streams_R, counts_R, temperature_R,
+      top_k_R, top_p_R, allowed_V, steps)
 
 
 class Engine:
   """Continuous batching over a bounded KV cache (see the module docstring).
 
   Two ways to drive it: `generate(sequences)` runs them to the end in the calling thread (the
-  harness); `run_forever()` in a thread of its own serves sequences that any thread `submit`s
-  (the server), calling each sequence's on_update from that thread.
+  harness, GRPO); `run_forever()` in a thread of its own serves sequences that any thread
+  `submit`s (the server), calling each sequence's on_update from that thread.
+
+  params: the model's (float32, stacked layers, on their devices) or None, set later with
+  set_params; mesh: the devices that decode (default: those of the params, else the first
+  device); slots: over all of them (rounded up to a multiple of the device count).
   """
 
   def __init__(self, model_config: model_lib.ModelConfig, params, tokenizer, *, slots: int = 16,
-               context: int, chunk: int = 8, prefill_tokens: int = 4096):
-    self.model = sample_lib.decoding_model(model_config)
-    self.params, self.tokenizer = params, tokenizer
-    self.slots, self.context, self.chunk = slots, context, chunk
-    self.prefill_tokens = max(prefill_tokens, context)  # prompt tokens per prefill call at most
+               context: int, chunk: int = 8, prefill_tokens: int = 16384,
+               mesh: Mesh | None = None):
+    self.model = _decoding_model(model_config)
+    self.tokenizer = tokenizer
+    self.mesh = mesh if mesh is not None else _mesh_of(params)
+    self.devices = self.mesh.size
+    self.local_slots = -(-slots // self.devices)  # each device's rows of the cache
+    self.slots, self.context, self.chunk = self.local_slots * self.devices, context, chunk
+    # Prompt tokens per device per prefill call at most (its activations are [rows, P, mlp]).
+    self.prefill_tokens = max(prefill_tokens, context)
+    self._replicated = NamedSharding(self.mesh, P())
+    self._rows = NamedSharding(self.mesh, _slots_spec(self.mesh))
+    self._convert = jax.jit(functools.partial(decoding_params, self.model.config),
+                            out_shardings=self._replicated)
     ids_V = np.arange(model_config.vocab_size)
-    self._allowed_V = jnp.asarray((ids_V < tokenizer.vocab_size) & (ids_V != tokenizer.pad_id))
-    self._cache = self._logits_SxV = None  # allocated at the first use (_state)
-    self._busy: list[Sequence | None] = [None] * slots
+    self._allowed_host_V = (ids_V < tokenizer.vocab_size) & (ids_V != tokenizer.pad_id)
+    self._cache = self._logits_SxV = self._allowed_V = None  # placed at the first use (_state)
+    self._busy: list[Sequence | None] = [None] * self.slots  # slot d * local_slots + j: device d
     self._waiting: collections.deque[Sequence] = collections.deque()
     self._wakeup = threading.Condition()
     self._stopping = False
     self.shapes: set[tuple] = set()  # the compiled shapes asked for so far
     self.tokens_generated = 0
+    self.set_params(params)
+
+  def set_params(self, params) -> None:
+    """Takes new params (the model's, or abstract ones for lowering; None frees the copy):
+    converted once (decoding_params) and gathered onto every device of the engine's mesh."""
+    if params is None:
+      self.params = None
+    elif all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+      self.params = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated),
+          jax.eval_shape(functools.partial(decoding_params, self.model.config), params))
+    else:
+      self.params = self._convert(params)
 
   def warmup(self) -> None:
     """Compiles every shape that traffic can ask for (prefills of 1, 2, 4, ... rows of each length
-    bucket, decodes of each row bucket), so that no request waits for a compile. Changes no
-    sequence: these prefills write to no slot and these decodes run no step."""
-    for P in sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)}):
-      most = self._most_rows(P)
+    bucket, decodes of each row and live bucket, with and without the cut and the alternatives),
+    so that no request waits for a compile. Changes no sequence: these prefills write to no slot
+    and these decodes run no step."""
+    for P_ in sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)}):
+      most = self._most_rows(P_)
       for N in sorted({bucket(n, most) for n in range(1, most + 1)}):
-        self._prefill(np.zeros((N, P), np.int32), np.ones(N, np.int32),
-                      np.full(N, self.slots, np.int32))
-    for rows in sorted({bucket(n, self.slots) for n in range(1, self.slots + 1)}):
-      self._decode(rows, [], 0)
+        self._prefill([[] for _ in range(self.devices)], P_, N)
+    for rows in sorted({bucket(n, self.local_slots) for n in range(1, self.local_slots + 1)}):
+      for live in sorted({live_bucket(n, self.context) for n in range(1, self.context + 1)}):
+        for top_n in (0, TOP_N):
+          for cuts in (False, True):
+            self._decode(rows, live, top_n, cuts, [], 0)
 
   def submit(self, seq: Sequence) -> None:
     """Queues a sequence (thread-safe). Its prompt and max_new_tokens must fit the context."""
@@ -205,9 +395,9 @@ class Engine:
       self._wakeup.notify()
 
   def stats(self) -> dict:
-    return {'slots': self.slots, 'context': self.context, 'busy': sum(s is not None for s in
-            self._busy), 'waiting': len(self._waiting), 'compiled_shapes': len(self.shapes),
-            'tokens_generated': self.tokens_generated}
+    return {'slots': self.slots, 'devices': self.devices, 'context': self.context,
+            'busy': sum(s is not None for s in self._busy), 'waiting': len(self._waiting),
+            'compiled_shapes': len(self.shapes), 'tokens_generated': self.tokens_generated}
 
   def generate(self, sequences: list[Sequence]) -> list[Sequence]:
     for seq in sequences:
@@ -244,124 +434,158 @@ class Engine:
     """Admits waiting sequences into free slots, then decodes one chunk of every busy slot.
     Returns whether anything is left to do."""
     self._admit()
-    busy = [i for i, seq in enumerate(self._busy) if seq is not None]
+    busy = [g for g, seq in enumerate(self._busy) if seq is not None]
     if not busy:
       return bool(self._waiting)
-    steps = max(min(self.chunk, seq.max_new_tokens - len(seq.tokens))
-                for seq in (self._busy[i] for i in busy))
-    tokens_RxC, logprobs_RxC, top_lp_RxCxN, top_ids_RxCxN = self._decode(
-        bucket(busy[-1] + 1, self.slots), busy, steps)
-    for i in busy:
-      seq = self._busy[i]
-      self._extend(seq, tokens_RxC[i, :steps], logprobs_RxC[i], top_lp_RxCxN[i], top_ids_RxCxN[i])
+    seqs = [self._busy[g] for g in busy]
+    steps = max(min(self.chunk, seq.max_new_tokens - len(seq.tokens)) for seq in seqs)
+    rows = bucket(max(g % self.local_slots for g in busy) + 1, self.local_slots)
+    live = live_bucket(max(len(s.prompt) + len(s.tokens) for s in seqs) + steps, self.context)
+    top_n = TOP_N if any(s.alternatives for s in seqs) else 0
+    cuts = any(s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0) for s in seqs)
+    tokens_RxC, logprobs_RxC, *top = self._decode(rows, live, top_n, cuts, busy, steps)
+    for g, seq in zip(busy, seqs):
+      q = self._row(g, rows)
+      self._extend(seq, tokens_RxC[q, :steps], logprobs_RxC[q],
+                   *((top[0][q], top[1][q]) if top else (None, None)))
       if seq.done:
-        self._busy[i] = None
+        self._busy[g] = None
     return True
 
+  def score(self, tokens_BxT1, top_n: int = 0):
+    """token_logprobs with the engine's params (on its devices)."""
+    return token_logprobs(self.model, self.params, multihost.global_array(np.asarray(tokens_BxT1),
+                                                        self._replicated), top_n=top_n)
+
+  def _row(self, g: int, rows: int) -> int:
+    """The row of slot g in a decode call of each device's first `rows` slots."""
+    d, j = divmod(g, self.local_slots)
+    return d * rows + j
+
   def _admit(self) -> None:
-    """Moves waiting sequences into free slots and prefills them, a bucket of lengths at a time."""
+    """Moves waiting sequences into free slots (the lowest local index first, over the devices
+    in turn) and prefills them, a bucket of lengths at a time."""
     admitted = []
     with self._wakeup:
-      for i in range(self.slots):
-        while self._busy[i] is None and self._waiting:
-          seq = self._waiting.popleft()
-          if seq.cancelled:
-            self._finish(seq, 'cancelled')
-            continue
-          self._busy[i] = seq
-          admitted.append(i)
+      for j in range(self.local_slots):
+        for d in range(self.devices):
+          g = d * self.local_slots + j
+          while self._busy[g] is None and self._waiting:
+            seq = self._waiting.popleft()
+            if seq.cancelled:
+              self._finish(seq, 'cancelled')
+              continue
+            self._busy[g] = seq
+            admitted.append(g)
     by_length = collections.defaultdict(list)
-    for i in admitted:
-      by_length[bucket(len(self._busy[i].prompt), self.context, MIN_BUCKET)].append(i)
-    for P, slots in sorted(by_length.items()):
-      most = self._most_rows(P)
-      for start in range(0, len(slots), most):
-        group = slots[start:start + most]
-        N = bucket(len(group), most)
-        prompts_NxP = np.full((N, P), self.tokenizer.pad_id, np.int32)
-        lengths_N, slots_N = np.ones(N, np.int32), np.full(N, self.slots, np.int32)
-        for r, i in enumerate(group):
-          prompt = self._busy[i].prompt
-          prompts_NxP[r, :len(prompt)], lengths_N[r], slots_N[r] = prompt, len(prompt), i
-        self._prefill(prompts_NxP, lengths_N, slots_N)
+    for g in admitted:
+      by_length[bucket(len(self._busy[g].prompt), self.context, MIN_BUCKET)].append(g)
+    for P_, slots in sorted(by_length.items()):
+      per_device = [[g for g in slots if g // self.local_slots == d] for d in range(self.devices)]
+      most = self._most_rows(P_)
+      for start in range(0, max(len(x) for x in per_device), most):
+        group = [x[start:start + most] for x in per_device]
+        self._prefill(group, P_, bucket(max(len(x) for x in group), most))
 
-  def _most_rows(self, P: int) -> int:
-    """Prompts per prefill call at most for prompts padded to P: a power of two that keeps the
-    call within prefill_tokens (its logits are [rows, P, vocab]), and no more than the slots
-    need."""
-    fitting = 1 << (max(1, self.prefill_tokens // P).bit_length() - 1)
-    return min(fitting, bucket(self.slots, 1 << 30))
+  def _most_rows(self, P_: int) -> int:
+    """Prompts per device per prefill call at most for prompts padded to P_: a power of two that
+    keeps the call within prefill_tokens, and no more than a device's slots need."""
+    fitting = 1 << (max(1, self.prefill_tokens // P_).bit_length() - 1)
+    return min(fitting, bucket(self.local_slots, 1 << 30))
 
   def _state(self):
-    """The cache and last logits, allocated at the first use, where the params are (replicated
-    over their mesh, if any), as the arrays that replace them will be: so the first and later
-    calls of a shape share one compile."""
+    """The cache and last logits, allocated at the first use, each device's rows on it."""
+    if self._allowed_V is None:
+      self._allowed_V = multihost.global_array(self._allowed_host_V, self._replicated)
     if self._cache is None:
-      self._cache, self._logits_SxV = jax.device_put(
-          _empty(self.model.config, self.slots, self.context), self._where())
+      self._cache, self._logits_SxV = jax.jit(
+          lambda: (model_lib.KVCache.zeros(self.model.config, self.slots, self.context),
+                   jnp.zeros((self.slots, self.model.config.vocab_size), jnp.float32)),
+          out_shardings=self._rows)()
     return self._cache, self._logits_SxV
-
-  def _where(self):
-    """Where the cache and logits live: where the params are, replicated over their mesh."""
-    where = jax.tree.leaves(self.params)[0].sharding
-    if isinstance(where, jax.sharding.NamedSharding):
-      where = jax.sharding.NamedSharding(where.mesh, jax.P())
-    return where
 
   def abstract_state(self):
     """The cache and last logits as _state places them, abstract (ShapeDtypeStructs with their
-    sharding): nothing is allocated. The params may be abstract too (with their shardings)."""
-    where = self._where()
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
-                        jax.eval_shape(_empty, self.model.config, self.slots, self.context))
+    sharding): nothing is allocated."""
+    c = self.model.config
+    shape = (self.slots, self.context, c.num_kv_heads, c.head_dim)
+    layer = jax.ShapeDtypeStruct(shape, c.dtype, sharding=self._rows)
+    return (model_lib.KVCache((layer,) * c.num_layers, (layer,) * c.num_layers),
+            jax.ShapeDtypeStruct((self.slots, c.vocab_size), jnp.float32, sharding=self._rows))
 
   def largest_prefill(self, prompt_tokens: int) -> tuple[int, int]:
-    """(rows, length) of the largest prefill call that prompts of at most prompt_tokens tokens
-    can ask for (_admit's buckets)."""
-    P = bucket(prompt_tokens, self.context, MIN_BUCKET)
-    return self._most_rows(P), P
+    """(rows per device, length) of the largest prefill call that prompts of at most
+    prompt_tokens tokens can ask for (_admit's buckets)."""
+    P_ = bucket(prompt_tokens, self.context, MIN_BUCKET)
+    return self._most_rows(P_), P_
 
   def lower_prefill(self, rows: int, length: int):
-    """The prefill call of `rows` prompts padded to `length` tokens, lowered (not run) with this
-    engine's params and abstract_state: what that call compiles, e.g. for a GPU this machine does
-    not have (plan.py). As warmup's prefills, it writes to no slot."""
-    inputs = (np.zeros((rows, length), np.int32), np.ones(rows, np.int32),
-              np.full(rows, self.slots, np.int32))
-    return _prefill.lower(self.model, self.params, *self.abstract_state(), *_abstract(inputs),
-                          _abstract(self._allowed_V))
+    """The prefill call of `rows` prompts a device padded to `length` tokens, lowered (not run)
+    with this engine's params and abstract_state: what that call compiles, e.g. for a GPU this
+    machine does not have (plan.py). As warmup's prefills, it writes to no slot."""
+    inputs = self._prefill_inputs([[] for _ in range(self.devices)], length, rows)
+    return _prefill.lower(self.params, *self.abstract_state(), *self._abstract(inputs, self._rows),
+                          self._abstract(self._allowed_host_V, self._replicated),
+                          model=self.model, mesh=self.mesh)
 
-  def lower_decode(self, rows: int):
-    """The decode call of the first `rows` slots (up to `chunk` steps), lowered as lower_prefill
-    lowers its call."""
-    return _decode.lower(self.model, self.params, *self.abstract_state(),
-                         *_abstract(self._decode_inputs(rows, [])), _abstract(self._allowed_V),
-                         _abstract(np.int32(self.chunk)), rows=rows, chunk=self.chunk)
+  def lower_decode(self, rows: int, live: int, top_n: int = 0, cuts: bool = False):
+    """The decode call of each device's first `rows` slots (up to `chunk` steps) attending over
+    `live` positions, lowered as lower_prefill lowers its call."""
+    return _decode.lower(self.params, *self.abstract_state(),
+                         *self._abstract(self._decode_inputs(rows, []), self._rows),
+                         self._abstract(self._allowed_host_V, self._replicated),
+                         self._abstract(np.int32(self.chunk), self._replicated), model=self.model,
+                         mesh=self.mesh, chunk=self.chunk, live=live, top_n=top_n, cuts=cuts)
 
-  def _prefill(self, prompts_NxP, lengths_N, slots_N) -> None:
-    self.shapes.add(('prefill', *prompts_NxP.shape))
-    self._cache, self._logits_SxV = _prefill(self.model, self.params, *self._state(),
-                                             prompts_NxP, lengths_N, slots_N, self._allowed_V)
+  @staticmethod
+  def _abstract(tree, sharding):
+    """ShapeDtypeStructs of host arrays, placed as the engine places them."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding),
+                        tree)
+
+  def _prefill_inputs(self, group: list[list[int]], P_: int, N: int) -> tuple:
+    """Prompts [devices × N, P_] (device d's slots group[d] in its N rows), their lengths and
+    local slots (padding rows: local_slots, dropped)."""
+    prompts_NxP = np.full((self.devices * N, P_), self.tokenizer.pad_id, np.int32)
+    lengths_N = np.ones(self.devices * N, np.int32)
+    slots_N = np.full(self.devices * N, self.local_slots, np.int32)
+    for d, slots in enumerate(group):
+      for r, g in enumerate(slots):
+        prompt, q = self._busy[g].prompt, d * N + r
+        prompts_NxP[q, :len(prompt)], lengths_N[q], slots_N[q] = prompt, len(prompt), g % (
+            self.local_slots)
+    return prompts_NxP, lengths_N, slots_N
+
+  def _prefill(self, group: list[list[int]], P_: int, N: int) -> None:
+    self.shapes.add(('prefill', N, P_))
+    inputs = (multihost.global_array(x, self._rows) for x in self._prefill_inputs(group, P_, N))
+    self._cache, self._logits_SxV = _prefill(self.params, *self._state(), *inputs,
+                                             self._allowed_V, model=self.model, mesh=self.mesh)
 
   def _decode_inputs(self, rows: int, busy: list[int]) -> tuple:
     """The per-row inputs of a decode call (positions, seeds, streams, counts, temperature, top_k,
-    top_p) of the first `rows` slots, of which `busy` hold sequences."""
-    positions, streams, counts, top_k = (np.zeros(rows, np.int32) for _ in range(4))
-    seeds, temperature, top_p = (np.zeros(rows, np.uint32), np.zeros(rows, np.float32),
-                                 np.ones(rows, np.float32))
-    for i in busy:
-      seq = self._busy[i]
-      positions[i] = len(seq.prompt) + len(seq.tokens)
-      seeds[i], streams[i], counts[i] = seq.seed % 2**32, seq.stream, len(seq.tokens)
-      temperature[i], top_k[i], top_p[i] = seq.temperature, seq.top_k, seq.top_p
+    top_p) of each device's first `rows` slots, of which `busy` hold sequences."""
+    n = rows * self.devices
+    positions, streams, counts, top_k = (np.zeros(n, np.int32) for _ in range(4))
+    seeds, temperature, top_p = (np.zeros(n, np.uint32), np.zeros(n, np.float32),
+                                 np.ones(n, np.float32))
+    for g in busy:
+      seq, q = self._busy[g], self._row(g, rows)
+      positions[q] = len(seq.prompt) + len(seq.tokens)
+      seeds[q], streams[q], counts[q] = seq.seed % 2**32, seq.stream, len(seq.tokens)
+      temperature[q], top_k[q], top_p[q] = seq.temperature, seq.top_k, seq.top_p
     return positions, seeds, streams, counts, temperature, top_k, top_p
 
-  def _decode(self, rows: int, busy: list[int], steps: int):
-    """`steps` decoding steps of the first `rows` slots, of which `busy` hold sequences: their
-    tokens [rows, chunk], logprobs [rows, chunk] and alternatives [rows, chunk, TOP_N]."""
-    self.shapes.add(('decode', rows))
+  def _decode(self, rows: int, live: int, top_n: int, cuts: bool, busy: list[int], steps: int):
+    """`steps` decoding steps of each device's first `rows` slots, of which `busy` hold sequences:
+    their tokens [rows × devices, chunk], logprobs and with top_n the alternatives (host arrays;
+    row d × rows + j is device d's slot j)."""
+    self.shapes.add(('decode', rows, live, top_n, cuts))
+    inputs = (multihost.global_array(x, self._rows) for x in self._decode_inputs(rows, busy))
     self._cache, self._logits_SxV, *out = _decode(
-        self.model, self.params, *self._state(), *self._decode_inputs(rows, busy),
-        self._allowed_V, np.int32(steps), rows=rows, chunk=self.chunk)
+        self.params, *self._state(), *inputs, self._allowed_V,
+        multihost.global_array(np.int32(steps), self._replicated), model=self.model, mesh=self.mesh,
+        chunk=self.chunk, live=live, top_n=top_n, cuts=cuts)
     return jax.device_get(out)
 
   def _extend(self, seq: Sequence, tokens, logprobs, top_lp_CxN, top_ids_CxN) -> None:
@@ -376,12 +600,15 @@ class Engine:
         break
       seq.tokens.append(token)
       seq.logprobs.append(float(logprobs[j]))
-      seq.top_logprobs.append(list(zip(top_ids_CxN[j].tolist(), top_lp_CxN[j].tolist())))
+      if top_lp_CxN is not None:
+        seq.top_logprobs.append(list(zip(top_ids_CxN[j].tolist(), top_lp_CxN[j].tolist())))
       if len(seq.tokens) == seq.max_new_tokens:
         reason = 'length'
         break
-    text = self.tokenizer.decode(seq.tokens)
-    cut = _first_stop(text, seq.stop)
+    searched = len(seq.text)
+    text = seq.detokenize(self.tokenizer, final=reason is not None)
+    longest = max((len(s) for s in seq.stop), default=0)
+    cut = _first_stop(text, seq.stop, max(0, searched - longest + 1))
     if cut is not None:
       # Keep the tokens up to the one that completed the stop string.
       n = next(n for n in range(before + 1, len(seq.tokens) + 1)
@@ -403,12 +630,17 @@ class Engine:
       seq.on_update(seq)
 
 
-def _abstract(tree):
-  """ShapeDtypeStructs of host arrays, unplaced (jit places them as it places the arrays)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+def _mesh_of(params) -> Mesh:
+  """The devices the params are on, as a mesh (a named sharding's own; else one device)."""
+  leaves = jax.tree.leaves(params)
+  where = getattr(leaves[0], 'sharding', None) if leaves else None
+  if isinstance(where, NamedSharding):
+    return where.mesh
+  device = next(iter(where.device_set)) if where is not None else jax.devices()[0]
+  return Mesh(np.array([device]), ('slots',))
 
 
-def _first_stop(text: str, stop) -> int | None:
-  """Where the earliest stop string starts in text, or None."""
-  found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+def _first_stop(text: str, stop, start: int = 0) -> int | None:
+  """Where the earliest stop string starts in text (at or after `start`), or None."""
+  found = [i for i in (text.find(s, start) for s in stop if s) if i >= 0]
   return min(found) if found else None

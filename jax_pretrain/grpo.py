@@ -238,6 +238,10 @@ class TaskSources:
       self._ids[prompt] = sample_lib.encode_prompt(self.tokenizer, prompt).tolist()
     return self._ids[prompt]
 
+  def longest(self) -> int:
+    """Tokens of the longest prompt, training or held-out (the engine's rows hold it)."""
+    return max(len(self.encode(item.prompt)) for item in self.items + self.eval_items)
+
 
 @dataclasses.dataclass
 class TaskData:
@@ -246,6 +250,7 @@ class TaskData:
   train: Prompts
   sources: TaskSources
   width: int  # tokens per row of the update (update_width)
+  context: int  # tokens per row of the engine's cache (engine_context)
 
 
 class GRPOLogger(train_lib.StepLogger):
@@ -307,12 +312,15 @@ class GRPO(train_lib.Program):
 
   def check(self, resolved: ml_collections.ConfigDict) -> None:
     g = resolved.grpo
-    if jax.process_count() > 1:
-      raise UserError('GRPO runs in one process (the GPUs of one machine); start it without '
-                      '--num_processes.')
     check_batch(resolved)
     for items in (self.sources.items, self.sources.eval_items):
       tasks.check_lengths(items, self.sources.encode, resolved.data.seq_len, g.max_new_tokens)
+
+  def alongside(self, resolved: ml_collections.ConfigDict, sources: TaskSources,
+                num_devices: int) -> float:
+    """The engine's cache stays allocated beside the update (kept between rollouts)."""
+    return engine_lib.cache_bytes(config_lib.model_config(resolved), rollout_slots(resolved),
+                                  engine_context(resolved, sources.longest()), num_devices)
 
   def open_data(self, resolved: ml_collections.ConfigDict, sources: TaskSources,
                 step: int) -> TaskData:
@@ -321,7 +329,8 @@ class GRPO(train_lib.Program):
     width = update_width(resolved, longest)
     prompts = Prompts(sources.items, resolved.train.batch_size // g.num_samples,
                       resolved.train.seed, step)
-    return TaskData(sources.tokenizer, prompts, sources, width)
+    return TaskData(sources.tokenizer, prompts, sources, width,
+                    engine_context(resolved, sources.longest()))
 
   def compile(self, s: state_lib.Setup, data: TaskData):
     c, g = s.config, s.config.grpo
@@ -332,12 +341,13 @@ class GRPO(train_lib.Program):
     if g.beta:  # the initial model, in the policy's shardings, scoring each batch once
       ref = _reference(s, c.checkpoint.restore_from, g.temperature)
     eng = engine_lib.Engine(config_lib.model_config(c), None, data.tokenizer,
-                            slots=rollout_slots(c), context=c.data.seq_len)
+                            slots=rollout_slots(c), context=data.context, mesh=s.mesh)
     multihost.log(
         f'grpo              {len(data.sources.items)} task items, {B // g.num_samples} prompts × '
         f'{g.num_samples} completions a step (rows of {data.width} tokens), at most '
         f'{g.max_new_tokens} new tokens, temperature {g.temperature}, reward {g.reward!r}, '
-        f'beta {g.beta}' + (f'; eval on {len(data.sources.eval_items)} held-out items'
+        f'beta {g.beta}; engine {eng.slots} slots × {eng.context} tokens over {eng.devices} '
+        'devices' + (f'; eval on {len(data.sources.eval_items)} held-out items'
                             if data.sources.eval_items else ''))
     self.engine = eng
     return Step(s, data, update, eng, ref)
@@ -389,9 +399,15 @@ def update_width(c: ml_collections.ConfigDict, longest_prompt: int) -> int:
 
 
 def rollout_slots(c: ml_collections.ConfigDict) -> int:
-  """Completions the engine decodes at once (its KV cache's rows): grpo.rollout_slots, or all of
-  a step's."""
+  """Completions the engine decodes at once over all devices (its KV cache's rows):
+  grpo.rollout_slots, or all of a step's."""
   return c.grpo.rollout_slots or c.train.batch_size
+
+
+def engine_context(c: ml_collections.ConfigDict, longest_prompt: int) -> int:
+  """Tokens per row of the engine's cache: the longest prompt + grpo.max_new_tokens (what a
+  completion can reach), not data.seq_len."""
+  return longest_prompt + c.grpo.max_new_tokens
 
 
 def _reference(s: state_lib.Setup, run: str, temperature: float):
@@ -431,23 +447,23 @@ class Step:
     g, tokenizer, reward = self.g, self.data.tokenizer, self.data.sources.reward
     step = int(jax.device_get(state.step)) + 1
     t0 = time.perf_counter()
-    self.engine.params = state.params
+    self.engine.set_params(state.params)
     seed = int(np.random.SeedSequence([self.s.config.train.seed % 2**32,
                                        step]).generate_state(1)[0])
     r = rollouts(self.engine, [self.data.sources.encode(item.prompt) for item in items],
                  g.num_samples, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                  seed=seed, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id, stop=self.stop,
                  width=self.data.width)
+    self.engine.set_params(None)  # (the update needs the memory; the next step converts anew)
     t1 = time.perf_counter()
     self.counters['rollout_seconds'] += t1 - t0
     rewards = np.array([tasks.score(reward, text, items[b // g.num_samples])
                         for b, text in enumerate(r.completions)], np.float32)
     advantages_B = np.asarray(group_advantages(
         jnp.asarray(rewards.reshape(len(items), g.num_samples)), g.scale_rewards)).reshape(-1)
-    batch = jax.device_put({
+    batch = {k: multihost.global_array(v, self.s.batch_sharding) for k, v in {
         'tokens': r.tokens_BxT1, 'mask': r.mask_BxT, 'rollout_logp': r.logp_BxT,
-        'advantages': np.broadcast_to(advantages_B[:, None], r.mask_BxT.shape).copy()},
-                           self.s.batch_sharding)
+        'advantages': np.broadcast_to(advantages_B[:, None], r.mask_BxT.shape).copy()}.items()}
     t2 = time.perf_counter()  # (scoring the rewards is neither generating nor updating)
     if self.ref is not None:
       batch['ref_logp'] = self.ref[1](self.ref[0], batch)
@@ -472,7 +488,7 @@ def task_eval_hooks(ctx: train_lib.Context, eng) -> list[loop_lib.Hook]:
 
   def accuracy(step: int, params) -> dict:
     t0 = time.perf_counter()
-    eng.params = params
+    eng.set_params(params)
     rewards = [r for _, r in evaluate.task_rewards(eng, sources.eval_items, sources.reward,
                                                    g.max_new_tokens, stop_strings(g))]
     scalars = {'eval/accuracy': tasks.accuracy(rewards), 'eval/reward': float(np.mean(rewards))}
@@ -518,10 +534,11 @@ def _init_into_config(argv: list[str]) -> list[str]:
   return out
 
 
-def main(workdir: str, config_holder, flag_values) -> None:
+def main(workdir: str, config_holder, flag_values, start_processes) -> None:
   from jax_pretrain import cli  # noqa: PLC0415
   from jax_pretrain import runtime  # noqa: PLC0415
   runtime.configure()
+  start_processes()
   config = cli.config_value(config_holder)
   for field in ('task', 'eval_task'):
     if flag_values[field]:
@@ -530,7 +547,8 @@ def main(workdir: str, config_holder, flag_values) -> None:
   if init and os.path.normpath(config.checkpoint.restore_from) != os.path.normpath(init):
     raise UserError(f'--init={init} but the config restores from '
                     f'{config.checkpoint.restore_from!r}: give one of them.')
-  train_lib.train(config, workdir, GRPO())
+  with multihost.peer_failures():
+    train_lib.train(config, workdir, GRPO())
 
 
 if __name__ == '__main__':
@@ -546,5 +564,7 @@ if __name__ == '__main__':
                               '(sets grpo.task).')
   _EVAL_TASK = flags.DEFINE_string('eval_task', '', 'Held-out task for eval/accuracy (sets '
                                    'grpo.eval_task).')
+  _START_PROCESSES = cli.define_process_flags()
   cli.run(lambda: main(_WORKDIR.value, _CONFIG, {'init': _INIT.value, 'task': _TASK.value,
-                                                 'eval_task': _EVAL_TASK.value}))
+                                                 'eval_task': _EVAL_TASK.value},
+                       _START_PROCESSES))

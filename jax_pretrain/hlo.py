@@ -10,8 +10,10 @@ Per instruction it counts
              fused attention (forward 4·B·N·T·S·H, halved under a causal mask; backward 2.5×
              that: four matmuls plus recomputing the scores). Other custom calls (e.g. a
              Pallas/Triton kernel) are listed in `uncounted` and contribute nothing.
-  HBM bytes  what each kernel reads and writes (operands + results), where a dynamic-slice reads
-             only its slice and a dynamic-update-slice writes only its update (in place).
+  HBM bytes  what each kernel reads and writes (operands + results), as XLA executes it: a slice
+             or dynamic-slice of an operand reads only its slice, and a dynamic-update-slice or a
+             scatter into an operand the kernel writes in place (its result is that buffer)
+             writes only its updates.
   collectives by kind, with the bytes of the (unsharded) buffer each one reduces or gathers, and
              the size of its device groups.
 All numbers are per device: the program is the one SPMD program every device runs.
@@ -271,9 +273,21 @@ def _custom_call_cost(instruction: Instruction, shapes) -> tuple[str, float] | N
   return None
 
 
+_SLICES = ('slice', 'dynamic-slice')
+_IN_PLACE = ('dynamic-update-slice', 'scatter')
+
+
+def _written(out: Instruction, by_name: dict[str, Instruction]) -> float:
+  """Bytes an in-place update writes: its updates (a dynamic-update-slice's operand 1; a scatter's
+  operands after its indices)."""
+  updates = out.operands[1:2] if out.opcode == 'dynamic-update-slice' else out.operands[2:]
+  return sum(shape_bytes(by_name[u].shape) for u in updates if u in by_name)
+
+
 def _fusion_bytes(instruction: Instruction, computations, shapes) -> float:
   """HBM traffic of a fused kernel: operands it reads, results it writes, where a parameter only
-  dynamic-sliced reads its slices and a dynamic-update-slice root writes only its update."""
+  sliced (statically or dynamically) reads its slices, and a dynamic-update-slice or scatter
+  output into a parameter's buffer (in place) writes only its updates."""
   called = instruction.called('calls')
   body = computations.get(called[0], []) if called else []
   if not body:
@@ -289,16 +303,16 @@ def _fusion_bytes(instruction: Instruction, computations, shapes) -> float:
   root = body[-1]
   outputs = [by_name[o] for o in root.operands] if root.opcode == 'tuple' else [root]
   for out in outputs:
-    if out.opcode == 'dynamic-update-slice':
+    if out.opcode in _IN_PLACE and by_name.get(out.operands[0], out).opcode == 'parameter':
       in_place.add(out.operands[0])
-      total += shape_bytes(by_name[out.operands[1]].shape) if out.operands[1] in by_name else 0
+      total += _written(out, by_name)
     else:
       total += shape_bytes(out.shape)
   for p in body:
     if p.opcode != 'parameter' or p.name in in_place:
       continue
     uses = users[p.name]
-    if uses and all(u.opcode == 'dynamic-slice' and u.operands[0] == p.name for u in uses):
+    if uses and all(u.opcode in _SLICES and u.operands[0] == p.name for u in uses):
       total += sum(shape_bytes(u.shape) for u in uses)
     else:
       total += shape_bytes(p.shape)
@@ -405,7 +419,10 @@ def analyze(text: str, devices_per_node: int = 8, unknown_trips: int = 1) -> Sta
         hbm = _fusion_bytes(i, computations, shapes)
       elif op == 'dynamic-update-slice':
         hbm = 2 * shape_bytes(shapes.get(i.operands[1], ''))
-      elif op == 'dynamic-slice':
+      elif op == 'scatter':  # in place: reads its indices and updates, writes the updates
+        hbm = sum(shape_bytes(shapes.get(o, '')) for o in i.operands[1:]) + sum(
+            shape_bytes(shapes.get(o, '')) for o in i.operands[2:])
+      elif op in _SLICES:
         hbm = 2 * shape_bytes(i.shape)
       else:
         hbm = sum(shape_bytes(shapes.get(o, '')) for o in i.operands) + shape_bytes(i.shape)

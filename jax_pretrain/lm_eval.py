@@ -67,9 +67,8 @@ class JaxLM(lm_eval_model.TemplateLM):
   def __init__(self, model_config, params, tokenizer, *, max_length: int, batch_size: int = 16,
                seed: int = 0):
     super().__init__()
-    self.model = sample_lib.decoding_model(model_config)
     # Not `self.tokenizer`: lm_eval reads that as a Hugging Face tokenizer (chat templates).
-    self.params, self.tokenizer_ = params, tokenizer
+    self.tokenizer_ = tokenizer
     self._max_length, self.batch_size, self.seed = max_length, batch_size, seed
     self.engine = engine_lib.Engine(model_config, params, tokenizer, slots=batch_size,
                                     context=max_length)
@@ -147,8 +146,7 @@ class JaxLM(lm_eval_model.TemplateLM):
       for b, i in enumerate(batch):
         tokens_BxT1[b, :len(rows[i])] = rows[i]
       self.score_shapes.add((self.batch_size, T))
-      logprob_BxT, greedy_BxT, _ = jax.device_get(
-          engine_lib.token_logprobs(self.model, self.params, tokens_BxT1))
+      logprob_BxT, greedy_BxT, _ = jax.device_get(self.engine.score(tokens_BxT1))
       for b, i in enumerate(batch):
         end = len(rows[i]) - 1  # targets are tokens 1 .. len - 1, at indices 0 .. len - 2
         span = slice(end - n_targets[i], end)

@@ -14,22 +14,14 @@ _CONFIG = cli.define_config(
     'Config file (configs/*.py); fields are overridden with --config.group.field=value.')
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
                                'Directory for config, logs, TensorBoard and checkpoints.')
-_COORDINATOR = flags.DEFINE_string('coordinator_address', None,
-                                   'host:port of process 0, for a multi-process run.')
-_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in a multi-process run.')
-_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0 .. num_processes - 1.')
-_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
-    'heartbeat_timeout', 60, 'Seconds without a heartbeat after which a process of a multi-process '
-    'run counts as lost: the others then stop with one error line naming it and the last complete '
-    'checkpoint (see jax_pretrain/multihost.py).')
+_START_PROCESSES = cli.define_process_flags()
 
 
 def main():
   from jax_pretrain import runtime  # noqa: PLC0415
   runtime.configure()  # before jax starts its backend; train.describe prints the settings
+  _START_PROCESSES()
   from jax_pretrain import multihost  # noqa: PLC0415  (after configure)
-  multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                       _HEARTBEAT_TIMEOUT.value)
   from jax_pretrain import pretrain  # noqa: PLC0415  (after distributed init)
   with multihost.peer_failures():
     pretrain.train_and_evaluate(cli.config_value(_CONFIG), _WORKDIR.value)

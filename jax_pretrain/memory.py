@@ -122,7 +122,7 @@ def with_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections
 
 def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.ConfigDict,
                     run: config_lib.RunShape, devices,
-                    target: gpu_targets.Target | None = None):
+                    target: gpu_targets.Target | None = None, alongside: float = 0.0):
   """train.micro_batch_size=0 on a GPU: the largest micro-batch whose compiled step fits.
 
   config: the config as given (its micro_batch_size 0 asks for the fit); resolved, run: what
@@ -130,7 +130,8 @@ def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.
   micro-batch (with_micro_batch), or (resolved, run, None) where nothing was chosen: an explicit
   micro-batch, or not a GPU (there 0 keeps meaning batch_size / data-parallel devices, no
   accumulation). Each candidate is the real train step compiled for these devices, without
-  autotuning; its peak is XLA's buffer assignment, against FIT_MARGIN of `usable_memory`. Raises
+  autotuning; its peak is XLA's buffer assignment, against FIT_MARGIN of `usable_memory` less
+  `alongside` (bytes per device that stay allocated beside the step: GRPO's engine cache). Raises
   config.ConfigError when not even one sequence per device fits.
   """
   if config.train.micro_batch_size != 0 or devices[0].platform != 'gpu':
@@ -151,9 +152,10 @@ def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.
     flops = hlo.analyze(compiled.as_text()).flops
     return peak_bytes(compiled), flops / s.run.tokens_per_step
 
-  chosen, tried = search_micro_batch(micro_batch_candidates(per_device), measure,
-                                     FIT_MARGIN * limit)
+  budget = FIT_MARGIN * limit - alongside
+  chosen, tried = search_micro_batch(micro_batch_candidates(per_device), measure, budget)
   base = tried[min(tried)][1]
+  beside = f' less {alongside / GIB:.1f} GiB held beside the step' if alongside else ''
   compiled = ', '.join(
       f'{m} -> {p / GIB:.1f} GiB' + (f' +{f / base - 1:.0%} FLOPs' if f > base * 1.005 else '')
       for m, (p, f) in sorted(tried.items()))
@@ -161,9 +163,9 @@ def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.
     remat = ('' if resolved.model.remat == 'full' else ', or set --config.model.remat=full '
              f'(now {resolved.model.remat})')
     raise config_lib.ConfigError(
-        f'the train step does not fit {FIT_MARGIN:.0%} of the {limit / GIB:.1f} GiB per device '
-        f'even with one sequence per device (compiled: {compiled}): shard the state '
+        f'the train step does not fit {FIT_MARGIN:.0%} of the {limit / GIB:.1f} GiB per device'
+        f'{beside} even with one sequence per device (compiled: {compiled}): shard the state '
         f'(--config.mesh.fsdp){remat}.')
   return (*with_micro_batch(config, resolved, run, chosen),
           f'micro-batch {chosen} (auto: the largest within {FIT_MARGIN:.0%} of {limit / GIB:.1f} '
-          f'GiB that XLA does not recompute more of; compiled: {compiled})')
+          f'GiB{beside} that XLA does not recompute more of; compiled: {compiled})')

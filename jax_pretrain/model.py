@@ -6,10 +6,16 @@ statistics and the logits returned to the loss are float32. Every parameter carr
 names (see sharding.LOGICAL_AXIS_RULES). Layers are stacked on a leading 'layers' axis and scanned,
 so compile time does not grow with depth.
 
-Decoding: called with a `KVCache` and the absolute positions of its tokens, the model writes their
-keys and values into the cache at those positions, attends over the whole cache with a causal mask
-on absolute positions, and returns (logits, updated cache). The same call prefills a prompt
-(T tokens) and decodes one token per step (T = 1); see sample.py. Training never passes a cache.
+Decoding (engine.py): the model runs unscanned (scan_layers=False, params per layer) with a
+`KVCache` of one buffer per layer, which each call updates in place (scatter of the new positions;
+under jit with the cache donated, no copy of it is made). Two calls:
+  prefill  tokens [B, P] at positions 0..P-1 of fresh sequences: causal self-attention over them
+           (model.attention's kernel, as in training), their keys and values written into cache
+           rows `slots_B`, and the logits at `last_B` only;
+  decode   tokens [B, T] (T = 1 a step) at positions_BxT of cache rows 0..B-1: attention over the
+           first `live` positions of those rows (the live context, a static bucket), with a causal
+           mask on absolute positions.
+Training never passes a cache.
 
 Shape suffixes: B batch, T length, D d_model, N query heads, K kv heads, H head_dim, F mlp_dim,
 V vocab, L layers, S cache length.
@@ -83,18 +89,17 @@ def _param(module: nn.Module, name: str, shape, axes, std: float):
 
 @flax.struct.dataclass
 class KVCache:
-  """Keys and values of every layer at positions [0, S) of each row, for decoding.
-
-  Stacked on a leading layers axis like the scanned params, so it passes through nn.scan as xs.
-  Slots past a row's current position hold stale values; the causal mask never reads them.
-  """
-  k_LxBxSxKxH: jax.Array
-  v_LxBxSxKxH: jax.Array
+  """Keys and values of every layer at positions [0, S) of each row: one buffer [B, S, K, H] per
+  layer, so that a step writes its new positions into each in place (a stacked [L, ...] cache
+  through a scan is cut out and copied back every step). Positions past a row's current one hold
+  stale values; the causal mask never reads them."""
+  k: tuple[jax.Array, ...]  # L × [B, S, K, H]
+  v: tuple[jax.Array, ...]
 
   @classmethod
   def zeros(cls, c: 'ModelConfig', batch: int, max_len: int) -> 'KVCache':
-    shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
-    return cls(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype))
+    shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+    return cls(*(tuple(jnp.zeros(shape, c.dtype) for _ in range(c.num_layers)) for _ in 'kv'))
 
 
 ROPE_SCALINGS = ('none', 'linear', 'llama3')
@@ -165,12 +170,24 @@ class RMSNorm(nn.Module):
     return (x * scale_D).astype(self.config.dtype)
 
 
+@flax.struct.dataclass
+class CacheUse:
+  """How a call with a KVCache writes and reads it (the module docstring's prefill and decode)."""
+  positions_BxT: jax.Array  # int32: each token's absolute position in its cache row
+  slots_B: jax.Array | None = None  # prefill: the cache rows of the B sequences (out of range:
+  #                                   a padding row, dropped); None: decode rows 0..B-1
+  logits_at_B: jax.Array | None = None  # the one position of each row whose logits to return
+  live: int = flax.struct.field(pytree_node=False, default=0)  # decode: the attention reads
+  #                                   positions [0, live) of the rows
+
+
 class Attention(nn.Module):
   config: ModelConfig
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT=None, kv=None, positions_BxT=None):
+  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT=None, kv=None,
+               use: CacheUse | None = None):
     """Returns (output, kv): kv is None in training, else this layer's updated (k, v) cache.
 
     segments_BxT (training on packed rows): attention stays within each segment."""
@@ -192,23 +209,22 @@ class Attention(nn.Module):
     q_BxTxNxH = apply_rope(q_BxTxNxH, cos_TxH2, sin_TxH2)
     k_BxTxKxH = apply_rope(k_BxTxKxH, cos_TxH2, sin_TxH2)
 
-    if kv is None:
+    if kv is None or use.slots_B is not None:  # training, or a prefill attending to itself
       o_BxTxNxH = attention.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
                                              implementation=c.attention, mesh=self.mesh,
                                              segments_BxT=segments_BxT)
-    else:
-      kv = _write_cache(kv, k_BxTxKxH, v_BxTxKxH, positions_BxT)
-      o_BxTxNxH = _cached_attention(q_BxTxNxH, *kv, positions_BxT).astype(dt)
+    if kv is not None:
+      B = x_BxTxD.shape[0]
+      rows_B = use.slots_B if use.slots_B is not None else jnp.arange(B)
+      kv = tuple(cache_BxSxKxH.at[rows_B[:, None], use.positions_BxT].set(
+          new_BxTxKxH.astype(cache_BxSxKxH.dtype), mode='drop')
+                 for cache_BxSxKxH, new_BxTxKxH in zip(kv, (k_BxTxKxH, v_BxTxKxH)))
+      if use.slots_B is None:
+        k_BxSxKxH, v_BxSxKxH = (x[:B, :use.live] for x in kv)
+        o_BxTxNxH = _cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH,
+                                      use.positions_BxT).astype(dt)
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, 'attn_out')
     return dense('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD.astype(dt)), kv
-
-
-def _write_cache(kv, k_BxTxKxH, v_BxTxKxH, positions_BxT):
-  """Stores the new keys and values of row b at slots positions_BxT[b] (rows may differ)."""
-  k_BxSxKxH, v_BxSxKxH = kv
-  rows_Bx1 = jnp.arange(k_BxSxKxH.shape[0])[:, None]
-  return (k_BxSxKxH.at[rows_Bx1, positions_BxT].set(k_BxTxKxH.astype(k_BxSxKxH.dtype)),
-          v_BxSxKxH.at[rows_Bx1, positions_BxT].set(v_BxTxKxH.astype(v_BxSxKxH.dtype)))
 
 
 def _cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, positions_BxT):
@@ -251,17 +267,17 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block. Returns (x, kv) so that nn.scan can stack it: kv is None in
-  training, else this layer's updated (k, v) cache (the scan's per-layer output)."""
+  """Pre-norm residual block. Returns (x, kv): kv is None in training, else this layer's updated
+  (k, v) cache."""
   config: ModelConfig
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT=None, kv=None, positions_BxT=None):
+  def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT=None, kv=None, use=None):
     x_BxTxD = sharding.constrain(x_BxTxD, ('batch', 'length', 'act_embed'), self.mesh)
     h, kv = Attention(self.config, self.mesh, name='attn')(
         RMSNorm(self.config, name='attn_norm')(x_BxTxD), cos_TxH2, sin_TxH2, segments_BxT, kv,
-        positions_BxT)
+        use)
     x_BxTxD = x_BxTxD + h
     h = Mlp(self.config, self.mesh, name='mlp')(RMSNorm(self.config, name='mlp_norm')(x_BxTxD))
     return x_BxTxD + h, kv
@@ -270,8 +286,8 @@ class Block(nn.Module):
 class Transformer(nn.Module):
   """tokens [B, T] int32 -> logits [B, T, V] float32.
 
-  With cache (a KVCache) and positions_BxT (each token's absolute position, int32 [B, T]):
-  -> (logits, updated cache); see the module docstring.
+  With cache (a KVCache) and use (a CacheUse), unscanned: -> (logits, updated cache), the
+  module docstring's prefill or decode; logits [B, 1, V] at use.logits_at_B when given.
   With segments_BxT (int32 [B, T], training on packed rows, e.g. SFT examples): a token attends
   only to earlier tokens of its own segment. Positions still run 0..T-1 along the row: rotary
   attention scores depend only on the distance between query and key, so an example scores the
@@ -282,8 +298,11 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BxT: jax.Array, cache: KVCache | None = None,
-               positions_BxT: jax.Array | None = None, segments_BxT: jax.Array | None = None):
+               use: CacheUse | None = None, segments_BxT: jax.Array | None = None):
     c = self.config
+    if cache is not None and c.scan_layers:
+      raise ValueError('decoding runs the model unscanned (scan_layers=False), with the params '
+                       'of each layer apart: engine.decoding_params')
     embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                            c.init_std)
     # The lookup reads a replicated compute-dtype copy of the table (V·D·2 bytes): XLA's SPMD
@@ -301,12 +320,8 @@ class Transformer(nn.Module):
     inv_freq_H2 = rope_frequencies(c)
     if cache is None:
       cos_TxH2, sin_TxH2 = rope_tables(jnp.arange(tokens_BxT.shape[1]), inv_freq_H2)
-      kv_args, kv_axes = (), ()
     else:  # per-row positions: tables [B, T, H/2]
-      cos_TxH2, sin_TxH2 = rope_tables(positions_BxT, inv_freq_H2)
-      # The cache is scanned over layers (in as xs, out as ys); the positions are shared.
-      kv_args = ((cache.k_LxBxSxKxH, cache.v_LxBxSxKxH), positions_BxT)
-      kv_axes = (0, nn.broadcast)
+      cos_TxH2, sin_TxH2 = rope_tables(use.positions_BxT, inv_freq_H2)
 
     block = Block
     if c.remat != 'none':
@@ -314,18 +329,22 @@ class Transformer(nn.Module):
       block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], prevent_cse=not c.scan_layers)
     if c.scan_layers:
       stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
-                      in_axes=(nn.broadcast,) * 3 + kv_axes, length=c.num_layers,
+                      in_axes=(nn.broadcast,) * 3, length=c.num_layers,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
-      x_BxTxD, kv = stack(c, self.mesh, name='layers')(x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT,
-                                                       *kv_args)
+      x_BxTxD, _ = stack(c, self.mesh, name='layers')(x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT)
     else:
-      kvs = []
+      ks, vs = [], []
       for i in range(c.num_layers):
-        layer_kv_args = jax.tree.map(lambda a, i=i: a[i], kv_args[:1]) + kv_args[1:]
-        x_BxTxD, kv_i = block(c, self.mesh, name=f'layers_{i}')(
-            x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT, *layer_kv_args)
-        kvs.append(kv_i)
-      kv = jax.tree.map(lambda *xs: jnp.stack(xs), *kvs)  # None in training
+        kv = None if cache is None else (cache.k[i], cache.v[i])
+        x_BxTxD, kv = block(c, self.mesh, name=f'layers_{i}')(
+            x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT, kv, use)
+        if kv is not None:
+          ks.append(kv[0])
+          vs.append(kv[1])
+      if cache is not None:
+        cache = KVCache(tuple(ks), tuple(vs))
+    if use is not None and use.logits_at_B is not None:
+      x_BxTxD = x_BxTxD[jnp.arange(x_BxTxD.shape[0]), use.logits_at_B][:, None]
 
     x_BxTxD = RMSNorm(c, name='final_norm')(x_BxTxD)
     if c.tie_embeddings:
@@ -337,7 +356,7 @@ class Transformer(nn.Module):
     logits_BxTxV = sharding.constrain(logits_BxTxV, ('batch', 'length', 'act_vocab'), self.mesh)
     if cache is None:
       return logits_BxTxV
-    return logits_BxTxV, KVCache(*kv)
+    return logits_BxTxV, cache
 
 
 def count_params(params) -> int:

@@ -126,6 +126,15 @@ def gather(tree, on_device: bool = False):
   return jax.device_put(full, jax.local_devices()[0]) if on_device else full
 
 
+def global_array(x, sharding):
+  """A host array that every process holds whole (the same values), as one global array in
+  `sharding`: each process places its devices' blocks of it."""
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def barrier(name: str) -> None:
   """Waits until every process reaches the barrier of this name."""
   if jax.process_count() > 1:

@@ -21,13 +21,16 @@ With --grpo, the programs of a GRPO step (grpo.py) instead, for --grpo_prompt_to
 (default: the longest that leave room for grpo.max_new_tokens in data.seq_len):
   update       the train step with grpo.make_loss_fn on grpo.update_batch (batch_size rows of
                the prompt + max_new_tokens, rounded up to 8), reported as above, its micro-batch
-               chosen as the trainer chooses it (memory.fit_micro_batch);
-  rollout      the engine's calls (engine.py) on the params in the train state's shardings, with
-               its KV cache of grpo.rollout_slots rows × data.seq_len where the engine puts it
-               (replicated over the mesh): the largest prefill call such prompts ask for, and a
-               decode call of every slot (`chunk` steps), each with its memory and roofline.
+               chosen as the trainer chooses it (memory.fit_micro_batch, with room left for the
+               engine's cache);
+  rollout      the engine's calls (engine.py) as GRPO makes them: its bf16 copy of the params on
+               every device, its KV cache of grpo.rollout_slots rows × (prompt + max_new_tokens)
+               split over the devices; the largest prefill call such prompts ask for, and a
+               decode call of every slot (`chunk` steps) at each live length a rollout reaches,
+               each with its memory and roofline; the decode's HBM bytes per generated token
+               beside the least it could read (the weights once a step, the live cache once).
 Each program's memory counts what stays on the device beside its own buffers while it runs: the
-engine's cache (kept between rollouts) during the update, the optimizer state during the rollout,
+engine's cache (kept between rollouts) during the update, the train state during the rollout,
 and with grpo.beta > 0 the reference params (a copy of the params in their shardings; the
 reference's scoring call is not compiled here).
 """
@@ -238,13 +241,31 @@ def call_report(compiled, target: gpu_targets.Target, alongside: dict[str, float
   }
 
 
+def rollout_calls(prompt_tokens: int, max_new_tokens: int, chunk: int,
+                  context: int) -> dict[int, int]:
+  """{live bucket: decode calls} of a wave of completions from prompts of prompt_tokens tokens to
+  max_new_tokens new ones, as the engine makes them (each call `chunk` steps, attending over the
+  live bucket of the longest row + its steps)."""
+  from jax_pretrain import engine as engine_lib  # noqa: PLC0415
+  calls: dict[int, int] = {}
+  done = 0
+  while done < max_new_tokens:
+    steps = min(chunk, max_new_tokens - done)
+    live = engine_lib.live_bucket(prompt_tokens + done + steps, context)
+    calls[live] = calls.get(live, 0) + 1
+    done += steps
+  return calls
+
+
 def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens: int = 0,
               hlo_path: str | None = None, memory_gib: float | None = None) -> dict:
   """Compiles the programs of a GRPO step of `config` (the module docstring) for `num_devices` of
   `target`, for prompts of at most prompt_tokens tokens (0: data.seq_len - grpo.max_new_tokens):
   {'grpo': the step's shapes and what each device holds, 'update': `report`'s dict of the
-  update, 'prefill' and 'decode': `call_report`'s dicts of the engine's calls, 'rollout': the
-  calls a step makes at most and their roofline time}. hlo_path: the update's HLO text.
+  update, 'prefill' and 'decode': `call_report`'s dicts of the engine's largest prefill and its
+  decode call at the longest live context, 'decode_by_live': each live bucket's, 'rollout': the
+  calls a step makes at most, their roofline time and bytes per generated token}. hlo_path: the
+  update's HLO text.
 
   Raises PlanError (no CUDA plugin, too few CPU devices, prompts that leave no room, an update
   that cuDNN's attention does not compile) and config.ConfigError.
@@ -264,15 +285,19 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   if prompt_tokens < 1 or prompt_tokens + g.max_new_tokens > T:
     raise PlanError(f'--grpo_prompt_tokens={prompt_tokens} with grpo.max_new_tokens='
                     f'{g.max_new_tokens} do not fit data.seq_len={T}.')
-  # As train.train chooses it for GRPO too.
-  resolved, run, fitted = memory.fit_micro_batch(config, resolved, run, devices, t)
+  context = grpo_lib.engine_context(resolved, prompt_tokens)
+  model_config = config_lib.model_config(resolved)
+  cache = engine_lib.cache_bytes(model_config, grpo_lib.rollout_slots(resolved), context,
+                                 len(devices))
+  # As train.train chooses it for GRPO too: room left for the engine's cache.
+  resolved, run, fitted = memory.fit_micro_batch(config, resolved, run, devices, t,
+                                                 alongside=cache)
   s = state_lib.build(resolved, run, devices)
   width = grpo_lib.update_width(resolved, prompt_tokens)
-  eng = engine_lib.Engine(config_lib.model_config(resolved), s.abstract_state.params,
+  eng = engine_lib.Engine(model_config, s.abstract_state.params,
                           _Vocabulary(resolved.model.vocab_size),
-                          slots=grpo_lib.rollout_slots(resolved), context=T)
+                          slots=grpo_lib.rollout_slots(resolved), context=context, mesh=s.mesh)
   params = memory.device_bytes(s.abstract_state.params)
-  cache = memory.device_bytes(eng.abstract_state())
   reference = {'reference params': params} if g.beta else {}
 
   t0 = time.perf_counter()
@@ -294,38 +319,60 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
                          tokens_per_step=B * width, seq_len=width,
                          alongside={'engine cache': cache, **reference})
 
-  during_rollout = {'optimizer state': memory.device_bytes(s.abstract_state) - params,
-                    **reference}
+  # The rollout: the train state stays beside the engine's calls (its params copy is theirs).
+  during_rollout = {'train state': memory.device_bytes(s.abstract_state), **reference}
   rows, length = eng.largest_prefill(prompt_tokens)
   t0 = time.perf_counter()
   prefill = eng.lower_prefill(rows, length).compile()
-  prefill_report = call_report(prefill, t, during_rollout, rows * length,
+  prefill_report = call_report(prefill, t, during_rollout, rows * length * eng.devices,
                                time.perf_counter() - t0)
-  t0 = time.perf_counter()
-  decode = eng.lower_decode(eng.slots).compile()
-  decode_report = call_report(decode, t, during_rollout, eng.slots * eng.chunk,
-                              time.perf_counter() - t0, unknown_trips=eng.chunk)
+  waves = -(-B // eng.slots)
+  decode_reports = {}
+  for live, calls in sorted(rollout_calls(prompt_tokens, g.max_new_tokens, eng.chunk,
+                                          context).items()):
+    t0 = time.perf_counter()
+    decode = eng.lower_decode(eng.local_slots, live).compile()
+    decode_reports[live] = {'live': live, 'calls_per_wave': calls, **call_report(
+        decode, t, during_rollout, eng.slots * eng.chunk, time.perf_counter() - t0,
+        unknown_trips=eng.chunk)}
+  longest = decode_reports[max(decode_reports)]
 
   # At most: every completion decodes max_new_tokens, a wave of `slots` at a time.
-  waves = -(-B // eng.slots)
-  decode_calls = waves * -(-g.max_new_tokens // eng.chunk)
-  prefill_calls = waves * -(-min(B, eng.slots) // rows)
-  rollout_s = (decode_calls * decode_report['call_s'] + prefill_calls * prefill_report['call_s']
-               if decode_report['call_s'] is not None else None)
+  decode_calls = waves * sum(d['calls_per_wave'] for d in decode_reports.values())
+  prefill_calls = waves * -(-min(B, eng.slots) // (rows * eng.devices))
+  if longest['call_s'] is not None:
+    rollout_s = (waves * sum(d['calls_per_wave'] * d['call_s'] for d in decode_reports.values())
+                 + prefill_calls * prefill_report['call_s'])
+  else:
+    rollout_s = None
+  # Bytes per generated token, per device: the compiled decode's against the least a step must
+  # read (the bf16 weights once, and each row's live keys and values once).
+  weights = memory.device_bytes(eng.params)
+  kv_token = engine_lib.cache_bytes(model_config, 1, 1, 1) - model_config.vocab_size * 4
+  tokens = eng.local_slots * g.max_new_tokens  # a wave's, per device
+  compiled_bytes = sum(d['calls_per_wave'] * d['hbm_bytes_per_call']
+                       for d in decode_reports.values())
+  ideal_bytes = sum(weights + eng.local_slots * (prompt_tokens + i + 1) * kv_token
+                    for i in range(g.max_new_tokens))
   return {
       'grpo': {'num_samples': g.num_samples, 'prompts_per_step': B // g.num_samples,
                'completions_per_step': B, 'prompt_tokens': prompt_tokens,
                'max_new_tokens': g.max_new_tokens, 'width': width, 'beta': g.beta,
-               'rollout_slots': eng.slots, 'context': T, 'chunk': eng.chunk,
-               'params_gib': params / memory.GIB, 'engine_cache_gib': cache / memory.GIB,
+               'rollout_slots': eng.slots, 'devices': eng.devices,
+               'slots_per_device': eng.local_slots, 'context': context, 'chunk': eng.chunk,
+               'params_gib': params / memory.GIB, 'engine_params_gib': weights / memory.GIB,
+               'engine_cache_gib': cache / memory.GIB,
                'reference_gib': params / memory.GIB if g.beta else 0.0},
       'update': update_report,
       'prefill': {'rows': rows, 'length': length, **prefill_report},
-      'decode': {'rows': eng.slots, 'steps': eng.chunk, **decode_report},
+      'decode': {'rows': eng.local_slots, 'steps': eng.chunk, **longest},
+      'decode_by_live': list(decode_reports.values()),
       'rollout': {'decode_calls': decode_calls, 'prefill_calls': prefill_calls,
                   'rollout_s': rollout_s, 'update_s': update_report['step_s'],
                   'generation_share': (rollout_s / (rollout_s + update_report['step_s'])
-                                       if rollout_s is not None else None)},
+                                       if rollout_s is not None else None),
+                  'bytes_per_token': compiled_bytes / tokens,
+                  'ideal_bytes_per_token': ideal_bytes / tokens},
   }
 
 
@@ -399,13 +446,21 @@ def format_grpo_report(r: dict) -> str:
       line += f'; collectives {"; ".join(moved)} a call'
     return line + (f'; compiled in {c["compile_s"]:.1f} s' if c['compile_s'] is not None else '')
 
-  p, d = r['prefill'], r['decode']
+  p = r['prefill']
   lines += [
-      f'rollout      the engine: {g["rollout_slots"]} slots × {g["context"]:,} tokens, KV cache '
-      f'{g["engine_cache_gib"]:.1f} GiB per device (replicated: every device holds and decodes '
-      'every slot)',
-      call('prefill', p, f'{p["rows"]} prompts × {p["length"]:,} tokens (the largest call)'),
-      call('decode', d, f'{d["rows"]} slots × {d["steps"]} steps')]
+      f'rollout      the engine: {g["rollout_slots"]} slots × {g["context"]:,} tokens over '
+      f'{g["devices"]} devices ({g["slots_per_device"]} each): KV cache '
+      f'{g["engine_cache_gib"]:.1f} GiB and bf16 weights {g["engine_params_gib"]:.1f} GiB per '
+      'device',
+      call('prefill', p, f'{p["rows"]} prompts × {p["length"]:,} tokens a device (the largest '
+           'call)')]
+  lines += [call('decode', d, f'{g["slots_per_device"]} slots a device × {g["chunk"]} steps over '
+                 f'{d["live"]:,} positions ({d["calls_per_wave"]} calls a wave)')
+            for d in r['decode_by_live']]
+  lines.append(f'             per generated token and device the decode reads '
+               f'{_gb(ro["bytes_per_token"])}; the least it could: '
+               f'{_gb(ro["ideal_bytes_per_token"])} (bf16 weights once a step, each row\'s live '
+               f'keys and values once): {ro["bytes_per_token"] / ro["ideal_bytes_per_token"]:.2f}×')
   if ro['rollout_s'] is not None:
     lines.append(
         f'step         at most {ro["decode_calls"]} decode and {ro["prefill_calls"]} prefill '

@@ -1,32 +1,25 @@
-"""Text generation with a KV cache: one jit-compiled prefill + decode loop for a batch of prompts.
+"""Text generation from a trained run, through the engine (engine.py, the one decoder).
 
   python -m jax_pretrain.sample --workdir=runs/x --prompt "The for statement " \
       [--prompt "Another prompt" ...] [--max_new_tokens 200 --temperature 0.8 --top_k 50 \
       --top_p 0.95 --seed 0]
 
-Prompts of different lengths are right-padded to a common length P and each row keeps its own
-length: the prefill runs all P positions (pad positions write junk into the cache beyond a row's
-prompt), row b's first new token is sampled from the logits at its position len_b - 1, and decode
-step i writes row b's token at position len_b + i, overwriting that junk before any query can see
-it (the causal mask only shows a query the slots at or before its own position). So every row
-sees exactly its own prompt and its own continuation, at the positions it would have alone.
-
-Sampling: temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature,
-cut to the top_k most likely tokens (0: no cut) and then to the smallest set whose probability
-reaches top_p (1.0: no cut), and sampled. Ids the tokenizer cannot produce (the padding rows of the
-embedding, and pad itself) are never sampled. A row stops at EOS; the loop stops when every row
-has stopped or after max_new_tokens.
+Each prompt decodes in a slot of its own (row b samples with the seed and stream b, as the server's
+n choices of one request do). Sampling: temperature 0 is greedy (argmax); otherwise the logits are
+divided by the temperature, cut to the top_k most likely tokens (0: no cut) and then to the
+smallest set whose probability reaches top_p (1.0: no cut), and sampled. Ids the tokenizer cannot
+produce (the padding rows of the embedding, and pad itself) are never sampled. A row stops at EOS
+or after max_new_tokens.
 """
 import dataclasses
-import functools
 
 from absl import flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_pretrain import cli
 from jax_pretrain import config as config_lib
+from jax_pretrain import engine as engine_lib
 from jax_pretrain import model as model_lib
 from jax_pretrain import workdir as workdir_lib
 
@@ -38,121 +31,41 @@ class Sampling:
   top_p: float = 1.0  # 1.0: no nucleus cut
 
 
-def filter_logits(logits_BxV: jax.Array, temperature, top_k, top_p) -> jax.Array:
-  """Logits divided by the temperature, with the tokens outside the top_k and then outside the
-  top_p set to -inf, float32.
+class _Ids:
+  """What the engine reads of a tokenizer, for callers that give and take ids (no text)."""
 
-  The settings are numbers (one for the whole batch) or arrays [B] (one per row: the server decodes
-  requests with different settings together). top_k 0 and top_p 1.0 cut nothing.
-  """
-  temperature_Bx1, top_k_Bx1, top_p_Bx1 = (jnp.reshape(jnp.asarray(x), (-1, 1))
-                                           for x in (temperature, top_k, top_p))
-  logits_BxV = logits_BxV.astype(jnp.float32) / temperature_Bx1
-  V = logits_BxV.shape[-1]
+  def __init__(self, vocab_size: int, eos_id: int, pad_id: int):
+    self.vocab_size, self.eos_id, self.pad_id = vocab_size, eos_id, pad_id
 
-  def threshold():
-    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-    k_Bx1 = jnp.where((top_k_Bx1 > 0) & (top_k_Bx1 < V), top_k_Bx1, V)
-    kth_Bx1 = jnp.take_along_axis(sorted_BxV, k_Bx1 - 1, axis=-1)
-    sorted_BxV = jnp.where(sorted_BxV < kth_Bx1, -jnp.inf, sorted_BxV)
-    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-    # Keep a token while the tokens more likely than it hold less than top_p: always >= 1 kept.
-    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-    n_kept_Bx1 = jnp.sum(before_BxV < top_p_Bx1, axis=-1, keepdims=True)
-    n_kept_Bx1 = jnp.where(top_p_Bx1 < 1.0, n_kept_Bx1, V)
-    return jnp.maximum(kth_Bx1, jnp.take_along_axis(sorted_BxV, n_kept_Bx1 - 1, axis=-1))
-
-  # The sort is the costly part of a decoding step on the CPU: skipped when nothing is cut.
-  cuts = jnp.any((top_k_Bx1 > 0) & (top_k_Bx1 < V)) | jnp.any(top_p_Bx1 < 1.0)
-  threshold_Bx1 = jax.lax.cond(cuts, threshold,
-                               lambda: jnp.full((logits_BxV.shape[0], 1), -jnp.inf))
-  return jnp.where(logits_BxV < threshold_Bx1, -jnp.inf, logits_BxV)
-
-
-def sample_logits(logits_BxV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
-  """Next token per row, int32 [B]."""
-  if s.temperature == 0:
-    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  logits_BxV = filter_logits(logits_BxV, s.temperature, s.top_k, s.top_p)
-  return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
-
-
-def sample_rows(logits_BxV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array,
-                top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
-  """Next token per row, int32 [B], each row with its own settings and its own key, so that a
-  request's tokens do not depend on the other requests decoded beside it. Temperature 0: greedy."""
-  sampled_B = jax.vmap(lambda key, logits_V: jax.random.categorical(key, logits_V))(
-      keys_B, filter_logits(logits_BxV, jnp.where(temperature_B > 0, temperature_B, 1.0),
-                            top_k_B, top_p_B))
-  greedy_B = jnp.argmax(logits_BxV, axis=-1)
-  return jnp.where(temperature_B > 0, sampled_B, greedy_B).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=('model', 'max_new_tokens', 'sampling'))
-def _generate(model, params, prompts_BxP, lengths_B, rng, eos_id, pad_id, vocab_size, *,
-              max_new_tokens: int, sampling: Sampling):
-  """New tokens int32 [B, max_new_tokens]: up to and including each row's EOS, then pad_id.
-
-  The special ids are traced, not static: a new tokenizer does not recompile."""
-  B, P = prompts_BxP.shape
-  cache = model_lib.KVCache.zeros(model.config, B, P + max_new_tokens)
-  allowed_V = (jnp.arange(model.config.vocab_size) < vocab_size) & (
-      jnp.arange(model.config.vocab_size) != pad_id)
-
-  def step_logits(tokens_BxT, positions_BxT, cache):
-    logits_BxTxV, cache = model.apply({'params': params}, tokens_BxT, cache, positions_BxT)
-    return jnp.where(allowed_V, logits_BxTxV, -jnp.inf), cache
-
-  positions_BxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-  logits_BxPxV, cache = step_logits(prompts_BxP, positions_BxP, cache)
-  logits_BxV = logits_BxPxV[jnp.arange(B), lengths_B - 1]  # each row's last prompt token
-
-  def cond(state):
-    i, _, _, _, done_B, _ = state
-    return (i < max_new_tokens) & ~jnp.all(done_B)
-
-  def body(state):
-    i, logits_BxV, cache, out_BxN, done_B, rng = state
-    rng, key = jax.random.split(rng)
-    token_B = jnp.where(done_B, pad_id, sample_logits(logits_BxV, key, sampling))
-    out_BxN = out_BxN.at[:, i].set(token_B)
-    done_B = done_B | (token_B == eos_id)
-    logits_Bx1xV, cache = step_logits(token_B[:, None], (lengths_B + i)[:, None], cache)
-    return i + 1, logits_Bx1xV[:, 0], cache, out_BxN, done_B, rng
-
-  out_BxN = jnp.full((B, max_new_tokens), pad_id, jnp.int32)
-  state = (jnp.int32(0), logits_BxV, cache, out_BxN, jnp.zeros((B,), bool), rng)
-  return jax.lax.while_loop(cond, body, state)[3]
-
-
-def decoding_model(model_config: model_lib.ModelConfig) -> model_lib.Transformer:
-  """No remat (nothing is differentiated) and no mesh (jit places the params). With a cache the
-  model attends with plain einsums, whatever model.attention says."""
-  return model_lib.Transformer(dataclasses.replace(model_config, remat='none'))
+  def decode(self, ids) -> str:
+    return ''
 
 
 def generate(model_config: model_lib.ModelConfig, params, prompts: list, max_new_tokens: int, *,
              eos_id: int, pad_id: int, vocab_size: int | None = None,
              sampling: Sampling = Sampling(), seed: int = 0) -> list[list[int]]:
-  """New token ids for each prompt (a sequence of ids, at least one), EOS excluded.
+  """New token ids for each prompt (a sequence of ids, at least one), EOS excluded: the engine's
+  (engine.py), every prompt in a slot of its own, row b sampling with `seed` and stream b.
 
   vocab_size: ids at or above it are never sampled (default: the model's vocabulary).
   """
+  tokenizer = _Ids(vocab_size or model_config.vocab_size, eos_id, pad_id)
+  return [seq.tokens for seq in _generate(model_config, params, tokenizer, prompts,
+                                          max_new_tokens, sampling, seed)]
+
+
+def _generate(model_config, params, tokenizer, prompts: list, max_new_tokens: int,
+              sampling: Sampling, seed: int) -> list[engine_lib.Sequence]:
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError('every prompt needs at least one token')
-  lengths = np.array([len(p) for p in prompts], np.int32)
-  prompts_BxP = np.full((len(prompts), lengths.max()), pad_id, np.int32)
-  for b, p in enumerate(prompts):
-    prompts_BxP[b, :len(p)] = p
-  out_BxN = np.asarray(_generate(
-      decoding_model(model_config), params, jnp.asarray(prompts_BxP), jnp.asarray(lengths),
-      jax.random.key(seed), eos_id, pad_id, vocab_size or model_config.vocab_size,
-      max_new_tokens=max_new_tokens, sampling=sampling))
-  result = []
-  for row in out_BxN.tolist():
-    stop = row.index(eos_id) if eos_id in row else len(row)
-    result.append([t for t in row[:stop] if t != pad_id])
-  return result
+  # A power of two: calls with other lengths share the engine's compiled shapes.
+  context = engine_lib.bucket(max(len(p) for p in prompts) + max_new_tokens, 1 << 30,
+                              engine_lib.MIN_BUCKET)
+  eng = engine_lib.Engine(model_config, params, tokenizer, slots=len(prompts), context=context)
+  return eng.generate([engine_lib.Sequence(
+      prompt=[int(t) for t in p], max_new_tokens=max_new_tokens, temperature=sampling.temperature,
+      top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, stream=b)
+      for b, p in enumerate(prompts)])
 
 
 def encode_prompt(tokenizer, prompt: str) -> np.ndarray:
@@ -165,11 +78,9 @@ def generate_texts(model_config: model_lib.ModelConfig, params, tokenizer, promp
                    max_new_tokens: int, *, temperature: float = 0.8, top_k: int = 0,
                    top_p: float = 1.0, seed: int = 0) -> list[str]:
   """Continuations (decoded new tokens only) of a batch of prompts, each stopping at EOS."""
-  ids = generate(model_config, params, [encode_prompt(tokenizer, p) for p in prompts],
-                 max_new_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                 vocab_size=tokenizer.vocab_size, sampling=Sampling(temperature, top_k, top_p),
-                 seed=seed)
-  return [tokenizer.decode(new) for new in ids]
+  return [seq.text for seq in _generate(
+      model_config, params, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
+      max_new_tokens, Sampling(temperature, top_k, top_p), seed)]
 
 
 def generate_text(model_config: model_lib.ModelConfig, params, tokenizer, prompt: str,

@@ -164,7 +164,8 @@ class Server:
 
     sequences = [engine_lib.Sequence(
         ids, max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=seed,
-        stream=j, stop=_stops(r), on_update=on_update) for _, ids in prompts for j in range(r.n)]
+        stream=j, stop=_stops(r), alternatives=r.logprobs is not None, on_update=on_update)
+        for _, ids in prompts for j in range(r.n)]
     prompt_logprobs = [None] * len(prompts)
     if r.echo and r.logprobs is not None:
       prompt_logprobs = [await asyncio.to_thread(self._prompt_logprobs, ids) for _, ids in prompts]
@@ -219,8 +220,8 @@ class Server:
     T = engine_lib.bucket(len(ids), self.engine.context, engine_lib.MIN_BUCKET)
     tokens_1xT1 = np.full((1, T + 1), self.tokenizer.pad_id, np.int32)
     tokens_1xT1[0, :len(ids)] = ids
-    logprob_1xT, _, (top_lp_1xTxN, top_ids_1xTxN) = jax.device_get(engine_lib.token_logprobs(
-        self.engine.model, self.engine.params, tokens_1xT1, top_n=engine_lib.TOP_N))
+    logprob_1xT, _, (top_lp_1xTxN, top_ids_1xTxN) = jax.device_get(
+        self.engine.score(tokens_1xT1, top_n=engine_lib.TOP_N))
     n = len(ids) - 1
     return (logprob_1xT[0, :n].tolist(),
             [list(zip(i, lp)) for i, lp in zip(top_ids_1xTxN[0, :n].tolist(),

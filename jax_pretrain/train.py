@@ -221,6 +221,11 @@ class Program:
   def check(self, resolved: ml_collections.ConfigDict) -> None:
     """Cheap checks of the resolved config, before any work."""
 
+  def alongside(self, resolved: ml_collections.ConfigDict, sources, num_devices: int) -> float:
+    """Bytes per device that stay allocated beside the train step (the micro-batch fit leaves
+    room for them)."""
+    return 0.0
+
   def open_data(self, resolved: ml_collections.ConfigDict, sources, step: int):
     """The data, positioned after `step` steps: `tokenizer`, `train` (an iterator with close())."""
     return data_lib.open_batches(resolved, sources, jax.process_index(), jax.process_count(),
@@ -304,8 +309,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, program: Program,
       # Refuses a change that does not fit the checkpoint, before any work.
       changes = config_lib.resume_changes(saved, resolved) if saved else {}
       # train.micro_batch_size=0 on a GPU: a few compiles choose it.
-      resolved, run_shape, fitted = stop.wait('choosing the micro-batch', memory.fit_micro_batch,
-                                              config, resolved, run_shape, devices)
+      resolved, run_shape, fitted = stop.wait(
+          'choosing the micro-batch', memory.fit_micro_batch, config, resolved, run_shape,
+          devices, None, program.alongside(resolved, sources, len(devices)))
       if fitted and saved:
         changes = config_lib.resume_changes(saved, resolved)  # with the micro-batch chosen
       s = state_lib.build(resolved, run_shape, devices)

@@ -4,6 +4,7 @@ does to the log-probabilities of better- and worse-than-average completions; the
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -405,3 +406,56 @@ def test_stop_strings_read_escapes_and_keep_other_characters():
   assert config_lib.unescape('\\n') == '\n' and config_lib.unescape('é→\\t') == 'é→\t'
   with pytest.raises(ValueError):
     config_lib.unescape('a\\')
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_roll_out_and_update_as_one_and_a_lost_one_stops_the_other(toy, tmp_path):
+  """GRPO over two processes (a device each, data=2: each decodes half of the slots): the same
+  completions, rewards and losses as one process; then a process lost mid-run stops the other
+  with one error line, as in pretraining."""
+  steps = ['--config.train.steps=3', '--config.train.eval_every=3']
+
+  def start(workdir, *extra):
+    port = _free_port()
+    return [subprocess.Popen(_grpo_command(toy, workdir, *steps, *extra, '--num_processes=2',
+                                           f'--coordinator_address=127.0.0.1:{port}',
+                                           f'--process_id={i}'),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=subprocess_env(), cwd=ROOT) for i in range(2)]
+
+  procs = start(tmp_path / 'two')
+  outputs = [p.communicate(timeout=400)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out[-3000:]
+  assert 'over 2 devices' in outputs[0] and 'step 1/' not in outputs[1]  # process 0 logs
+  one = subprocess.run(_grpo_command(toy, tmp_path / 'one', *steps), cwd=ROOT,
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert one.returncode == 0, one.stderr[-3000:]
+  want, got = _records(tmp_path / 'one'), _records(tmp_path / 'two')
+  assert sorted(got) == sorted(want) == [0, 1, 2, 3]
+  assert got[0]['eval/reward'] == want[0]['eval/reward']
+  for step in (1, 2, 3):
+    for name in ('train/reward', 'train/completion_tokens', 'train/accuracy'):
+      assert got[step][name] == want[step][name], (step, name)
+    for name in ('train/loss', 'train/grad_norm', 'train/logp_mismatch'):
+      np.testing.assert_allclose(got[step][name], want[step][name], rtol=1e-5, atol=1e-7)
+
+  procs = start(tmp_path / 'lost', '--config.train.steps=400', '--heartbeat_timeout=10')
+  out = []
+  for line in procs[0].stdout:
+    out.append(line)
+    if line.startswith('step 2/'):
+      procs[1].kill()
+      break
+  out = ''.join(out) + procs[0].communicate(timeout=300)[0]
+  procs[1].wait(timeout=60)
+  assert procs[0].returncode == 1, out[-3000:]
+  errors = [line for line in out.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1 and errors[0].startswith(
+      'error: process 1 of 2 stopped responding (no heartbeat for 10 s)'), out[-3000:]
+  assert 'Traceback' not in out and 'Fatal Python error' not in out, out[-3000:]

@@ -21,6 +21,7 @@ import pytest
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import lm_eval as lm_eval_lib
+from jax_pretrain import model as model_lib
 from jax_pretrain import pretrain
 from jax_pretrain import sample
 from jax_pretrain import state as state_lib
@@ -107,7 +108,7 @@ def _reference_loglikelihood(loaded):
   """(context ids, continuation ids) -> log-probability of the continuation, from the training
   loss function (state_lib.make_loss_fn): NLL(context + continuation) - NLL(context)."""
   model_config, params, tokenizer, _ = loaded
-  loss_fn = jax.jit(state_lib.make_loss_fn(sample.decoding_model(model_config), tokenizer.pad_id))
+  loss_fn = jax.jit(state_lib.make_loss_fn(model_lib.Transformer(model_config), tokenizer.pad_id))
 
   def nll(ids):
     tokens = np.full((1, tiny_run.SEQ_LEN + 1), tokenizer.pad_id, np.int32)

@@ -196,19 +196,23 @@ def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta):
   # 10 + 8 tokens, of which the model's inputs are all but the last: 17, rounded up to 24 (cuDNN
   # trains on no odd length), and the last target.
   assert g['width'] == 25 and update['tokens_per_step'] == 16 * 25
-  # The engine's cache and logits, float32, on each device whole: 8 slots of the 32-token context.
+  # The engine's cache and logits, float32, split over the 2 devices: 4 slots each of the context
+  # the rollout reaches (10 + 8 tokens, not data.seq_len).
   m = config_lib.model_config(config_lib.resolve(_grpo_test_config(), 2, backend='cpu')[0])
-  cache = 2 * m.num_layers * 8 * 32 * m.num_kv_heads * m.head_dim * 4 + 8 * m.vocab_size * 4
+  cache = 2 * m.num_layers * 4 * 18 * m.num_kv_heads * m.head_dim * 4 + 4 * m.vocab_size * 4
+  assert (g['context'], g['slots_per_device']) == (18, 4)
   assert g['engine_cache_gib'] * memory.GIB == cache
   reference = {'reference params': g['params_gib']} if beta else {}
   assert update['alongside_gib'] == {'engine cache': g['engine_cache_gib'], **reference}
   assert update['total_memory_gib'] == pytest.approx(
       update['peak_memory_gib'] + g['engine_cache_gib'] + (g['params_gib'] if beta else 0))
-  # Prompts of 10 tokens pad to 16; 8 of them (the slots) fit one prefill call.
-  assert (prefill['rows'], prefill['length'], decode['rows'], decode['steps']) == (8, 16, 8, 8)
+  # Prompts of 10 tokens pad to 16; a device's 4 slots fit one prefill call; the decode reads the
+  # 18 positions of the context.
+  assert (prefill['rows'], prefill['length'], decode['rows'], decode['steps']) == (4, 16, 4, 8)
+  assert decode['live'] == 18
   for call in (prefill, decode):
-    assert call['argument_gib'] >= g['engine_cache_gib'] + g['params_gib']
-    assert set(call['alongside_gib']) == {'optimizer state', *reference}
+    assert call['argument_gib'] >= g['engine_cache_gib'] + g['engine_params_gib']
+    assert set(call['alongside_gib']) == {'train state', *reference}
     assert call['fits'] and call['call_s'] is None  # no roofline for the CPU
   # 16 completions in waves of 8 slots, 8 new tokens a call.
   assert (r['rollout']['decode_calls'], r['rollout']['prefill_calls']) == (2, 2)
@@ -225,19 +229,22 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   params = state_lib.init_state(s).params
   vocabulary = types.SimpleNamespace(vocab_size=resolved.model.vocab_size, pad_id=0)
   make = lambda p: engine_lib.Engine(config_lib.model_config(resolved), p, vocabulary, slots=8,
-                                     context=32)
+                                     context=32, mesh=s.mesh)
   eng, abstract = make(params), make(s.abstract_state.params)
-  # What Engine._prefill and Engine._decode pass (the cache and logits as the engine allocates
-  # them, the host arrays as warmup and step make them).
+  # What Engine._prefill and Engine._decode pass (the params, cache and logits as the engine
+  # holds them, the host arrays as warmup and step make them).
   prefill, decode = engine_lib._prefill, engine_lib._decode  # noqa: SLF001
   (cache, logits), allowed = eng._state(), eng._allowed_V  # noqa: SLF001
-  rows = eng._decode_inputs(8, [])  # noqa: SLF001
-  prompts = (np.zeros((4, 16), np.int32), np.ones(4, np.int32), np.full(4, 8, np.int32))
-  real = prefill.lower(eng.model, params, cache, logits, *prompts, allowed)
-  assert abstract.lower_prefill(4, 16).as_text() == real.as_text()
-  real = decode.lower(eng.model, params, cache, logits, *rows, allowed, np.int32(3), rows=8,
-                      chunk=eng.chunk)
-  assert abstract.lower_decode(8).as_text() == real.as_text()
+  put = lambda x: jax.device_put(x, eng._rows)  # noqa: SLF001
+  rows = [put(x) for x in eng._decode_inputs(4, [])]  # noqa: SLF001
+  prompts = [put(x) for x in eng._prefill_inputs([[], []], 16, 2)]  # noqa: SLF001
+  real = prefill.lower(eng.params, cache, logits, *prompts, allowed, model=eng.model,
+                       mesh=eng.mesh)
+  assert abstract.lower_prefill(2, 16).as_text() == real.as_text()
+  steps = jax.device_put(np.int32(3), eng._replicated)  # noqa: SLF001
+  real = decode.lower(eng.params, cache, logits, *rows, allowed, steps, model=eng.model,
+                      mesh=eng.mesh, chunk=eng.chunk, live=24, top_n=0, cuts=False)
+  assert abstract.lower_decode(4, 24).as_text() == real.as_text()
 
 
 def test_grpo_plan_cli_prints_the_update_and_the_rollout():
@@ -248,25 +255,47 @@ def test_grpo_plan_cli_prints_the_update_and_the_rollout():
   lines = {line.split()[0]: line for line in out.splitlines()}
   assert 'grpo' in lines and 'update' in lines and 'rows of 25 tokens' in lines['update']
   assert 'engine cache' in lines['memory'] and lines['memory'].endswith('fits')
-  assert '16 slots × 32 tokens' in lines['rollout']
-  assert lines['prefill'].startswith('prefill      16 prompts × 16 tokens')
-  assert lines['decode'].startswith('decode       16 slots × 8 steps')
+  assert '16 slots × 18 tokens over 2 devices (8 each)' in lines['rollout']
+  assert lines['prefill'].startswith('prefill      8 prompts × 16 tokens a device')
+  assert lines['decode'].startswith('decode       8 slots a device × 8 steps over 18 positions')
 
 
 @requires_plugin
-def test_xlarge_grpo_on_8_a100_80_holds_every_slot_on_every_device():
-  c = config_lib.preset('xlarge')  # attention auto: cuDNN on the A100
+def test_xlarge_grpo_on_one_h100_at_64_slots_decodes_in_place_near_the_bandwidth_bound():
+  """Issue 24's case on one H100: 128 completions of 512 + 512 tokens, 64 slots."""
+  c = config_lib.preset('xlarge')
+  c.train.batch_size, c.grpo.num_samples, c.grpo.max_new_tokens = 128, 16, 512
+  c.grpo.rollout_slots = 64
+  r = plan.grpo_plan(c, target='h100', num_devices=1, prompt_tokens=512)
+  decode, rollout = r['decode'], r['rollout']
+  assert decode['live'] == 1024 and decode['temp_gib'] < 1  # the cache is written in place
+  assert decode['tokens_per_s'] > 9000  # roofline at the longest live window
+  assert all(r[k]['fits'] for k in ('update', 'prefill', 'decode'))
+  # The micro-batch was fitted with the engine's cache beside the update.
+  assert any('held beside the step' in choice for choice in r['update']['choices'])
+  assert rollout['bytes_per_token'] < 1.5 * rollout['ideal_bytes_per_token']
+
+
+@requires_plugin
+@pytest.mark.parametrize('target', ['h100', 'a100-80'])
+def test_xlarge_grpo_on_8_gpus_splits_the_rollout_over_them_and_fits(target):
+  """Issue 24's case: 128 completions of 512 new tokens after 512-token prompts, all at once over
+  8 GPUs (data=8): each holds 1/8 of the cache and decodes its 16 rows."""
+  c = config_lib.preset('xlarge')  # attention auto: cuDNN
   c.train.batch_size, c.train.micro_batch_size = 128, 8
-  c.grpo.num_samples, c.grpo.max_new_tokens, c.grpo.rollout_slots = 16, 512, 32
-  r = plan.grpo_plan(c, target='a100-80', num_devices=8, prompt_tokens=512)
+  c.grpo.num_samples, c.grpo.max_new_tokens = 16, 512
+  r = plan.grpo_plan(c, target=target, num_devices=8, prompt_tokens=512)
   g, update, decode = r['grpo'], r['update'], r['decode']
   # Rows of 1,025 tokens: 1,024 inputs (512 + 512 - 1, rounded up to 8: cuDNN trains on no odd
   # length) and the last target.
   assert update['attention'] == 'cudnn' and update['tokens_per_step'] == 128 * 1025
   assert update['mesh']['data'] == 8
-  # bfloat16 keys and values of 32 slots × 2048 positions on each of the 8 devices: 15 GiB.
-  assert g['engine_cache_gib'] == pytest.approx(2 * 32 * 32 * 2048 * 15 * 128 * 2 / memory.GIB,
-                                                rel=1e-3)
-  assert decode['argument_gib'] >= g['engine_cache_gib'] + g['params_gib']
+  # bfloat16 keys and values of 16 slots × 1,024 positions on each of the 8 devices.
+  assert (g['rollout_slots'], g['slots_per_device'], g['context']) == (128, 16, 1024)
+  kv = 2 * 32 * 16 * 1024 * 15 * 128 * 2
+  assert g['engine_cache_gib'] == pytest.approx((kv + 16 * 32768 * 4) / memory.GIB)
+  assert decode['argument_gib'] >= g['engine_cache_gib'] + g['engine_params_gib']
+  assert decode['temp_gib'] < 1
   assert all(r[k]['fits'] for k in ('update', 'prefill', 'decode'))
-  assert r['rollout']['generation_share'] > 0.5
+  assert r['rollout']['rollout_s'] < 3
+  assert r['rollout']['bytes_per_token'] < 1.5 * r['rollout']['ideal_bytes_per_token']

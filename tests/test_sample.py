@@ -1,14 +1,15 @@
-"""KV-cache decoding: cached logits equal the full forward pass, greedy decoding equals re-running
-the full forward pass each step, per-row prompt lengths, EOS, top-k / top-p."""
+"""KV-cache decoding (the engine's model and sample.generate, which runs the engine): cached logits
+equal the full forward pass, greedy decoding equals re-running the full forward pass each step,
+per-row prompt lengths, EOS, top-k / top-p."""
 import dataclasses
 
 from flax.linen import meta
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jax_pretrain import config as config_lib
+from jax_pretrain import engine
 from jax_pretrain import model as model_lib
 from jax_pretrain import sample
 from jax_pretrain.data.tokenizer import ByteTokenizer
@@ -28,24 +29,34 @@ def rel_err(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize('scan_layers', [True, False])
-def test_cached_logits_equal_full_forward_with_per_row_prompt_lengths(scan_layers):
-  cfg, model, params = model_and_params(scan_layers=scan_layers, tie_embeddings=False)
+def test_cached_logits_equal_full_forward_with_per_row_prompt_lengths():
+  """The engine's model: a prefill into cache rows 2 and 0 (rows out of order, one padding row
+  dropped), then one token a step at each row's own position over a live window of the cache."""
+  cfg, model, params = model_and_params(tie_embeddings=False)
+  decoder = engine._decoding_model(cfg)  # noqa: SLF001
+  dparams = engine.decoding_params(decoder.config, params)
   B, T, S = 2, 12, 16
   tokens_BxT = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
   full_BxTxV = model.apply({'params': params}, tokens_BxT)
 
   lengths = np.array([5, 3])  # row 1's prompt is right-padded with junk (tokens 3 and 4)
-  cache = model_lib.KVCache.zeros(cfg, B, S)
-  positions = jnp.broadcast_to(jnp.arange(5), (B, 5))
-  apply = jax.jit(model.apply)
-  prefill_BxPxV, cache = apply({'params': params}, tokens_BxT[:, :5], cache, positions)
+  slots = np.array([2, 0])
+  cache = model_lib.KVCache.zeros(decoder.config, 3, S)
+  apply = jax.jit(decoder.apply)
+  prompts = jnp.concatenate([tokens_BxT[:, :5], jnp.zeros((1, 5), jnp.int32)])  # + a padding row
+  use = model_lib.CacheUse(jnp.broadcast_to(jnp.arange(5), (3, 5)), slots_B=jnp.array([2, 0, 3]),
+                           logits_at_B=jnp.array([*(lengths - 1), 0]))
+  last_Bx1xV, cache = apply({'params': dparams}, prompts, cache, use)
   for b in range(B):
-    assert rel_err(prefill_BxPxV[b, :lengths[b]], full_BxTxV[b, :lengths[b]]) < 1e-5
+    assert rel_err(last_Bx1xV[b, 0], full_BxTxV[b, lengths[b] - 1]) < 1e-5
+  # Rows 0 and 1 of the decode: the prompts' slots.
+  cache = model_lib.KVCache(*(tuple(x[slots] for x in kv) for kv in (cache.k, cache.v)))
   for i in range(T - 5):  # one token per step, each row at its own position
     pos_B = lengths + i
     token_Bx1 = tokens_BxT[jnp.arange(B), pos_B][:, None]
-    logits_Bx1xV, cache = apply({'params': params}, token_Bx1, cache, pos_B[:, None])
+    live = engine.live_bucket(int(pos_B.max()) + 1, S)
+    logits_Bx1xV, cache = apply({'params': dparams}, token_Bx1, cache,
+                                model_lib.CacheUse(jnp.asarray(pos_B)[:, None], live=live))
     assert rel_err(logits_Bx1xV[:, 0], full_BxTxV[jnp.arange(B), pos_B]) < 1e-5
 
 
@@ -85,15 +96,23 @@ def test_greedy_cached_decode_equals_full_forward_each_step():
 
 
 def test_top_k_top_p_and_temperature():
-  logits_BxV = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4096))
-  keys = jax.random.key(0)
+  B = 4096
+  logits_BxV = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * B))
+  keys_B = jax.random.split(jax.random.key(0), B)
+
+  def draw(temperature=1.0, top_k=0, top_p=1.0):
+    return np.asarray(engine.sample_rows(logits_BxV, keys_B, jnp.full(B, temperature),
+                                         jnp.full(B, top_k), jnp.full(B, top_p)))
 
   def counts(**kw):
-    s = sample.Sampling(**{'temperature': 1.0, **kw})
-    return np.bincount(np.asarray(sample.sample_logits(logits_BxV, keys, s)), minlength=4)
+    return np.bincount(draw(**kw), minlength=4)
 
-  greedy = sample.sample_logits(logits_BxV, keys, sample.Sampling(temperature=0.0))
-  assert (np.asarray(greedy) == 0).all()
+  assert (draw(temperature=0.0) == 0).all()  # greedy
+  assert (draw(top_k=2) == np.asarray(engine.sample_rows(  # the cut left out: same draws
+      logits_BxV, keys_B, jnp.ones(B), jnp.full(B, 2), jnp.ones(B), cuts=True))).all()
+  uncut = np.asarray(engine.sample_rows(logits_BxV, keys_B, jnp.ones(B), jnp.zeros(B, int),
+                                        jnp.ones(B), cuts=False))
+  assert (uncut == draw()).all()
   assert counts(top_k=1)[1:].sum() == 0
   c = counts(top_k=2)
   assert c[2:].sum() == 0 and 0.55 < c[0] / c[:2].sum() < 0.70  # 0.5 / 0.8 = 0.625

@@ -173,12 +173,16 @@ def test_16_concurrent_clients_all_answered_with_few_compiled_shapes(client, ser
     answers = list(pool.map(ask, prompts))
   assert len(answers) == 16
   assert all(0 < a.usage.completion_tokens <= 12 and a.choices[0].finish_reason for a in answers)
-  # Prompt lengths 3 .. 48 pad to 16, 32 or 64 tokens; rows to 1, 2, 4 or 8 (8 slots).
-  before = _get(f'{server}/health')
-  assert before['busy'] == before['waiting'] == 0 and before['compiled_shapes'] <= 4 * 3 + 4
-  for n in (4, 5, 7, 9, 11, 13):  # new lengths in a bucket already compiled
+  # Prompt lengths 3 .. 48 pad to 16, 32 or 64 tokens; rows to 1, 2, 4 or 8 (8 slots); decodes
+  # cover 1, 2, 4 or 8 slots over 16, 24, 32, 48 or 64 positions (no top-k/top-p cut, no
+  # logprobs: one compiled variant).
+  health = _get(f'{server}/health')
+  assert health['busy'] == health['waiting'] == 0 and health['compiled_shapes'] <= 4 * 3 + 4 * 5
+  greedy(client, 'y' * 4, max_tokens=2)
+  before = _get(f'{server}/health')['compiled_shapes']
+  for n in (5, 7, 9, 11, 13):  # new lengths in the buckets of the one before
     greedy(client, 'y' * n, max_tokens=2)
-  assert _get(f'{server}/health')['compiled_shapes'] == before['compiled_shapes']
+  assert _get(f'{server}/health')['compiled_shapes'] == before
 
 
 @pytest.mark.parametrize('body, param', [
@@ -222,11 +226,13 @@ def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
                       slots=8, context=tiny_run.SEQ_LEN, chunk=4)
   eng.warmup()
   # Prompts pad to 16, 32 or 64 tokens, 1, 2, 4 or 8 of them per prefill; decodes cover 1, 2, 4
-  # or 8 slots.
-  assert len(eng.shapes) == 3 * 4 + 4
+  # or 8 slots over 16, 24, 32, 48 or 64 positions, with and without the top-k/top-p cut and
+  # the top-5 alternatives.
+  assert len(eng.shapes) == 3 * 4 + 4 * 5 * 2 * 2
   warm = set(eng.shapes)
   rng = random.Random(0)
   sequences = [engine.Sequence([rng.randrange(256) for _ in range(rng.randrange(1, 50))], 10,
-                               temperature=1.0, seed=i) for i in range(20)]
+                               temperature=1.0, seed=i, top_p=0.9 if i % 3 else 1.0,
+                               alternatives=i % 2 == 0) for i in range(20)]
   eng.generate(sequences)
   assert all(seq.done and seq.tokens for seq in sequences) and eng.shapes == warm

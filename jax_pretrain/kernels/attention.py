@@ -115,7 +115,10 @@ def _sharded(attend, mesh: Mesh | None, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *mask_B
   manual = sharding.manual_axes()
   if manual:
     mesh = jax.sharding.get_abstract_mesh()
-  elif mesh is None or mesh.size == 1:
+    local = manual >= set(mesh.axis_names)  # the engine's shard_map: whole rows and heads here
+  else:
+    local = mesh is None or mesh.size == 1
+  if local:
     return attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *mask_Bx1xTxT)
   q_spec = sharding.logical_to_spec(('batch', 'length', 'act_heads', None))
   kv_spec = sharding.logical_to_spec(('batch', 'length', 'act_kv_heads', None))

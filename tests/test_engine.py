@@ -1,0 +1,137 @@
+"""The engine's programs move what a decode needs and no more (the cache written in place, split
+over a mesh's devices, the live window read), its rows decode the same anywhere, and its
+incremental detokenization gives the tokenizer's own text."""
+import dataclasses
+from pydoc_data import topics
+import random
+import re
+
+from flax.linen import meta
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_pretrain import config as config_lib
+from jax_pretrain import engine
+from jax_pretrain import hlo
+from jax_pretrain import model as model_lib
+from jax_pretrain import sharding
+from jax_pretrain.data import tokenizer as tokenizer_lib
+
+
+@pytest.fixture(scope='module')
+def tiny():
+  config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
+  cfg = dataclasses.replace(config_lib.model_config(config), init_std=0.2)
+  params = jax.jit(model_lib.Transformer(cfg).init)(jax.random.key(0),
+                                                    jnp.zeros((1, 8), jnp.int32))['params']
+  return cfg, meta.unbox(params)
+
+
+def _layer_bytes(cfg, slots: int, context: int) -> int:
+  return slots * context * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def _compiled_decode(cfg, params, slots: int, context: int, live: int):
+  eng = engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=slots, context=context)
+  return eng, eng.lower_decode(slots, live=live).compile()
+
+
+def test_decode_updates_the_cache_in_place_and_reads_the_live_window(tiny):
+  cfg, params = tiny
+  slots, context = 16, 1024
+  eng, compiled = _compiled_decode(cfg, params, slots, context, live=64)
+  text = compiled.as_text()
+  layer = _layer_bytes(cfg, slots, context)
+  m = compiled.memory_analysis()
+  # Every cache buffer (2 a layer) and the logits are outputs written into their donated inputs.
+  aliases = re.search(r'input_output_alias=\{(.*?)\}, entry', text).group(1)
+  assert aliases.count('may-alias') + aliases.count('must-alias') >= 2 * cfg.num_layers + 1
+  assert m.alias_size_in_bytes >= 2 * cfg.num_layers * layer
+  # No copy of a cache buffer anywhere; temporaries far below one buffer, and the same for a
+  # cache 4 times shorter: nothing in them grows with the cache.
+  shape = f'[{slots},{context},{cfg.num_kv_heads},{cfg.head_dim}]'
+  assert not [line for line in text.splitlines() if shape in line and ' copy(' in line]
+  assert m.temp_size_in_bytes < layer / 4
+  shorter = _compiled_decode(cfg, params, slots, context // 4, live=64)[1]
+  assert shorter.memory_analysis().temp_size_in_bytes == m.temp_size_in_bytes
+  # What a call moves depends on the live window it reads (64 positions), not on the cache's
+  # length; a wider window moves more.
+  moved = lambda c: hlo.analyze(c.as_text(), unknown_trips=eng.chunk).hbm_bytes
+  assert moved(shorter) == moved(compiled)
+  assert moved(_compiled_decode(cfg, params, slots, context, live=256)[1]) > moved(compiled)
+
+
+def test_on_a_mesh_each_device_holds_and_decodes_its_slots(tiny):
+  cfg, params = tiny
+  mesh = sharding.make_mesh((2, 2, 2), jax.devices()[:8])
+  replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.P()))
+  eng = engine.Engine(cfg, replicated, tokenizer_lib.ByteTokenizer(), slots=16, context=64,
+                      mesh=mesh)
+  assert (eng.slots, eng.local_slots, eng.devices) == (16, 2, 8)
+  cache, _ = eng._state()  # noqa: SLF001
+  assert cache.k[0].sharding.shard_shape(cache.k[0].shape) == (2, 64, cfg.num_kv_heads,
+                                                               cfg.head_dim)
+  compiled = eng.lower_decode(2, live=64).compile()
+  # The per-device program's cache parameters are its 2 slots; it gathers only the new tokens.
+  assert f'[2,64,{cfg.num_kv_heads},{cfg.head_dim}]' in compiled.as_text()
+  assert f'[16,64,{cfg.num_kv_heads},{cfg.head_dim}]' not in compiled.as_text()
+  stats = hlo.analyze(compiled.as_text(), unknown_trips=eng.chunk)
+  assert {k for k, c in stats.collectives.items() if c.count} == {'all-gather'}
+
+  # The same sequences decode to the same tokens as on one device with 4 slots (other slots,
+  # other neighbours, other devices).
+  def run(eng):
+    seqs = [engine.Sequence(prompt=list(range(1, 2 + i % 7)), max_new_tokens=5 + i % 13,
+                            temperature=1.0, seed=7, stream=i, top_p=0.9 if i % 3 == 0 else 1.0)
+            for i in range(20)]
+    eng.generate(seqs)
+    return seqs
+
+  one = run(engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=4, context=64))
+  many = run(eng)
+  assert [s.tokens for s in one] == [s.tokens for s in many]
+  np.testing.assert_allclose(np.concatenate([s.logprobs for s in one]),
+                             np.concatenate([s.logprobs for s in many]), atol=1e-5)
+
+
+@pytest.mark.parametrize('n, bucket', [(1, 16), (16, 16), (17, 24), (25, 32), (33, 48),
+                                       (49, 64), (513, 768), (769, 1024), (1025, 1100)])
+def test_live_buckets_waste_at_most_a_third(n, bucket):
+  assert engine.live_bucket(n, 1100) == bucket
+
+
+def test_hlo_charges_in_place_scatters_and_slices_as_executed():
+  x = jnp.zeros((1024, 1024), jnp.float32)  # 4 MiB
+  scatter = jax.jit(lambda x, i, r: x.at[i].set(r), donate_argnums=0)
+  text = scatter.lower(x, 3, jnp.ones(1024)).compile().as_text()
+  assert hlo.analyze(text).hbm_bytes < 4 * 4096  # the row written (and read), not the buffer
+  sliced = jax.jit(lambda x: jnp.sum(x[:16] * 2, axis=0))
+  assert hlo.analyze(sliced.lower(x).compile().as_text()).hbm_bytes < 4 * 16 * 4096
+
+
+def _tokenizers(tmp_path):
+  texts = [topics.topics[k] for k in sorted(topics.topics)[:60]]
+  yield tokenizer_lib.ByteTokenizer()
+  yield tokenizer_lib.train_sentencepiece(texts, str(tmp_path / 'sp.model'), 400)
+  yield tokenizer_lib.train_bytelevel_bpe(texts, str(tmp_path / 'bpe' / 'tokenizer.json'), 400)
+
+
+def test_incremental_detokenization_gives_the_tokenizers_text(tmp_path):
+  rng = random.Random(0)
+  texts = ['The for statement  is used to iterate', 'naïve café — 東京 🙂 x = 1\n\ty', ' a  b ']
+  for tok in _tokenizers(tmp_path):
+    streams = [[int(t) for t in tok.encode(text)] for text in texts]
+    streams.append([rng.randrange(tok.vocab_size) for _ in range(60)])  # any ids at all
+    for ids in streams:
+      seq = engine.Sequence(prompt=[0], max_new_tokens=len(ids))
+      shown = ''
+      while len(seq.tokens) < len(ids):
+        seq.tokens += ids[len(seq.tokens):len(seq.tokens) + rng.randrange(1, 4)]
+        text = seq.detokenize(tok)
+        assert text.startswith(shown)  # text once shown never changes
+        shown = text
+      whole = tok.decode(ids)
+      assert whole.startswith(shown) and '\ufffd' not in whole[len(shown):] or shown == whole
+      assert seq.detokenize(tok, final=True) == whole
