@@ -370,10 +370,11 @@ def test_bad_input_is_one_error_line(toy, tmp_path, extra, message):
       out.stderr[-2000:]
 
 
-def test_grpo_on_a_mesh_agrees_with_one_device(toy, tmp_path):
-  """Rollouts (the engine on the policy's sharded params) and updates (2 micro-batches a device,
-  the KL against the reference model held in the policy's shardings) on a data=2, fsdp=2, tensor=2
-  mesh: the same completions and rewards as one device, losses and KL to 1e-5."""
+def test_grpo_on_a_mesh_agrees_with_one_device(toy, tmp_path, capsys):
+  """Rollouts (the engine's slots split over the 8 devices, each decoding its own with the
+  policy's params gathered once a step) and updates (2 micro-batches a device, the KL against the
+  reference model held in the policy's shardings) on a data=2, fsdp=2, tensor=2 mesh: the same
+  completions and rewards as one device, losses and KL to 1e-5."""
   from jax_pretrain import train as train_lib  # noqa: PLC0415
   base, d = toy
 
@@ -391,7 +392,10 @@ def test_grpo_on_a_mesh_agrees_with_one_device(toy, tmp_path):
     return _records(workdir)
 
   one = run(tmp_path / 'one', jax.devices()[:1], 1, 1, 1)
+  assert 'engine 16 slots × ' in capsys.readouterr().out
   mesh = run(tmp_path / 'mesh', jax.devices()[:8], 2, 2, 2)
+  # (the longest prompt, 'Item 39: ', and 12 new tokens)
+  assert 'engine 16 slots × 21 tokens over 8 devices' in capsys.readouterr().out
   assert one[3]['train/kl'] > 1e-4  # the policy has moved from the reference (step 1: lr 0)
   for step in (1, 2, 3):
     assert mesh[step]['train/reward'] == one[step]['train/reward'], step
