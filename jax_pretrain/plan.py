@@ -296,7 +296,8 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   width = grpo_lib.update_width(resolved, prompt_tokens)
   eng = engine_lib.Engine(model_config, s.abstract_state.params,
                           _Vocabulary(resolved.model.vocab_size),
-                          slots=grpo_lib.rollout_slots(resolved), context=context, mesh=s.mesh)
+                          slots=grpo_lib.rollout_slots(resolved), context=context,
+                          chunk=grpo_lib.ROLLOUT_CHUNK, mesh=s.mesh)
   params = memory.device_bytes(s.abstract_state.params)
   reference = {'reference params': params} if g.beta else {}
 

@@ -208,13 +208,13 @@ def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta):
       update['peak_memory_gib'] + g['engine_cache_gib'] + (g['params_gib'] if beta else 0))
   # Prompts of 10 tokens pad to 16; a device's 4 slots fit one prefill call; the decode reads the
   # 18 positions of the context.
-  assert (prefill['rows'], prefill['length'], decode['rows'], decode['steps']) == (4, 16, 4, 8)
+  assert (prefill['rows'], prefill['length'], decode['rows'], decode['steps']) == (4, 16, 4, 16)
   assert decode['live'] == 18
   for call in (prefill, decode):
     assert call['argument_gib'] >= g['engine_cache_gib'] + g['engine_params_gib']
     assert set(call['alongside_gib']) == {'train state', *reference}
     assert call['fits'] and call['call_s'] is None  # no roofline for the CPU
-  # 16 completions in waves of 8 slots, 8 new tokens a call.
+  # 16 completions in waves of 8 slots, 8 new tokens in one call (of up to 16 steps).
   assert (r['rollout']['decode_calls'], r['rollout']['prefill_calls']) == (2, 2)
   assert update['fits'] and r['rollout']['rollout_s'] is None
 
@@ -257,7 +257,7 @@ def test_grpo_plan_cli_prints_the_update_and_the_rollout():
   assert 'engine cache' in lines['memory'] and lines['memory'].endswith('fits')
   assert '16 slots × 18 tokens over 2 devices (8 each)' in lines['rollout']
   assert lines['prefill'].startswith('prefill      8 prompts × 16 tokens a device')
-  assert lines['decode'].startswith('decode       8 slots a device × 8 steps over 18 positions')
+  assert lines['decode'].startswith('decode       8 slots a device × 16 steps over 18 positions')
 
 
 @requires_plugin
