@@ -41,6 +41,15 @@ Each row samples with its own settings and its own random stream (its seed, fold
 among the choices of one request and with the token's index), so a sequence's tokens do not depend
 on which other sequences were decoded beside it, nor on the mesh.
 
+Failures (run_forever, the server's loop): a sequence's on_update callback that raises fails that
+sequence only ('error'; the callback is told once more, and the traceback logged), never the engine
+or the other sequences. A step that raises (a compiled prefill or decode, or the host work between
+them) fails the sequences of that call, and the engine goes on with a fresh cache; after
+MAX_FAILURES steps failed in a row (nothing decoded between them: the device or the program is
+broken, not one request) run_forever gives up: it raises EngineFailed, for its caller to exit.
+However run_forever ends (stop(), giving up), every sequence it held or that still waits ends with
+'error' and STOPPED, and submit refuses new ones (EngineStopped): nothing is left waiting.
+
 Scoring (token_logprobs, Engine.score): the log-probability of every next token of a batch of rows
 in one forward pass, for lm_eval's loglikelihood requests and for the logprobs of an echoed prompt.
 """
@@ -50,6 +59,7 @@ import functools
 import threading
 from typing import Callable
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -62,6 +72,16 @@ from jax_pretrain import multihost
 
 MIN_BUCKET = 16
 TOP_N = 5  # alternatives reported per generated token (OpenAI's logprobs allows at most 5)
+MAX_FAILURES = 3  # steps failing in a row after which run_forever gives up
+STOPPED = 'the engine stopped before this sequence finished'  # Sequence.error when it did
+
+
+class EngineStopped(RuntimeError):
+  """submit after stop() or after run_forever ended: the engine takes no more sequences."""
+
+
+class EngineFailed(RuntimeError):
+  """run_forever gave up: MAX_FAILURES steps failed in a row (the last one is the __cause__)."""
 
 
 def bucket(n: int, limit: int, smallest: int = 1) -> int:
@@ -81,7 +101,9 @@ class Sequence:
   stream: int = 0  # index among the choices of one request: the same seed, other samples
   stop: tuple[str, ...] = ()  # the text ends before the first of these
   alternatives: bool = False  # fill top_logprobs (the TOP_N most likely tokens at each step)
-  on_update: Callable[['Sequence'], None] | None = None  # called (engine thread) on new text or end
+  # Called on new text and at the end, from the engine's thread (from stop()'s for a sequence
+  # still waiting then). One that raises fails its sequence (see the module docstring).
+  on_update: Callable[['Sequence'], None] | None = None
   # Filled by the engine.
   tokens: list[int] = dataclasses.field(default_factory=list)  # new tokens, EOS excluded
   logprobs: list[float] = dataclasses.field(default_factory=list)  # of each new token
@@ -383,16 +405,24 @@ class Engine:
             self._decode(rows, live, top_n, cuts, [], 0)
 
   def submit(self, seq: Sequence) -> None:
-    """Queues a sequence (thread-safe). Its prompt and max_new_tokens must fit the context."""
+    """Queues a sequence (thread-safe). Its prompt and max_new_tokens must fit the context; once
+    the engine is stopped (stop(), or run_forever ended) raises EngineStopped."""
     if not seq.prompt or len(seq.prompt) + seq.max_new_tokens > self.context:
       raise ValueError(f'a prompt of {len(seq.prompt)} tokens and {seq.max_new_tokens} new tokens '
                        f'do not fit the context of {self.context} tokens')
-    if seq.max_new_tokens <= 0:
-      self._finish(seq, 'length')
-      return
     with self._wakeup:
-      self._waiting.append(seq)
-      self._wakeup.notify()
+      if self._stopping:
+        raise EngineStopped('the engine is stopped: it takes no more sequences')
+      if seq.max_new_tokens > 0:
+        self._waiting.append(seq)
+        self._wakeup.notify()
+        return
+    self._finish(seq, 'length')
+
+  @property
+  def stopped(self) -> bool:
+    """Whether stop() was called or run_forever ended: submit refuses."""
+    return self._stopping
 
   def stats(self) -> dict:
     return {'slots': self.slots, 'devices': self.devices, 'context': self.context,
@@ -406,29 +436,53 @@ class Engine:
       pass
     return sequences
 
-  def run_forever(self) -> None:
-    """Serves submitted sequences until stop(). A failing step fails the sequences it held (with
-    their error) and the engine goes on with the next ones."""
-    while True:
+  def run_forever(self, max_failures: int = MAX_FAILURES) -> None:
+    """Serves submitted sequences until stop(). A step that raises fails the sequences it held
+    (their error: the exception's type and text; the traceback logged) and the engine goes on
+    with a fresh cache; after max_failures such steps in a row (none succeeding between them) it
+    gives up: raises EngineFailed. However it ends, the sequences it held or that still wait end
+    with STOPPED, and submit refuses new ones."""
+    failures = 0
+    try:
+      while True:
+        with self._wakeup:
+          while not self._stopping and not self._waiting and not any(self._busy):
+            self._wakeup.wait()
+          if self._stopping:
+            return
+        try:
+          self.step()
+          failures = 0
+        except Exception as e:  # fails the sequences of this call only
+          failures += 1
+          held = [seq for seq in self._busy if seq is not None]
+          logging.exception('an engine step failed (%d in a row): its %d sequences fail',
+                            failures, len(held))
+          self._busy = [None] * self.slots
+          self._cache = self._logits_SxV = None  # donated buffers may be gone: start afresh
+          for seq in held:
+            self._fail(seq, f'{type(e).__name__}: {e}')
+          if failures >= max_failures:
+            raise EngineFailed(f'{failures} engine steps failed in a row') from e
+    finally:
       with self._wakeup:
-        while not self._stopping and not self._waiting and not any(self._busy):
-          self._wakeup.wait()
-        if self._stopping:
-          return
-      try:
-        self.step()
-      except Exception as e:  # noqa: BLE001  (reported to each request)
-        for i, seq in enumerate(self._busy):
-          if seq is not None:
-            seq.error = f'{type(e).__name__}: {e}'
-            self._finish(seq, 'error')
-            self._busy[i] = None
-        self._cache = self._logits_SxV = None  # donated buffers may be gone: start afresh
+        self._stopping = True
+        left = [*self._waiting, *(seq for seq in self._busy if seq is not None)]
+        self._waiting.clear()
+        self._busy = [None] * self.slots
+      for seq in left:
+        self._fail(seq, STOPPED)
 
   def stop(self) -> None:
+    """Ends run_forever after its current step (thread-safe): the sequences still waiting fail
+    now (STOPPED), the busy ones when that step ends; submit refuses new ones."""
     with self._wakeup:
       self._stopping = True
+      waiting = list(self._waiting)
+      self._waiting.clear()
       self._wakeup.notify()
+    for seq in waiting:
+      self._fail(seq, STOPPED)
 
   def step(self) -> bool:
     """Admits waiting sequences into free slots, then decodes one chunk of every busy slot.
@@ -620,14 +674,39 @@ class Engine:
     self.tokens_generated += len(seq.tokens) - before
     if reason:
       self._finish(seq, reason)
-    elif seq.on_update:
-      seq.on_update(seq)
+    else:
+      _report(seq)
 
   @staticmethod
   def _finish(seq: Sequence, reason: str) -> None:
     seq.finish_reason = reason
-    if seq.on_update:
-      seq.on_update(seq)
+    _report(seq)
+
+  @staticmethod
+  def _fail(seq: Sequence, error: str) -> None:
+    """Ends a sequence with 'error' (unless it has ended already)."""
+    if not seq.done:
+      seq.error = error  # before finish_reason: a reader that sees it done sees why
+      Engine._finish(seq, 'error')
+
+
+def _report(seq: Sequence) -> None:
+  """Calls seq.on_update. One that raises fails its own sequence and nothing else: the traceback
+  is logged, the sequence ends with 'error' (its slot is freed after the chunk) and the callback
+  is called once more, its chance to learn of the end; a second failure is only logged."""
+  if seq.on_update is None:
+    return
+  try:
+    seq.on_update(seq)
+    return
+  except Exception as e:  # noqa: BLE001  (that sequence's own failure)
+    logging.exception('the on_update callback of a sequence raised: that sequence fails')
+    seq.error = f'on_update raised {type(e).__name__}: {e}'
+    seq.finish_reason = 'error'
+  try:
+    seq.on_update(seq)
+  except Exception:  # noqa: BLE001
+    logging.exception('the on_update callback of a failed sequence raised again')
 
 
 def _mesh_of(params) -> Mesh:

@@ -1,7 +1,8 @@
 """An OpenAI-compatible completions server for a trained run.
 
   python -m jax_pretrain.serve --workdir=runs/x [--step=N] [--port=8000] [--host=127.0.0.1]
-      [--slots=16] [--context=0] [--chunk=8] [--model_name=NAME]
+      [--slots=16] [--context=0] [--chunk=8] [--model_name=NAME] [--warmup]
+      [--max_sequences_per_request=256] [--api_key=KEY]
 
 Endpoints (FastAPI, served by uvicorn):
 - POST /v1/completions: OpenAI's completions API. `prompt` (a string, a list of strings, a list
@@ -10,7 +11,8 @@ Endpoints (FastAPI, served by uvicorn):
   strings), `seed`, `stream` (server-sent events, `stream_options.include_usage`), `echo`,
   `logprobs` (0..5 alternatives per token). Penalties, logit_bias, suffix and best_of != n are
   refused with 400 rather than ignored.
-- GET /v1/models, GET /health (with the engine's slots, queue and compiled shapes).
+- GET /v1/models, GET /health (with the engine's slots, queue and compiled shapes; 503 with
+  OpenAI's error JSON saying why when the engine is not running).
 
 Requests are decoded by one engine.Engine in a thread of its own: whatever arrives while others
 decode joins them at the next chunk of tokens (continuous batching over a KV cache of --slots rows
@@ -18,16 +20,35 @@ of --context tokens, allocated once). An empty prompt starts a new document (EOS
 a seed gets the same text whatever else is being decoded; choice i of n uses the seed's stream i.
 
 Bad requests get OpenAI's error JSON ({"error": {"message", "type", "param", "code"}}) with status
-400 (404 for an unknown model or path), and the server goes on serving.
+400 (404 for an unknown model or path), and the server goes on serving. A request may ask for
+--max_sequences_per_request sequences (prompts × n) at most (default 256: one request cannot hold
+the engine for everyone else). With --api_key (or the environment variable JAX_PRETRAIN_API_KEY,
+which keeps the key out of `ps`), every /v1 request needs `Authorization: Bearer KEY` (401 without
+it, as vLLM's --api-key; the OpenAI client sends its api_key so); /health stays open.
+
+Failures: nothing that goes wrong reaches a client as exception text; it gets OpenAI's error JSON
+with a generic message (500, server_error) and the traceback goes to the server's log (absl). The
+engine's thread is supervised (engine.py's module docstring): a request whose callback raises
+fails alone; a decoding step that raises fails the requests decoding in it (500) and the engine
+goes on; after engine.MAX_FAILURES (3) steps failed in a row, none succeeding between them, the
+engine is broken, not a request: every request still waiting fails (503), /health answers 503,
+and the server exits with status 1 and one `error:` line (for a supervisor to restart it) rather
+than serving errors. Stopping (Ctrl-C, SIGTERM) takes no new connections and lets the requests in
+flight finish (a second Ctrl-C quits at once); Server.stop fails whatever is still waiting or
+decoding with 503 ("the server stopped before this request finished"), and refuses new requests
+with 503, so that no request is left hanging.
 """
 import asyncio
 import contextlib
 import json
 import secrets
+import sys
 import threading
 import time
+from typing import Callable
 import uuid
 
+from absl import logging
 import fastapi
 from fastapi import exceptions as fastapi_exceptions
 from fastapi import responses
@@ -41,9 +62,14 @@ from jax_pretrain import config as config_lib
 from jax_pretrain import engine as engine_lib
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import workdir as workdir_lib
+from jax_pretrain.errors import UserError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI
 MAX_N = 128  # choices per request
+MAX_SEQUENCES = 256  # prompts × n per request (--max_sequences_per_request)
+API_KEY_ENV = 'JAX_PRETRAIN_API_KEY'  # the key when --api_key is not given
+POLL_S = 1.0  # a request waiting on the engine looks at its sequences this often, update or not
+INTERNAL = 'The server had an error while processing your request (it is in the server\'s log).'
 
 
 class CompletionRequest(pydantic.BaseModel):
@@ -78,26 +104,72 @@ class APIError(Exception):
     super().__init__(message)
     self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
 
+  def body(self) -> dict:
+    return {'error': {'message': self.message, 'type': self.kind, 'param': self.param,
+                      'code': self.code}}
+
   def response(self) -> responses.JSONResponse:
-    return responses.JSONResponse(status_code=self.status, content={'error': {
-        'message': self.message, 'type': self.kind, 'param': self.param, 'code': self.code}})
+    return responses.JSONResponse(status_code=self.status, content=self.body())
+
+
+def _internal() -> APIError:
+  """What a client is told of an error of the server's own (its text and traceback: the log)."""
+  return APIError(INTERNAL, status=500, kind='server_error')
+
+
+def _stopping() -> APIError:
+  return APIError('The server stopped before this request finished; please retry.', status=503,
+                  kind='server_error', code='server_stopping')
+
+
+def _failed(seq: engine_lib.Sequence) -> APIError:
+  """What a client is told of a sequence that ended with 'error' (the engine logged why)."""
+  return _stopping() if seq.error == engine_lib.STOPPED else _internal()
 
 
 class Server:
-  """The engine, its thread, and what a request needs: the tokenizer, the model's name."""
+  """The engine, its supervised thread, and what a request needs: the tokenizer, the model's
+  name, the limits and the API key ('' or None: none asked)."""
 
-  def __init__(self, engine: engine_lib.Engine, name: str):
+  def __init__(self, engine: engine_lib.Engine, name: str, *,
+               max_sequences: int = MAX_SEQUENCES, api_key: str | None = None):
     self.engine, self.name = engine, name
     self.tokenizer = engine.tokenizer
+    self.max_sequences, self.api_key = max_sequences, api_key or None
     self.created = int(time.time())
-    self._thread = threading.Thread(target=engine.run_forever, name='engine', daemon=True)
+    self.failure: BaseException | None = None  # why the engine's thread ended on its own
+    self.on_failure: Callable[[], None] = lambda: None  # then called (serve: the server exits)
+    self._thread = threading.Thread(target=self._run_engine, name='engine', daemon=True)
 
   def start(self) -> None:
     self._thread.start()
 
   def stop(self) -> None:
+    """Stops the engine: requests still waiting fail at once, those decoding after the current
+    chunk (503, engine.STOPPED), and new ones are refused (503)."""
     self.engine.stop()
-    self._thread.join(timeout=10)
+    if self._thread.is_alive():
+      self._thread.join(timeout=10)
+
+  def not_running(self) -> str | None:
+    """Why the engine serves no request (for /health's 503), or None while it does."""
+    if self.failure is not None:
+      return "the engine failed and stopped (the server's log says why)"
+    if self.engine.stopped:
+      return 'the server is stopping'
+    if not self._thread.is_alive():
+      return 'the engine is not running'
+    return None
+
+  def _run_engine(self) -> None:
+    """The engine's thread: run_forever until stop(). Should it end otherwise (it gave up after
+    failing steps, or its loop has a bug), the error is logged and kept, and on_failure called."""
+    try:
+      self.engine.run_forever()
+    except BaseException as e:  # noqa: BLE001  (logged, then the server exits)
+      self.failure = e
+      logging.exception('the engine stopped: %s', e)
+      self.on_failure()
 
   def prompts(self, r: CompletionRequest) -> list[tuple[str, list[int]]]:
     """(text, token ids) of each prompt of the request."""
@@ -106,6 +178,12 @@ class Server:
       p = [p]
     if not p:
       raise APIError('prompt must not be empty', 'prompt')
+    if len(p) * r.n > self.max_sequences:  # before encoding any of them
+      raise APIError(
+          f'This request asks for {len(p) * r.n} sequences ({len(p)} prompts × n = {r.n}); this '
+          f'server decodes at most {self.max_sequences} per request '
+          '(--max_sequences_per_request). Please split it.', 'n' if r.n > 1 else 'prompt',
+          code='too_many_sequences')
     out = []
     for item in p:
       if isinstance(item, str):
@@ -173,36 +251,47 @@ class Server:
                for i in range(len(sequences))]
     header = {'id': f'cmpl-{uuid.uuid4().hex}', 'object': 'text_completion',
               'created': int(time.time()), 'model': self.name}
-    for seq in sequences:
-      self.engine.submit(seq)
+    try:
+      for seq in sequences:
+        self.engine.submit(seq)
+    except engine_lib.EngineStopped:
+      _cancel(sequences)
+      raise _stopping() from None
     if r.stream:
       return responses.StreamingResponse(
           self._events(r, header, sequences, choices, updates, prompts),
           media_type='text/event-stream')
     try:
       while not all(seq.done for seq in sequences):
-        await updates.get()
+        if any(seq.finish_reason == 'error' for seq in sequences):
+          break
+        await _next(updates)
     finally:
       _cancel(sequences)
     for seq in sequences:
       if seq.finish_reason == 'error':
-        raise APIError(f'the engine failed: {seq.error}', status=500, kind='server_error')
+        raise _failed(seq)
     return {**header, 'choices': [c.final(seq, self.tokenizer) for c, seq in
                                   zip(choices, sequences)],
             'usage': _usage(prompts, sequences)}
 
   async def _events(self, r, header, sequences, choices, updates, prompts):
     """Server-sent events: a chunk per choice as its text grows, then the usage if asked, then
-    [DONE]. A client that goes away cancels its sequences."""
+    [DONE]; a failure, one error event (as OpenAI's error JSON) instead. A client that goes away
+    cancels its sequences."""
     try:
       pending = {id(seq): i for i, seq in enumerate(sequences)}
       while pending:
-        update = await updates.get()
+        update = await _next(updates)
+        if update is None:  # no news: a sequence may have ended without its callback's update
+          ended = [seq for seq in sequences if id(seq) in pending and seq.done]
+          if not ended:
+            continue
+          update = _Update(ended[0])
         if id(update.seq) not in pending:
           continue
         if update.finish == 'error':
-          yield _event({'error': {'message': f'the engine failed: {update.seq.error}',
-                                  'type': 'server_error', 'param': None, 'code': None}})
+          yield _event(_failed(update.seq).body())
           return
         chunk = choices[pending[id(update.seq)]].delta(update, self.tokenizer)
         if chunk['text'] or chunk['finish_reason']:
@@ -212,6 +301,9 @@ class Server:
       if (r.stream_options or {}).get('include_usage'):
         yield _event({**header, 'choices': [], 'usage': _usage(prompts, sequences)})
       yield 'data: [DONE]\n\n'
+    except Exception:  # noqa: BLE001  (the response has started: told in the stream)
+      logging.exception('a streamed completion failed')
+      yield _event(_internal().body())
     finally:
       _cancel(sequences)
 
@@ -311,6 +403,14 @@ def _usage(prompts, sequences) -> dict:
           'total_tokens': prompt_tokens + completion_tokens}
 
 
+async def _next(updates: asyncio.Queue) -> '_Update | None':
+  """The next update, or None after POLL_S without one."""
+  try:
+    return await asyncio.wait_for(updates.get(), POLL_S)
+  except TimeoutError:
+    return None
+
+
 def _cancel(sequences) -> None:
   for seq in sequences:
     if not seq.done:
@@ -321,6 +421,39 @@ def _event(data: dict) -> str:
   return f'data: {json.dumps(data)}\n\n'
 
 
+class _Guard:
+  """The app's outer layer (plain ASGI, so that streams pass through untouched): a /v1 request
+  without the API key gets 401 (OpenAI's invalid_api_key); an exception that no handler answered
+  is logged with its traceback and answered with a generic 500 (its text is never sent)."""
+
+  def __init__(self, app, api_key: str | None):
+    self.app = app
+    self.expected = f'Bearer {api_key}'.encode() if api_key else None
+
+  async def __call__(self, scope, receive, send):
+    if scope['type'] != 'http':
+      return await self.app(scope, receive, send)
+    if self.expected and scope['path'].startswith('/v1') and not secrets.compare_digest(
+        dict(scope['headers']).get(b'authorization', b''), self.expected):
+      return await APIError(
+          'Missing or incorrect API key: send the header "Authorization: Bearer KEY" with the '
+          f'key this server was started with (--api_key or {API_KEY_ENV}).', status=401,
+          code='invalid_api_key').response()(scope, receive, send)
+    started = False
+
+    async def sending(message):
+      nonlocal started
+      started = started or message['type'] == 'http.response.start'
+      await send(message)
+
+    try:
+      await self.app(scope, receive, sending)
+    except Exception:  # noqa: BLE001  (logged here, a generic answer there)
+      logging.exception('%s %s failed', scope['method'], scope['path'])
+      if not started:
+        await _internal().response()(scope, receive, send)
+
+
 def create_app(server: Server) -> fastapi.FastAPI:
   @contextlib.asynccontextmanager
   async def lifespan(_):
@@ -329,6 +462,7 @@ def create_app(server: Server) -> fastapi.FastAPI:
     server.stop()
 
   app = fastapi.FastAPI(title='jax_pretrain', lifespan=lifespan)
+  app.add_middleware(_Guard, api_key=server.api_key)
 
   @app.exception_handler(APIError)
   async def api_error(_, e: APIError):
@@ -348,12 +482,11 @@ def create_app(server: Server) -> fastapi.FastAPI:
     return APIError(str(e.detail), status=e.status_code,
                     code='not_found' if e.status_code == 404 else None).response()
 
-  @app.exception_handler(Exception)
-  async def unexpected(_, e: Exception):
-    return APIError(f'{type(e).__name__}: {e}', status=500, kind='server_error').response()
-
   @app.get('/health')
   async def health():
+    why = server.not_running()
+    if why:
+      return APIError(why, status=503, kind='server_error', code='engine_not_running').response()
     return {'status': 'ok', 'model': server.name, **server.engine.stats()}
 
   @app.get('/v1/models')
@@ -369,12 +502,23 @@ def create_app(server: Server) -> fastapi.FastAPI:
   return app
 
 
+def listen(server: Server, host: str, port: int):
+  """A uvicorn server of the app on host:port (its run() serves until a signal), told to exit
+  should the engine's thread end on its own (server.failure says why)."""
+  import uvicorn  # noqa: PLC0415
+  uv = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port,
+                                     log_level='warning'))
+  server.on_failure = lambda: setattr(uv, 'should_exit', True)
+  return uv
+
+
 def main():
   import os  # noqa: PLC0415
 
   from absl import flags  # noqa: PLC0415
-  import uvicorn  # noqa: PLC0415
   f = flags.FLAGS
+  if f.max_sequences_per_request < 1:
+    raise UserError(f'--max_sequences_per_request={f.max_sequences_per_request}: it must be >= 1')
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   context = f.context or run.config.data.seq_len
   engine = engine_lib.Engine(config_lib.model_config(run.config), run.params, run.tokenizer,
@@ -384,14 +528,24 @@ def main():
     t0 = time.perf_counter()
     engine.warmup()
     print(f'compiled {len(engine.shapes)} shapes in {time.perf_counter() - t0:.1f}s', flush=True)
-  print(f'serving {name} on http://{f.host}:{f.port}/v1 ({f.slots} slots of {context} tokens)',
-        flush=True)
-  uvicorn.run(create_app(Server(engine, name)), host=f.host, port=f.port, log_level='warning')
+  server = Server(engine, name, max_sequences=f.max_sequences_per_request,
+                  api_key=f.api_key or os.environ.get(API_KEY_ENV))
+  print(f'serving {name} on http://{f.host}:{f.port}/v1 ({f.slots} slots of {context} tokens'
+        f'{", API key required" if server.api_key else ""})', flush=True)
+  uv = listen(server, f.host, f.port)
+  uv.run()
+  if server.failure is not None:
+    cause = server.failure.__cause__ or server.failure
+    print(f'error: the engine stopped ({server.failure}; the last error: {type(cause).__name__}: '
+          f'{cause}); the tracebacks are in the log above.', file=sys.stderr, flush=True)
+    sys.exit(1)
+  if not uv.started:
+    raise UserError(f'could not serve on {f.host}:{f.port} (the error above says why)')
 
 
-if __name__ == '__main__':
-  from absl import flags
-  cli.define_run_flags()
+def define_flags() -> None:
+  """The server's flags, after cli.define_run_flags (--workdir, --step)."""
+  from absl import flags  # noqa: PLC0415
   flags.DEFINE_string('host', '127.0.0.1', 'Address to listen on (0.0.0.0: every interface).')
   flags.DEFINE_integer('port', 8000, 'Port to listen on.')
   flags.DEFINE_string('model_name', '', 'Name in /v1/models and responses (default: the '
@@ -401,4 +555,14 @@ if __name__ == '__main__':
   flags.DEFINE_integer('chunk', 8, 'Tokens decoded per compiled call (requests join between).')
   flags.DEFINE_bool('warmup', False, 'Compile every bucketed shape before serving (no request '
                     'then waits for a compile; takes a while for a large model).')
+  flags.DEFINE_integer('max_sequences_per_request', MAX_SEQUENCES, 'Sequences (prompts × n) one '
+                       'request may ask for; more get 400.')
+  flags.DEFINE_string('api_key', '', 'Requests to /v1 need "Authorization: Bearer KEY" (401 '
+                      f'without); default: ${API_KEY_ENV} if set, else none needed. /health '
+                      'stays open.')
+
+
+if __name__ == '__main__':
+  cli.define_run_flags()
+  define_flags()
   cli.run(main)

@@ -2,13 +2,17 @@
 queried with the official openai client: completions, batches of prompts with n choices,
 streaming, stop sequences, seeds, echo and logprobs, temperature 0 equal to `jax_pretrain.sample
 --temperature 0`, 16 concurrent clients, bucketed shapes, and bad requests answered with 400 while
-the server goes on serving."""
+the server goes on serving. Then a server built in this process (so that its engine can be broken
+on purpose): the API key, the cap on sequences per request, failures that fail their own requests
+only and never show their text, stopping; and a server whose every step fails, which exits 1."""
 import concurrent.futures
+import contextlib
 import json
 import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +23,7 @@ import pytest
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import engine
+from jax_pretrain import serve
 from jax_pretrain import workdir as workdir_lib
 from tests import tiny_run
 from tests.conftest import ROOT
@@ -26,6 +31,7 @@ from tests.conftest import run_cli
 from tests.conftest import subprocess_env
 
 NAME = 'tiny'
+KEY = 'sk-test-key'
 
 
 @pytest.fixture(scope='session')
@@ -33,26 +39,31 @@ def run(tmp_path_factory):
   return tiny_run.train_once(tmp_path_factory)
 
 
-@pytest.fixture(scope='session')
-def server(run):
-  """The server's base URL: one server per pytest-xdist worker (session scope: a worker may run
-  other modules' tests between these), stopped at the end."""
+def _start(run, *args, env=None, code=('-m', 'jax_pretrain.serve')):
+  """A server process on a free port, once its /health answers: (process, base URL)."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
   proc = subprocess.Popen(
-      [sys.executable, '-m', 'jax_pretrain.serve', f'--workdir={run}', f'--port={port}',
-       f'--model_name={NAME}', '--slots=8', '--chunk=4'],
-      cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      [sys.executable, *code, f'--workdir={run}', f'--port={port}', f'--model_name={NAME}', *args],
+      cwd=ROOT, env=env or subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True)
   url = f'http://127.0.0.1:{port}'
   deadline = time.monotonic() + 180
   while True:
     try:
       urllib.request.urlopen(f'{url}/health', timeout=5)
-      break
+      return proc, url
     except (urllib.error.URLError, ConnectionError):
       assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
       time.sleep(0.5)
+
+
+@pytest.fixture(scope='session')
+def server(run):
+  """The server's base URL: one server per pytest-xdist worker (session scope: a worker may run
+  other modules' tests between these), stopped at the end."""
+  proc, url = _start(run, '--slots=8', '--chunk=4')
   yield url
   proc.terminate()
   _, stderr = proc.communicate(timeout=60)
@@ -67,6 +78,15 @@ def client(server):
 def _get(url: str) -> dict:
   with urllib.request.urlopen(url, timeout=30) as r:
     return json.load(r)
+
+
+def _status(url: str) -> tuple[int, dict]:
+  """A GET's status and JSON, whatever the status."""
+  try:
+    with urllib.request.urlopen(url, timeout=30) as r:
+      return r.status, json.load(r)
+  except urllib.error.HTTPError as e:
+    return e.code, json.load(e)
 
 
 def _post(url: str, body: bytes, path: str = '/v1/completions') -> tuple[int, dict]:
@@ -236,3 +256,221 @@ def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
                                alternatives=i % 2 == 0) for i in range(20)]
   eng.generate(sequences)
   assert all(seq.done and seq.tokens for seq in sequences) and eng.shapes == warm
+
+
+@pytest.fixture(scope='module')
+def trained(run):
+  return workdir_lib.load(run, devices=jax.devices()[:1])
+
+
+@contextlib.contextmanager
+def _serving(trained, **kw):
+  """A server in this process, on a free port (4 slots, chunks of 4): (base URL, its Server, to
+  break on purpose). kw: Server's."""
+  eng = engine.Engine(config_lib.model_config(trained.config), trained.params, trained.tokenizer,
+                      slots=4, context=tiny_run.SEQ_LEN, chunk=4)
+  srv = serve.Server(eng, NAME, **kw)
+  uv = serve.listen(srv, '127.0.0.1', 0)
+  sock = socket.socket()
+  sock.bind(('127.0.0.1', 0))
+  thread = threading.Thread(target=uv.run, kwargs={'sockets': [sock]}, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 60
+  while not uv.started:
+    assert thread.is_alive() and time.monotonic() < deadline
+    time.sleep(0.05)
+  try:
+    yield f'http://127.0.0.1:{sock.getsockname()[1]}', srv
+  finally:
+    uv.should_exit = True
+    thread.join(timeout=60)
+    sock.close()
+
+
+@pytest.fixture(scope='module')
+def local(trained):
+  """The in-process server, with an API key and at most 4 sequences per request."""
+  with _serving(trained, max_sequences=4, api_key=KEY) as served:
+    yield served
+
+
+def _client(url: str, key: str = KEY) -> openai.OpenAI:
+  return openai.OpenAI(base_url=f'{url}/v1', api_key=key, max_retries=0, timeout=120)
+
+
+def _assert_internal(e: openai.APIError):
+  """The generic answer to a failure of the server's own: nothing of the exception's text."""
+  assert e.body == {'message': serve.INTERNAL, 'type': 'server_error', 'param': None,
+                    'code': None}, e.body
+  assert 'secret' not in str(e)
+
+
+def test_the_api_key_is_asked_on_v1_and_not_on_health(local):
+  url, _ = local
+  for path in ('/v1/completions', '/v1/models', '/v1/nowhere'):
+    status, answer = _post(url, b'{"prompt": "a"}', path)  # no Authorization header
+    assert status == 401 and answer['error']['code'] == 'invalid_api_key', answer
+    assert 'Bearer' in answer['error']['message'] and KEY not in answer['error']['message']
+  wrong = _client(url, 'sk-wrong')
+  with pytest.raises(openai.AuthenticationError, match='incorrect API key'):
+    greedy(wrong, 'The ', max_tokens=3)
+  with pytest.raises(openai.AuthenticationError):
+    wrong.models.list()
+  assert _get(f'{url}/health')['status'] == 'ok'  # open: for load balancers and supervisors
+  assert greedy(_client(url), 'The ', max_tokens=3).choices[0].text
+
+
+def test_a_request_asks_for_max_sequences_per_request_at_most(local):
+  c = _client(local[0])
+  with pytest.raises(openai.BadRequestError,
+                     match=r'asks for 6 sequences \(3 prompts × n = 2\).* at most 4') as e:
+    c.completions.create(model=NAME, prompt=['a', 'b', 'c'], n=2, max_tokens=2)
+  assert (e.value.param, e.value.code, e.value.type) == (
+      'n', 'too_many_sequences', 'invalid_request_error')
+  with pytest.raises(openai.BadRequestError, match='asks for 5 sequences') as e:
+    c.completions.create(model=NAME, prompt=list('abcde'), max_tokens=2)
+  assert e.value.param == 'prompt'
+  assert len(c.completions.create(model=NAME, prompt=['a', 'b'], n=2, max_tokens=2).choices) == 4
+
+
+def test_an_unexpected_error_is_logged_and_answered_500_without_its_text(local, monkeypatch,
+                                                                          caplog):
+  url, srv = local
+
+  def broken(*_):
+    raise RuntimeError('secret detail')
+
+  monkeypatch.setattr(srv, 'check', broken)
+  with pytest.raises(openai.InternalServerError) as e:
+    greedy(_client(url), 'The ', max_tokens=3)
+  assert e.value.status_code == 500
+  _assert_internal(e.value)
+  assert 'POST /v1/completions failed' in caplog.text and 'RuntimeError: secret detail' in (
+      caplog.text)  # with its traceback, server-side
+  monkeypatch.undo()
+  assert greedy(_client(url), 'The ', max_tokens=3).choices[0].text
+
+
+def test_a_failing_callback_fails_its_own_request_only(local, monkeypatch, caplog):
+  url, srv = local
+  updates = serve._Update  # noqa: SLF001
+
+  def update(seq):  # the server's callback, in the engine's thread: raises for one prompt
+    if srv.tokenizer.decode(seq.prompt) == 'boom':
+      raise RuntimeError('secret detail')
+    return updates(seq)
+
+  monkeypatch.setattr(serve, '_Update', update)
+  c = _client(url)
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    fine = pool.submit(c.completions.create, model=NAME, prompt=['The ', 'A'], max_tokens=24,
+                       temperature=0)
+    whole = pool.submit(greedy, c, 'boom')
+    streamed = pool.submit(lambda: list(greedy(c, 'boom', stream=True)))
+    with pytest.raises(openai.InternalServerError) as e:
+      whole.result()
+    _assert_internal(e.value)
+    with pytest.raises(openai.APIError) as e:
+      streamed.result()
+    _assert_internal(e.value)
+    assert all(choice.text and choice.finish_reason in ('length', 'stop')  # the others go on
+               for choice in fine.result().choices)
+  assert 'on_update callback of a sequence raised' in caplog.text
+  assert 'RuntimeError: secret detail' in caplog.text
+  health = _get(f'{url}/health')
+  assert health['status'] == 'ok' and health['busy'] == health['waiting'] == 0
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(local, monkeypatch, caplog):
+  url, srv = local
+  c = _client(url)
+  before = greedy(c, 'The for ').choices[0].text
+  decode, calls = srv.engine._decode, []  # noqa: SLF001
+
+  def fails_once(*args):
+    calls.append(args)
+    if len(calls) == 1:
+      raise RuntimeError('secret detail')
+    return decode(*args)
+
+  monkeypatch.setattr(srv.engine, '_decode', fails_once)
+  with pytest.raises(openai.InternalServerError) as e:
+    c.completions.create(model=NAME, prompt=['The for ', 'A'], max_tokens=12, temperature=0)
+  assert e.value.status_code == 500
+  _assert_internal(e.value)
+  assert 'an engine step failed (1 in a row)' in caplog.text
+  assert 'RuntimeError: secret detail' in caplog.text
+  assert _get(f'{url}/health')['status'] == 'ok'
+  assert greedy(c, 'The for ').choices[0].text == before  # a fresh cache, the same text
+
+
+def test_stopping_fails_the_waiting_and_the_running_requests(trained, monkeypatch):
+  with _serving(trained) as (url, srv):
+    decode, gate = srv.engine._decode, threading.Event()  # noqa: SLF001
+
+    def held(*args):  # the first decode waits for the test
+      gate.wait(60)
+      return decode(*args)
+
+    monkeypatch.setattr(srv.engine, '_decode', held)
+    c = _client(url)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool, contextlib.ExitStack() as opened:
+      opened.callback(gate.set)  # (should an assertion fail first)
+      asked = [pool.submit(greedy, c, f'The {i}', max_tokens=40) for i in range(6)]
+      deadline = time.monotonic() + 60
+      while True:  # one decoding (the first admitted), the others waiting behind it
+        health = _get(f'{url}/health')
+        if health['busy'] + health['waiting'] == 6:
+          break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+      assert health['busy'] >= 1 and health['waiting'] >= 1
+      stopping = threading.Thread(target=srv.stop)
+      stopping.start()
+      while not srv.engine.stopped:
+        time.sleep(0.01)
+      gate.set()  # the waiting ones have failed; the decoding ones fail after this chunk
+      stopping.join()
+      for future in asked:
+        with pytest.raises(openai.InternalServerError,
+                           match='stopped before this request finished') as e:
+          future.result(timeout=30)
+        assert e.value.status_code == 503 and e.value.code == 'server_stopping'
+    status, answer = _status(f'{url}/health')
+    assert status == 503 and answer['error'] == {
+        'message': 'the server is stopping', 'type': 'server_error', 'param': None,
+        'code': 'engine_not_running'}
+    with pytest.raises(openai.InternalServerError, match='stopped') as e:
+      greedy(c, 'The ')
+    assert e.value.status_code == 503
+
+
+BROKEN = """from jax_pretrain import cli, engine, serve
+def broken(*args):
+  raise RuntimeError('secret detail')
+engine.Engine._decode = broken
+cli.define_run_flags()
+serve.define_flags()
+cli.run(serve.main)
+"""
+
+
+def test_an_engine_whose_steps_keep_failing_stops_the_server_with_status_1(run):
+  proc, url = _start(run, '--slots=2', env={**subprocess_env(), serve.API_KEY_ENV: KEY},
+                     code=('-c', BROKEN))
+  try:
+    c = _client(url)
+    for i in range(engine.MAX_FAILURES):
+      with pytest.raises(openai.InternalServerError) as e:
+        greedy(c, 'The ', max_tokens=4)
+      _assert_internal(e.value)
+      if i + 1 < engine.MAX_FAILURES:
+        assert _get(f'{url}/health')['status'] == 'ok'  # the engine went on
+    _, stderr = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert proc.returncode == 1, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1] == (
+      f'error: the engine stopped ({engine.MAX_FAILURES} engine steps failed in a row; the last '
+      'error: RuntimeError: secret detail); the tracebacks are in the log above.')
+  assert stderr.count('an engine step failed') == engine.MAX_FAILURES
