@@ -6,7 +6,8 @@
 --init=RUN is `--config=configs/grpo.py:RUN`: the model group and seq_len come from that run's
 config.json and its params load with a fresh optimizer. The defaults are the guide's (16
 completions a prompt, learning rate 1e-5) and TRL's (beta 0, temperature 1.0, rewards scaled by
-the group's std); train.batch_size counts completions: 8 prompts a step.
+the group's std, the bias-corrected KL, one update a rollout batch: the grpo group's defaults);
+train.batch_size counts completions: 8 prompts a step.
 """
 from jax_pretrain import config
 

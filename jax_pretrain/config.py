@@ -35,6 +35,8 @@ STREAM = ("the checkpoint's data position counts batches of the old data stream,
 _LOSS_SCALE = ("a float16 run's train state holds its dynamic loss scale, other dtypes' do not "
                '(to resume on another card, give the old dtype: --config.model.dtype=OLD)')
 _AUTO_DTYPE = 'auto'
+_UPDATES = ("the checkpoint's train state counts optimizer updates, grpo.num_iterations of them a "
+            'step, and its learning-rate schedule is stretched by it')
 
 
 def _float16_toggled(before, after) -> str:
@@ -211,7 +213,13 @@ GRPO = (  # read by `python -m jax_pretrain.grpo` only (jax_pretrain/grpo.py)
       'EOS or max_new_tokens); rewards see the text before it'),
     F('beta', 0.0, SAFE, 'KL penalty (k3) against the initial model; 0: no reference model is '
       'held (TRL: 0.0)'),
-    F('scale_rewards', 'group', SAFE, "'group': advantages divided by the group's std | 'none'"),
+    F('scale_rewards', 'group', SAFE, "'group': advantages divided by the group's std (+ 1e-4, "
+      "TRL's) | 'none'"),
+    F('use_bias_correction_kl', True, SAFE, "the k3 KL term times the importance ratio, the "
+      "unbiased reverse-KL gradient (TRL's default and name); False: k3 alone (tunix)"),
+    F('num_iterations', 1, _UPDATES, "optimizer updates per rollout batch (TRL's num_iterations, "
+      'μ): the later ones reuse it with the clipped objective; train.steps, warmup_steps and every '
+      'step cadence count rollout batches'),
 )
 
 GROUPS = {'model': MODEL, 'data': DATA, 'train': TRAIN, 'optim': OPTIM, 'mesh': MESH,
@@ -342,6 +350,9 @@ class RunShape:
   grad_accum_steps: int  # micro-batches per optimizer step
   tokens_per_step: int
   choices: tuple[str, ...] = ()  # what 'auto' fields resolved to and why, for the start-up lines
+  # Optimizer updates per loop step (train.Program.updates_per_step: GRPO's num_iterations, else
+  # 1). The schedule counts updates; train.steps and optim.warmup_steps count loop steps.
+  updates_per_step: int = 1
 
 
 _DTYPES = ('float32', 'bfloat16', 'float16')
@@ -567,6 +578,8 @@ def _resolve_grpo(g: ml_collections.ConfigDict) -> None:
          'sample).')
   _check(g.beta >= 0, f'grpo.beta={g.beta} must be >= 0.')
   _check(g.rollout_slots >= 0, f'grpo.rollout_slots={g.rollout_slots} must be >= 0 (0: all).')
+  _check(g.num_iterations >= 1, f'grpo.num_iterations={g.num_iterations} must be >= 1 (optimizer '
+         'updates per rollout batch).')
   try:
     unescape(g.stop)
   except ValueError as e:

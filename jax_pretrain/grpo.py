@@ -4,45 +4,73 @@ program that fine-tunes a trained run with it.
   python -m jax_pretrain.grpo --workdir=OUT --init=RUN --task=TRAIN.jsonl \
       [--eval_task=HELDOUT.jsonl] [--config=configs/grpo.py] [--config.grpo.num_samples=16 ...]
 
-Each step (one optimizer update, train.py's setup and loop.py's loop, as pretraining): the next
-batch_size / num_samples prompts of the task (a new seeded order every pass), num_samples
-completions of each sampled by the KV-cached engine (engine.py; the rollout's log-probabilities
-kept), scored by the task's reward (tasks.py), their group-relative advantages, then the update
-(state.make_train_step with this module's loss: micro-batches, meshes, loss scaling, the
-non-finite guard as in pretraining). Checkpoints, resume, signals, metrics.jsonl, TensorBoard and
-W&B are the trainer's. A run stopped by SIGTERM and rerun continues exactly: step k's prompts and
-rollout seeds depend only on the seed and k.
+Each step (train.py's setup and loop.py's loop, as pretraining): the next batch_size /
+num_samples prompts of the task (a new seeded order every pass), num_samples completions of each
+sampled by the KV-cached engine (engine.py; the rollout's log-probabilities kept), scored by the
+task's reward (tasks.py), their group-relative advantages, then grpo.num_iterations updates on
+that batch (state.make_train_step with this module's loss: micro-batches, meshes, loss scaling,
+the non-finite guard as in pretraining; one by default). Checkpoints, resume, signals,
+metrics.jsonl, TensorBoard and W&B are the trainer's. A run stopped by SIGTERM and rerun continues
+exactly: step k's prompts and rollout seeds depend only on the seed and k.
 
-Per prompt, G completions are sampled and scored; each completion's advantage is its reward
-against its group's:
+The defaults are TRL's GRPOTrainer's (1.16: trl/trainer/grpo_config.py and grpo_trainer.py), and
+tests/test_grpo.py checks the loss, the advantages, the log-probabilities and every parameter's
+gradient against TRL's own code on an exported model. Per prompt, G completions are sampled and
+scored; each completion's advantage is its reward against its group's:
 
   A_i = (r_i - mean(r_group)) / (std(r_group, ddof=1) + ADVANTAGE_EPS)
 
-(scale_rewards='group'; TRL's GRPOTrainer divides by torch's std, which is the ddof=1 one; tunix's
-GRPO uses ddof=1 and 1e-6 — we take ddof=1 and 1e-6). The policy loss per completion token t is
-the clipped importance-ratio objective (PPO's, as GRPO and TRL use it),
+(scale_rewards='group'; TRL divides by torch's std, the ddof=1 one, + 1e-4, a constant of its
+code; tunix uses ddof=1 and 1e-6). The policy loss per completion token t is the clipped
+importance-ratio objective (PPO's, as GRPO and TRL use it), with the KL penalty against the
+frozen initial model as TRL computes it by default (use_bias_correction_kl=True, from DeepSeek-V3.2:
+the k3 estimator times the ratio, so that its gradient is the unbiased reverse-KL one),
 
   ratio_t = exp(logp_t - logp_old_t)
   loss_t  = -min(ratio_t · A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) · A)
-            + beta · (exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1)
+            + beta · ratio_t · (exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1)
 
-where the KL penalty against the frozen initial model uses the k3 estimator (Schulman's; TRL and
-tunix use it), only when beta > 0 (beta 0: no reference model is held; with beta > 0 the initial
-params are held in the policy's shardings and score each batch once). Token-level aggregation
-(DAPO, TRL's loss_type 'dapo'): the sum of loss_t over every completion token of the batch
-divided by their count, so long completions weigh by their tokens. Defaults (TRL): beta 0.0,
-epsilon 0.2 (epsilon_high = epsilon), scale_rewards 'group', temperature 1.0; the guide's
+(grpo.use_bias_correction_kl=False drops that ratio_t: k3 alone, tunix's and TRL's before it; the
+value is the same where the ratio is 1, the gradient is not: the corrected one adds
+beta · k3_t · d logp_t.) The KL term is there only when beta > 0 (beta 0: no reference model is
+held; with beta > 0 the initial params are held in the policy's shardings and score each batch
+once). Token-level aggregation (DAPO, TRL's default loss_type 'dapo'): the sum of loss_t over
+every completion token of the batch divided by their count (TRL's num_items_in_batch, the
+generation batch's completion tokens over all processes), so long completions weigh by their
+tokens. Defaults (TRL's GRPOConfig): beta 0.0, epsilon 0.2 (epsilon_high = epsilon),
+scale_rewards 'group', temperature 1.0, num_iterations 1, use_bias_correction_kl True; the guide's
 learning rate 1e-5 and 16 samples (configs/grpo.py).
 
-logp is that of the distribution the rollouts sample, softmax(logits / temperature), as TRL
-scores it (at temperature 1, the model's own).
+logp is that of the distribution the rollouts sample, softmax(logits / temperature) over the whole
+vocabulary, as TRL scores it (its fused LM head divides the logits by the temperature; at
+temperature 1, the model's own); logp_ref too.
 
-logp_old: one update per rollout batch (TRL's and tunix's default, num_iterations=1), so the
-policy that sampled is the one being updated and logp_old is this forward's own log-probability,
-held constant (the re-score with the training forward that the ratio needs, at no extra pass):
-the ratio is 1 in value and the gradient is the policy gradient A · d logp; clipping, written and
-tested above, acts only when a batch is reused for several updates, which this program does not
-do. The rollout's own log-probabilities (the engine's, over the ids it may sample) are compared
+logp_old, the log-probability of the policy that sampled, at the update's precision. With one
+update per rollout batch (num_iterations=1, TRL's and tunix's default) the policy that sampled is
+the one being updated, so logp_old is this forward's own log-probability, held constant (the
+re-score with the training forward that the ratio needs, at no extra pass; TRL does the same:
+per_token_logps.detach()): the ratio is 1 in value and the gradient is the policy gradient
+A · d logp. With num_iterations = μ > 1 the batch is reused for μ updates (each one optimizer
+step over the whole batch, as TRL's μ iterations over its generation batch), and logp_old is
+scored once, before the first, by a separate forward of the batch with the params that sampled
+(the reference model's scoring function, on the policy's params): the first update's ratio is 1
+up to the two programs' rounding, the later ones' move away from 1 and clipping acts
+(train/clip_fraction). A separate pass, not the first update's forward kept: the train step
+returns sums over its micro-batches, not per-token arrays, and TRL scores old_per_token_logps
+the same way (a no-grad forward when the batch is generated). The pass costs a forward of the
+batch per rollout, a third of an update, only when μ > 1.
+
+Steps with μ > 1: a step is a rollout batch and its μ updates. train.steps, optim.warmup_steps,
+checkpoint.every_steps, train.eval_every and train.log_every count steps; the train state's step
+and the optimizer count updates (μ a step), and the learning-rate schedule is stretched by μ
+(optim.learning_rate_schedule: the curve over steps is the same whatever μ; in TRL's terms,
+max_steps = μ · train.steps and warmup_steps = μ · optim.warmup_steps). A step's metrics are the
+means over its updates (train/logp_mismatch: its first update's, where the trained params are the
+ones that sampled; the non-finite counters: after its last). Checkpoints hold whole steps, so a
+run resumes at step state.step / μ with the same prompts and seeds, exactly; num_iterations may
+not change on resume.
+
+The rollout's own log-probabilities (the engine's, over the ids it may sample) are compared
 with the training forward's: train/logp_mismatch, the mean absolute gap per completion token.
 The EOS that ends a completion is one of its trained tokens, so that a policy learns to stop.
 """
@@ -69,13 +97,17 @@ from jax_pretrain import train as train_lib
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.errors import UserError
 
-ADVANTAGE_EPS = 1e-6
+ADVANTAGE_EPS = 1e-4  # TRL's (grpo_trainer.py: advantages / (std_rewards + 1e-4)); tunix: 1e-6
 # Decoding steps per engine call in rollouts: one host round trip per 16 tokens (nothing streams;
 # a row's tokens do not depend on it). 16 against 8 measured 4% faster on one H100 (BENCHMARKS.md).
 ROLLOUT_CHUNK = 16
 EPSILON = 0.2  # TRL's epsilon (and epsilon_high): the clip range of the importance ratio
 # Step's running totals (seconds generating and updating, tokens generated and trained on).
 COUNTERS = ('rollout_seconds', 'update_seconds', 'rollout_tokens', 'update_tokens')
+# A step's metrics over its updates (grpo.num_iterations > 1): means, but these are the state's
+# after the last update (the non-finite guard reads them) and the mismatch the first update's.
+LAST_UPDATE = ('nonfinite_count', 'consecutive_nonfinite', 'loss_scale', 'loss_scale_skips')
+FIRST_UPDATE = ('logp_mismatch',)
 
 
 def group_advantages(rewards_PxG: jax.Array, scale: str = 'group') -> jax.Array:
@@ -90,9 +122,12 @@ def group_advantages(rewards_PxG: jax.Array, scale: str = 'group') -> jax.Array:
 
 def token_terms(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array,
                 ref_logp_BxT: jax.Array | None = None, *, epsilon: float = EPSILON,
-                epsilon_high: float | None = None, beta: float = 0.0):
+                epsilon_high: float | None = None, beta: float = 0.0,
+                bias_correction_kl: bool = True):
   """Per token: (loss_t of the formula above, whether the clipped branch is the smaller one, and
-  the k3 KL or None when beta is 0). advantages_BxT: each token's completion's advantage."""
+  the KL term that beta multiplies, or None when beta is 0). advantages_BxT: each token's
+  completion's advantage. The KL term is k3 × ratio with bias_correction_kl (TRL's default), k3
+  alone without: like TRL's `kl` metric, it is the term the loss holds."""
   epsilon_high = epsilon if epsilon_high is None else epsilon_high
   a_BxT = advantages_BxT.astype(jnp.float32)
   ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
@@ -103,6 +138,8 @@ def token_terms(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: ja
   if beta:
     delta_BxT = ref_logp_BxT - logp_BxT
     kl_BxT = jnp.exp(delta_BxT) - delta_BxT - 1.0
+    if bias_correction_kl:
+      kl_BxT = kl_BxT * ratio_BxT
     per_token_BxT = per_token_BxT + beta * kl_BxT
   return per_token_BxT, clipped_BxT < unclipped_BxT, kl_BxT
 
@@ -110,14 +147,14 @@ def token_terms(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: ja
 def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Array,
               mask_BxT: jax.Array, ref_logp_BxT: jax.Array | None = None, *,
               epsilon: float = EPSILON, epsilon_high: float | None = None,
-              beta: float = 0.0) -> tuple[jax.Array, dict]:
+              beta: float = 0.0, bias_correction_kl: bool = True) -> tuple[jax.Array, dict]:
   """(loss, metrics) of the formula above: B completions (rows), T token positions; mask_BxT 1 at
   completion tokens (prompt and padding 0). logp_BxT is differentiated; the rest are constants."""
   mask_BxT = mask_BxT.astype(jnp.float32)
   a_BxT = jnp.broadcast_to(advantages_B.astype(jnp.float32)[:, None], logp_BxT.shape)
   per_token_BxT, clipped_BxT, kl_BxT = token_terms(
       logp_BxT, old_logp_BxT, a_BxT, ref_logp_BxT, epsilon=epsilon, epsilon_high=epsilon_high,
-      beta=beta)
+      beta=beta, bias_correction_kl=bias_correction_kl)
   tokens = jnp.maximum(jnp.sum(mask_BxT), 1.0)
   metrics = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT) / tokens}
   if kl_BxT is not None:
@@ -125,16 +162,17 @@ def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Ar
   return jnp.sum(per_token_BxT * mask_BxT) / tokens, metrics
 
 
-def make_loss_fn(model, beta: float, temperature: float = 1.0):
+def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_kl: bool = True):
   """The train step's loss (state.make_train_step's loss_fn): (params, batch) -> (the per-token
   loss summed over completion tokens, (their count, {clip_fraction, logp_mismatch[, kl]} sums)).
 
   batch: 'tokens' int32 [B, T+1]; float32 [B, T] 'mask' (1 where target t is a completion
   token), 'advantages' (its completion's advantage), 'rollout_logp' (the engine's log-probability
-  of it, at temperature 1) and with beta > 0 'ref_logp' (the initial model's, at `temperature`).
+  of it, at temperature 1), with beta > 0 'ref_logp' (the initial model's, at `temperature`), and
+  with num_iterations > 1 'old_logp' (the sampling params', at `temperature`: logp_old).
   logp is that of the sampling distribution, softmax(logits / temperature), as TRL scores it;
-  logp_old is this forward's own, held constant (see the module docstring). The mismatch compares
-  temperature-1 log-probabilities, the engine's scale."""
+  without 'old_logp', logp_old is this forward's own, held constant (see the module docstring).
+  The mismatch compares temperature-1 log-probabilities, the engine's scale."""
   temperatures = (temperature,) if temperature == 1.0 else (temperature, 1.0)
 
   def loss_fn(params, batch):
@@ -143,7 +181,8 @@ def make_loss_fn(model, beta: float, temperature: float = 1.0):
     at_one_BxT = jax.lax.stop_gradient(untempered[0]) if untempered else held_BxT
     mask_BxT = batch['mask']
     per_token_BxT, clipped_BxT, kl_BxT = token_terms(
-        logp_BxT, held_BxT, batch['advantages'], batch.get('ref_logp'), beta=beta)
+        logp_BxT, batch.get('old_logp', held_BxT), batch['advantages'], batch.get('ref_logp'),
+        beta=beta, bias_correction_kl=bias_correction_kl)
     sums = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT),
             'logp_mismatch': jnp.sum(jnp.abs(at_one_BxT - batch['rollout_logp']) * mask_BxT)}
     if kl_BxT is not None:
@@ -340,9 +379,10 @@ class GRPO(train_lib.Program):
     B = c.train.batch_size
     update = train_lib.compile_step(s, data.tokenizer.pad_id, update_batch(s, data.width),
                                     update_loss_fn(s))
-    ref = None
-    if g.beta:  # the initial model, in the policy's shardings, scoring each batch once
-      ref = _reference(s, c.checkpoint.restore_from, g.temperature)
+    # The initial model with beta > 0, in the policy's shardings; the scoring pass scores each
+    # batch with it once, and with num_iterations > 1 with the params that sampled it (logp_old).
+    ref = _reference_params(s, c.checkpoint.restore_from) if g.beta else None
+    score = _scorer(s, g.temperature) if g.beta or g.num_iterations > 1 else None
     eng = engine_lib.Engine(config_lib.model_config(c), None, data.tokenizer,
                             slots=rollout_slots(c), context=data.context, chunk=ROLLOUT_CHUNK,
                             mesh=s.mesh)
@@ -350,14 +390,19 @@ class GRPO(train_lib.Program):
         f'grpo              {len(data.sources.items)} task items, {B // g.num_samples} prompts × '
         f'{g.num_samples} completions a step (rows of {data.width} tokens), at most '
         f'{g.max_new_tokens} new tokens, temperature {g.temperature}, reward {g.reward!r}, '
-        f'beta {g.beta}; engine {eng.slots} slots × {eng.context} tokens over {eng.devices} '
-        'devices' + (f'; eval on {len(data.sources.eval_items)} held-out items'
-                            if data.sources.eval_items else ''))
+        f'beta {g.beta}' + (f', {g.num_iterations} updates a rollout batch'
+                            if g.num_iterations > 1 else '') +
+        f'; engine {eng.slots} slots × {eng.context} tokens over {eng.devices} devices' +
+        (f'; eval on {len(data.sources.eval_items)} held-out items'
+         if data.sources.eval_items else ''))
     self.engine = eng
-    return Step(s, data, update, eng, ref)
+    return Step(s, data, update, eng, ref, score)
 
   def batches(self, s: state_lib.Setup, data: TaskData):
     return data.train
+
+  def updates_per_step(self, resolved: ml_collections.ConfigDict) -> int:
+    return resolved.grpo.num_iterations
 
   def logger(self, s, writer, step: int) -> GRPOLogger:
     return GRPOLogger(s, writer, step)
@@ -378,8 +423,10 @@ def check_batch(c: ml_collections.ConfigDict) -> None:
 
 
 def update_loss_fn(s: state_lib.Setup):
-  """The update's loss for the resolved config (make_loss_fn with its beta and temperature)."""
-  return make_loss_fn(s.model, s.config.grpo.beta, s.config.grpo.temperature)
+  """The update's loss for the resolved config (make_loss_fn with its beta, temperature and KL
+  correction)."""
+  g = s.config.grpo
+  return make_loss_fn(s.model, g.beta, g.temperature, g.use_bias_correction_kl)
 
 
 def update_batch(s: state_lib.Setup, width: int) -> dict:
@@ -391,6 +438,8 @@ def update_batch(s: state_lib.Setup, width: int) -> dict:
            'advantages': row((B, T), jnp.float32), 'rollout_logp': row((B, T), jnp.float32)}
   if s.config.grpo.beta:
     batch['ref_logp'] = row((B, T), jnp.float32)
+  if s.config.grpo.num_iterations > 1:
+    batch['old_logp'] = row((B, T), jnp.float32)
   return batch
 
 
@@ -414,15 +463,20 @@ def engine_context(c: ml_collections.ConfigDict, longest_prompt: int) -> int:
   return longest_prompt + c.grpo.max_new_tokens
 
 
-def _reference(s: state_lib.Setup, run: str, temperature: float):
-  """(params, score): the run's params in the policy's shardings and a jitted scoring of a
-  batch's targets with them (at the sampling temperature), micro-batch by micro-batch as the
-  train step goes."""
+def _reference_params(s: state_lib.Setup, run: str):
+  """The run's params (the initial model) in the policy's shardings."""
   checkpointer = checkpoint_lib.Checkpointer(run, read_only=True)
   try:
-    _, params = checkpointer.restore_params(s.abstract_state.params)
+    return checkpointer.restore_params(s.abstract_state.params)[1]
   finally:
     checkpointer.close()
+
+
+def _scorer(s: state_lib.Setup, temperature: float):
+  """score(params, batch) -> float32 [B, T]: each target's log-probability at the sampling
+  temperature, jitted for params in the policy's shardings, micro-batch by micro-batch as the
+  train step goes (no gradient, so no more memory than its forward). It scores the reference
+  model's logp_ref and, with num_iterations > 1, the sampling policy's logp_old."""
   A = s.run.grad_accum_steps
 
   def score(params, batch):
@@ -433,15 +487,27 @@ def _reference(s: state_lib.Setup, run: str, temperature: float):
     B, T1 = tokens_BxT1.shape
     logp_AxMxT = jax.lax.map(one, tokens_BxT1.reshape(B // A, A, T1).swapaxes(0, 1))
     return logp_AxMxT.swapaxes(0, 1).reshape(B, T1 - 1)
-  return params, jax.jit(score, in_shardings=(s.state_shardings.params, s.batch_sharding),
-                         out_shardings=s.batch_sharding)
+  return jax.jit(score, in_shardings=(s.state_shardings.params, s.batch_sharding),
+                 out_shardings=s.batch_sharding)
+
+
+def combine_updates(updates: list[dict]) -> dict:
+  """A step's metrics from its updates' (in order): the means, but LAST_UPDATE's the last's and
+  FIRST_UPDATE's the first's (see the module docstring). One update: its metrics, as they are."""
+  if len(updates) == 1:
+    return updates[0]
+  pick = {**dict.fromkeys(LAST_UPDATE, -1), **dict.fromkeys(FIRST_UPDATE, 0)}
+  return {k: updates[pick[k]][k] if k in pick else jnp.mean(jnp.stack([m[k] for m in updates]))
+          for k in updates[0]}
 
 
 class Step:
-  """One GRPO step, as the loop calls it: (state, the step's task items) -> (state, metrics)."""
+  """One GRPO step, as the loop calls it: (state, the step's task items) -> (state, metrics): a
+  rollout batch, then grpo.num_iterations updates on it (their metrics: combine_updates)."""
 
-  def __init__(self, s: state_lib.Setup, data: TaskData, update, eng, ref):
-    self.s, self.data, self.update, self.engine, self.ref = s, data, update, eng, ref
+  def __init__(self, s: state_lib.Setup, data: TaskData, update, eng, ref, score):
+    self.s, self.data, self.update, self.engine = s, data, update, eng
+    self.ref, self.score = ref, score  # (the reference params or None; _scorer's or None)
     self.g = config_lib.grpo_config(s.config)
     self.stop = stop_strings(self.g)
     # This process's totals; GRPOLogger reports their growth between logged steps.
@@ -449,7 +515,7 @@ class Step:
 
   def __call__(self, state: state_lib.TrainState, items: list):
     g, tokenizer, reward = self.g, self.data.tokenizer, self.data.sources.reward
-    step = int(jax.device_get(state.step)) + 1
+    step = int(jax.device_get(state.step)) // g.num_iterations + 1  # (the state counts updates)
     t0 = time.perf_counter()
     self.engine.set_params(state.params)
     seed = int(np.random.SeedSequence([self.s.config.train.seed % 2**32,
@@ -470,15 +536,22 @@ class Step:
         'advantages': np.broadcast_to(advantages_B[:, None], r.mask_BxT.shape).copy()}.items()}
     t2 = time.perf_counter()  # (scoring the rewards is neither generating nor updating)
     if self.ref is not None:
-      batch['ref_logp'] = self.ref[1](self.ref[0], batch)
-    state, metrics = self.update(state, batch)
+      batch['ref_logp'] = self.score(self.ref, batch)
+    if g.num_iterations > 1:  # logp_old: the params that sampled, before the first update
+      batch['old_logp'] = self.score(state.params, batch)
+    updates = []
+    for _ in range(g.num_iterations):
+      state, metrics = self.update(state, batch)
+      updates.append(metrics)
     # The next rollout samples with these params: waiting here costs nothing, and times the
     # update apart from the generation.
     jax.block_until_ready(state)
     self.counters['update_seconds'] += time.perf_counter() - t2
     self.counters['rollout_tokens'] += int(r.lengths.sum())
-    self.counters['update_tokens'] += int((r.tokens_BxT1 != tokenizer.pad_id).sum())
-    metrics = dict(metrics, reward=float(rewards.mean()), accuracy=tasks.accuracy(rewards),
+    self.counters['update_tokens'] += g.num_iterations * int(
+        (r.tokens_BxT1 != tokenizer.pad_id).sum())
+    metrics = dict(combine_updates(updates), reward=float(rewards.mean()),
+                   accuracy=tasks.accuracy(rewards),
                    reward_std=float(rewards.reshape(len(items), -1).std(axis=1, ddof=1).mean()),
                    completion_tokens=float(r.lengths.mean()), **self.counters)
     return state, metrics

@@ -10,14 +10,18 @@ import optax
 from jax_pretrain.config import OptimConfig
 
 
-def learning_rate_schedule(o: OptimConfig, steps: int) -> optax.Schedule:
+def learning_rate_schedule(o: OptimConfig, steps: int,
+                           updates_per_step: int = 1) -> optax.Schedule:
   """0 -> learning_rate linearly over warmup_steps, then cosine down to min_learning_rate at steps.
 
-  optax's decay_steps counts the warmup too, so it is the whole run.
+  optax's decay_steps counts the warmup too, so it is the whole run. The schedule is a function of
+  the optimizer's update count; with updates_per_step > 1 (GRPO's num_iterations: several updates
+  on each rollout batch) both lengths are stretched by it, so that the curve over the run's steps
+  stays the one warmup_steps and steps describe, whatever the updates a step.
   """
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps,
-      decay_steps=steps, end_value=o.min_learning_rate)
+      init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps * updates_per_step,
+      decay_steps=steps * updates_per_step, end_value=o.min_learning_rate)
 
 
 def weight_decay_mask(params):
@@ -29,11 +33,12 @@ def weight_decay_mask(params):
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(o: OptimConfig, steps: int) -> optax.GradientTransformation:
-  """o: the resolved optim group (config.optim_config); steps: the run's optimizer steps (the
-  schedule's length)."""
-  adamw = optax.adamw(learning_rate_schedule(o, steps), b1=o.b1, b2=o.b2, eps=o.eps,
-                      weight_decay=o.weight_decay, mask=weight_decay_mask,
+def make_optimizer(o: OptimConfig, steps: int,
+                   updates_per_step: int = 1) -> optax.GradientTransformation:
+  """o: the resolved optim group (config.optim_config); steps: the run's steps (the schedule's
+  length), each of updates_per_step optimizer updates (learning_rate_schedule)."""
+  adamw = optax.adamw(learning_rate_schedule(o, steps, updates_per_step), b1=o.b1, b2=o.b2,
+                      eps=o.eps, weight_decay=o.weight_decay, mask=weight_decay_mask,
                       mu_dtype=jnp.dtype(o.mu_dtype))
   if o.grad_clip > 0:
     return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw)

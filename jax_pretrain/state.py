@@ -264,8 +264,9 @@ def build(config: ml_collections.ConfigDict, run: config_lib.RunShape, devices=N
   devices = jax.devices() if devices is None else devices
   mesh = sharding.make_mesh(run.mesh_shape, devices)
   model = model_lib.Transformer(config_lib.model_config(config), mesh=mesh)
-  optimizer = optim.make_optimizer(config_lib.optim_config(config), config.train.steps)
-  schedule = optim.learning_rate_schedule(config_lib.optim_config(config), config.train.steps)
+  o, updates = config_lib.optim_config(config), run.updates_per_step
+  optimizer = optim.make_optimizer(o, config.train.steps, updates)
+  schedule = optim.learning_rate_schedule(o, config.train.steps, updates)
   # Init traces the model once (the forward pass is dead code XLA drops); the batch must split
   # over the data-parallel devices, since fused attention runs under shard_map.
   dummy_BxT = jnp.zeros((run.mesh_shape[0] * run.mesh_shape[1], config.data.seq_len), jnp.int32)

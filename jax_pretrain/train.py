@@ -221,6 +221,12 @@ class Program:
   def check(self, resolved: ml_collections.ConfigDict) -> None:
     """Cheap checks of the resolved config, before any work."""
 
+  def updates_per_step(self, resolved: ml_collections.ConfigDict) -> int:
+    """Optimizer updates a step makes (GRPO: grpo.num_iterations on each rollout batch). The
+    schedule counts updates, so its lengths are stretched by this (optim.learning_rate_schedule);
+    the state's step counts updates, so the loop resumes at state.step / this."""
+    return 1
+
   def alongside(self, resolved: ml_collections.ConfigDict, sources, num_devices: int) -> float:
     """Bytes per device that stay allocated beside the train step (the micro-batch fit leaves
     room for them)."""
@@ -314,14 +320,16 @@ def train(config: ml_collections.ConfigDict, workdir: str, program: Program,
           devices, None, program.alongside(resolved, sources, len(devices)))
       if fitted and saved:
         changes = config_lib.resume_changes(saved, resolved)  # with the micro-batch chosen
-      s = state_lib.build(resolved, run_shape, devices)
+      updates = program.updates_per_step(resolved)
+      s = state_lib.build(resolved, dataclasses.replace(run_shape, updates_per_step=updates),
+                          devices)
       for field, (before, after) in changes.items():
         multihost.log(f'config change on resume: {field} {before!r} -> {after!r}')
       multihost.log(describe(s, model_lib.count_params(s.abstract_state.params)))
       if fitted:
         multihost.log(f'chosen            {fitted}')
       state = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
-      step = int(jax.device_get(state.step))
+      step = int(jax.device_get(state.step)) // updates  # (checkpoints: at whole steps)
       if is_main:  # only once the restore succeeded
         workdir_lib.write_config(workdir, resolved)
         workdir_lib.save_tokenizer(workdir, sources.tokenizer)

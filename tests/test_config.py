@@ -85,6 +85,7 @@ def test_tokens_derive_steps_and_both_are_kept():
     (('--config.model.remat=some',), 1, r"remat='some'"),
     (('--config.optim.warmup_steps=50',), 1,
      r'warmup_steps=50 must be smaller than train.steps=20'),
+    (('--config.grpo.num_iterations=0',), 1, r'grpo.num_iterations=0 must be >= 1'),
 ])
 def test_inconsistent_values_fail_with_the_numbers(overrides, devices, message):
   c = parse(f'--config={ROOT}/configs/test.py', *overrides)
@@ -233,6 +234,7 @@ def test_every_field_declares_its_resume_policy_and_resume_changes_applies_it():
     else:
       assert config_lib.resume_changes(saved, new) == {name: (field.default, after)}
   assert 'model.d_model' in refused and 'train.seed' in refused and 'data.train' in refused
+  assert 'grpo.num_iterations' in refused  # (the state counts its updates)
   assert 'optim.learning_rate' not in refused and 'mesh.data' not in refused
   grad_clip = config_lib.FIELDS['optim.grad_clip']  # its value is safe; on or off is not
   assert not grad_clip.refusal(1.0, 0.5) and grad_clip.refusal(1.0, 0.0) == config_lib.SHAPE

@@ -17,25 +17,36 @@ import pytest
 from jax_pretrain import config as config_lib
 from jax_pretrain import engine
 from jax_pretrain import grpo
+from jax_pretrain import hf
+from jax_pretrain import model as model_lib
+from jax_pretrain import state as state_lib
+from jax_pretrain.data import tokenizer as tokenizer_lib
 from tests.conftest import ROOT
 from tests.conftest import build_setup
 from tests.conftest import subprocess_env
+from tests.test_hf import preset_config
+from tests.test_hf import random_params
 
 EPS, BETA = 0.2, 0.04
 
 
-def _reference(logp, old, adv, mask, ref, eps=EPS, beta=BETA):
-  """float64: loss and d loss / d logp of grpo's docstring formula."""
+def _reference(logp, old, adv, mask, ref, eps=EPS, beta=BETA, corrected=True):
+  """float64: loss and d loss / d logp of grpo's docstring formula (corrected: the k3 term times
+  the ratio, use_bias_correction_kl)."""
   ratio = np.exp(logp - old)
   unclipped, clipped = ratio * adv[:, None], np.clip(ratio, 1 - eps, 1 + eps) * adv[:, None]
-  kl = np.exp(ref - logp) - (ref - logp) - 1
+  k3 = np.exp(ref - logp) - (ref - logp) - 1
+  kl = k3 * ratio if corrected else k3
   per_token = -np.minimum(unclipped, clipped) + beta * kl
   tokens = mask.sum()
   loss = (per_token * mask).sum() / tokens
   # The policy term's derivative is -ratio·A where the unclipped branch is the minimum (or both
-  # are equal), 0 where the clipped one is strictly smaller; the k3 term's is 1 - exp(ref - logp).
+  # are equal), 0 where the clipped one is strictly smaller; the k3 term's is 1 - exp(ref - logp),
+  # and k3 · ratio's ratio · (1 - exp(ref - logp) + k3) (d ratio / d logp = ratio).
   policy = np.where(clipped < unclipped, 0.0, -ratio * adv[:, None])
-  grad = mask * (policy + beta * (1 - np.exp(ref - logp))) / tokens
+  dk3 = 1 - np.exp(ref - logp)
+  dkl = ratio * (dk3 + k3) if corrected else dk3
+  grad = mask * (policy + beta * dkl) / tokens
   return loss, grad, (clipped < unclipped)[mask > 0].mean()
 
 
@@ -52,23 +63,28 @@ def test_group_advantages_are_the_group_centred_rewards_over_their_std():
   rewards = np.array([[1, 0, 0, 1], [0, 0, 0, 1], [1, 1, 1, 1.]])
   got = np.asarray(grpo.group_advantages(jnp.asarray(rewards)))
   mean, std = rewards.mean(1, keepdims=True), rewards.std(1, ddof=1, keepdims=True)
-  np.testing.assert_allclose(got, (rewards - mean) / (std + grpo.ADVANTAGE_EPS), rtol=1e-6)
+  assert grpo.ADVANTAGE_EPS == 1e-4  # TRL's: (r - mean) / (std + 1e-4)
+  np.testing.assert_allclose(got, (rewards - mean) / (std + 1e-4), rtol=1e-6)
   assert np.all(got[2] == 0)  # a group that all agrees teaches nothing
   np.testing.assert_allclose(grpo.group_advantages(jnp.asarray(rewards), 'none'), rewards - mean)
 
 
-def test_objective_and_its_gradient_equal_the_float64_reference_with_clipped_ratios():
+@pytest.mark.parametrize('corrected', [True, False])
+def test_objective_and_its_gradient_equal_the_float64_reference_with_clipped_ratios(corrected):
   logp, old, adv, mask, ref = _batch(np.random.default_rng(0))
-  want_loss, want_grad, want_clipped = _reference(logp, old, adv, mask, ref)
+  want_loss, want_grad, want_clipped = _reference(logp, old, adv, mask, ref, corrected=corrected)
   assert 0.2 < want_clipped < 0.8  # the batch exercises both branches
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   fn = lambda lp: grpo.objective(lp, f32(old), f32(adv), f32(mask), f32(ref), epsilon=EPS,
-                                 beta=BETA)
+                                 beta=BETA, bias_correction_kl=corrected)
   (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(f32(logp))
   np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7)
   np.testing.assert_allclose(float(metrics['clip_fraction']), want_clipped, rtol=1e-6)
   assert float(metrics['kl']) > 0
+  # The correction changes the loss here (ratios are not 1) and the gradient always.
+  other_loss, other_grad, _ = _reference(logp, old, adv, mask, ref, corrected=not corrected)
+  assert abs(other_loss - want_loss) > 1e-4 and np.abs(other_grad - want_grad).max() > 1e-4
   # beta 0: no KL term (and no reference needed).
   loss0, _ = grpo.objective(f32(logp), f32(old), f32(adv), f32(mask), None, epsilon=EPS)
   np.testing.assert_allclose(float(loss0), _reference(logp, old, adv, mask, ref, beta=0)[0],
@@ -255,34 +271,159 @@ def _step_batch(model, params, rng, temperature, B=8, T=11):
   return batch, logp, at_one, adv
 
 
-@pytest.mark.parametrize('temperature', [1.0, 0.7])
-def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(tiny, temperature):
-  """The loss the update differentiates (on-policy: logp_old is the forward's own, held
-  constant; logp of the sampling distribution, logits / temperature) against grpo's formula in
-  float64: loss, gradient (chained through the model's VJP), KL, mismatch (at temperature 1,
-  the engine's scale); the clipped share is 0 with one update per batch."""
+@pytest.mark.parametrize('temperature, off_policy, corrected', [
+    (1.0, False, True), (0.7, False, True), (1.0, True, True), (0.7, True, False)])
+def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(
+    tiny, temperature, off_policy, corrected):
+  """The loss the update differentiates against grpo's formula in float64: loss, gradient
+  (chained through the model's VJP), KL, mismatch (at temperature 1, the engine's scale), clipped
+  share; logp of the sampling distribution (logits / temperature). On-policy (one update a batch)
+  logp_old is the forward's own, held constant, and nothing is clipped; off-policy (a later update
+  of num_iterations > 1) it is the batch's 'old_logp', ratios move away from 1 and clip."""
   model, params = tiny
-  batch, logp, at_one, adv = _step_batch(model, params, np.random.default_rng(5), temperature)
+  rng = np.random.default_rng(5)
+  batch, logp, at_one, adv = _step_batch(model, params, rng, temperature)
+  old = logp
+  if off_policy:
+    batch['old_logp'] = (logp + rng.uniform(-0.5, 0.5, logp.shape)).astype(np.float32)
+    old = batch['old_logp'].astype(np.float64)
   mask = batch['mask'].astype(np.float64)
   ref = batch['ref_logp'].astype(np.float64)
-  loss_fn = grpo.make_loss_fn(model, beta=BETA, temperature=temperature)
+  loss_fn = grpo.make_loss_fn(model, beta=BETA, temperature=temperature,
+                              bias_correction_kl=corrected)
   (loss_sum, (weight, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-  want_loss, want_dlogp, clipped = _reference(logp, logp, adv, mask, ref)
-  assert clipped == 0
+  want_loss, want_dlogp, clipped = _reference(logp, old, adv, mask, ref, corrected=corrected)
+  assert (0.1 < clipped < 0.9) if off_policy else clipped == 0
   np.testing.assert_allclose(float(loss_sum / weight), want_loss, rtol=1e-5)
   assert float(weight) == mask.sum()
-  kl = np.exp(ref - logp) - (ref - logp) - 1
+  kl = (np.exp(ref - logp) - (ref - logp) - 1) * (np.exp(logp - old) if corrected else 1)
   np.testing.assert_allclose(float(sums['kl'] / weight), (kl * mask).sum() / mask.sum(),
                              rtol=1e-4)
   mismatch = np.abs(at_one - batch['rollout_logp']) * mask
   np.testing.assert_allclose(float(sums['logp_mismatch'] / weight),
                              mismatch.sum() / mask.sum(), rtol=1e-3)
-  assert float(sums['clip_fraction']) == 0
+  np.testing.assert_allclose(float(sums['clip_fraction'] / weight), clipped, rtol=1e-6)
   tokens = jnp.asarray(batch['tokens'])
   _, vjp = jax.vjp(lambda p: _logprobs(model, p, tokens, temperature), params)
   (want,) = vjp(jnp.asarray(want_dlogp * mask.sum(), jnp.float32))  # d loss_sum, not the mean
   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):  # (entries up to ~4: float32)
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6)
+
+
+def _trl_trainer(hf_dir, out_dir, rows, rewards, **args):
+  """TRL's GRPOTrainer on the exported model, on the CPU in float32, its generation replaced by
+  the given rows (rollout_func: (prompt ids, completion ids) a completion) and its reward by the
+  given rewards, in order; args: GRPOConfig fields besides its defaults'."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  datasets = pytest.importorskip('datasets')
+  trl = pytest.importorskip('trl')
+  config = trl.GRPOConfig(output_dir=str(out_dir), use_cpu=True, bf16=False, report_to='none',
+                          per_device_train_batch_size=len(rows), logging_steps=1,
+                          max_completion_length=max(len(c) for _, c in rows), **args)
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+  trainer = trl.GRPOTrainer(
+      model=model, args=config, reward_funcs=lambda prompts, completions, **_: list(rewards),
+      train_dataset=datasets.Dataset.from_dict({'prompt': ['a', 'b']}),
+      processing_class=transformers.AutoTokenizer.from_pretrained(str(hf_dir)),
+      rollout_func=lambda prompts, _: {'prompt_ids': [p for p, _ in rows],
+                                      'completion_ids': [c for _, c in rows], 'logprobs': None})
+  trainer.current_gradient_accumulation_steps = 1  # (set by Trainer's loop, which is not run)
+  return trainer
+
+
+@pytest.mark.parametrize('temperature, beta, off_policy', [
+    (1.0, 0.0, False), (0.7, 0.0, False), (1.0, BETA, False), (0.7, BETA, False),
+    (0.7, BETA, True)])
+def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temperature, beta,
+                                                   off_policy):
+  """TRL's GRPOTrainer (its defaults: loss_type 'dapo', epsilon 0.2, scale_rewards 'group',
+  use_bias_correction_kl) and ours on the same exported model, completions and rewards: TRL's own
+  code scores them (rewards -> advantages, the reference's and the policy's log-probabilities at
+  the temperature) and computes the loss (compute_loss) and, by backward, every parameter's
+  gradient; ours (group_advantages, make_loss_fn: the train step's loss) agree to 1e-5. The
+  reference model is the policy moved a little (as after some steps: with the policy's own
+  params the KL term and its gradient are 0, and the test would not see it). Off-policy: a later
+  update of num_iterations=2, logp_old moved off logp (the same for both), so that ratios clip."""
+  torch = pytest.importorskip('torch')
+  pytest.importorskip('trl')
+  monkeypatch.setenv('TRL_EXPERIMENTAL_SILENCE', '1')  # (rollout_func is experimental)
+  monkeypatch.setenv('CI', '1')  # (no telemetry from a test)
+  c = preset_config()
+  params = random_params(c, seed=3)
+  rng = np.random.default_rng(7)
+  ref_params = jax.tree.map(lambda x: x + np.float32(0.03) * rng.standard_normal(
+      x.shape, np.float32), params)
+  tok = tokenizer_lib.ByteTokenizer()
+  hf.save(str(tmp_path / 'hf'), params, c, max_position_embeddings=64, tokenizer=tok)
+  # 2 prompts of 5 tokens (TRL pads prompts on the left: equal lengths keep the positions ours)
+  # × 4 completions of 2 to 7 tokens, some ending with EOS; rewards with ties and spread.
+  P, G = 2, 4
+  prompts = [rng.integers(3, 256, 5).tolist() for _ in range(P)]
+  rows = []
+  for b in range(P * G):
+    completion = rng.integers(3, 256, rng.integers(2, 8)).tolist()
+    rows.append((prompts[b // G], completion + ([tok.eos_id] if b % 3 == 0 else [])))
+  rewards = np.array([1.0, 0.0, 0.0, 1.0, 0.25, -1.0, 2.0, 0.25])
+  g = config_lib.defaults().grpo
+  trainer = _trl_trainer(tmp_path / 'hf', tmp_path / 'out', rows, rewards, num_generations=G,
+                         beta=beta, temperature=temperature, num_iterations=2 if off_policy else 1)
+  if beta:  # (TRL loads its reference from the policy's directory)
+    trainer.ref_model.load_state_dict(
+        {k: torch.from_numpy(v) for k, v in hf.to_hf(ref_params, c).items()}, strict=False)
+  a = trainer.args
+  assert (a.loss_type, a.epsilon, a.epsilon_high, a.scale_rewards, a.use_bias_correction_kl,
+          a.importance_sampling_level) == ('dapo', grpo.EPSILON, None, g.scale_rewards,
+                                           g.use_bias_correction_kl, 'token')
+  trainer.model.train()
+  inputs = trainer._generate_and_score_completions([{'prompt': 'ab'[b // G]} for b in range(P * G)])  # noqa: SLF001
+  ids = torch.cat([inputs['prompt_ids'], inputs['completion_ids']], 1)
+  C = inputs['completion_ids'].shape[1]
+  with torch.no_grad():
+    theirs_logp = trainer._get_per_token_logps_and_entropies(  # noqa: SLF001
+        trainer.model, ids, torch.cat([inputs['prompt_mask'], inputs['completion_mask']], 1),
+        C)[0].numpy()
+  completion = inputs['completion_mask'].numpy() > 0
+  if off_policy:
+    shift = rng.uniform(-0.5, 0.5, theirs_logp.shape).astype(np.float32) * completion
+    inputs['old_per_token_logps'] = inputs['old_per_token_logps'] + torch.from_numpy(shift)
+  loss = trainer.compute_loss(trainer.model, inputs)
+  loss.backward()
+  theirs = {name: p.grad.numpy() for name, p in trainer.model.named_parameters()}
+
+  # Ours on the same rows: tokens = prompt + completion (+ pad), targets t = token t + 1.
+  tokens = jnp.asarray(ids.numpy(), jnp.int32)
+  B, T = tokens.shape[0], tokens.shape[1] - 1
+  mask = np.zeros((B, T), np.float32)
+  mask[:, T - C:] = completion
+  advantages = grpo.group_advantages(jnp.asarray(rewards.reshape(P, G)), g.scale_rewards)
+  np.testing.assert_allclose(np.asarray(advantages).reshape(-1), inputs['advantages'].numpy(),
+                             rtol=1e-5, atol=1e-6)
+  model = model_lib.Transformer(c)
+  score = lambda p: state_lib.target_logprobs(model, p, {'tokens': tokens}, (temperature,))[0]
+  with jax.default_matmul_precision('float32'):
+    logp = score(params)
+    batch = {'tokens': tokens, 'mask': jnp.asarray(mask), 'rollout_logp': jnp.zeros((B, T)),
+             'advantages': jnp.broadcast_to(advantages.reshape(-1, 1), (B, T))}
+    if beta:
+      batch['ref_logp'] = score(ref_params)
+      np.testing.assert_allclose(np.asarray(batch['ref_logp'])[:, T - C:] * completion,
+                                 inputs['ref_per_token_logps'].numpy(), atol=1e-5)
+    if off_policy:  # TRL's logp_old: scored when the batch was generated, with these params
+      np.testing.assert_allclose(np.asarray(logp)[:, T - C:] * completion,
+                                 inputs['old_per_token_logps'].numpy() - shift, atol=1e-5)
+      batch['old_logp'] = logp.at[:, T - C:].add(shift)
+    loss_fn = grpo.make_loss_fn(model, beta, temperature)
+    (loss_sum, (weight, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+  np.testing.assert_allclose(np.asarray(logp)[:, T - C:] * completion, theirs_logp, atol=1e-5)
+  np.testing.assert_allclose(float(loss_sum / weight), loss.item(), rtol=1e-5, atol=1e-6)
+  clipped = float(sums['clip_fraction'] / weight)
+  assert (clipped > 0.1) if off_policy else clipped == 0
+  ours = hf.to_hf(jax.tree.map(lambda x: np.asarray(x) / float(weight), grads), c)
+  assert ours.keys() == theirs.keys()
+  for name, grad in theirs.items():
+    np.testing.assert_allclose(ours[name], grad, rtol=1e-5, atol=1e-5 * np.abs(grad).max(),
+                               err_msg=name)
 
 
 # The program on a toy task: completions are rewarded for their share of the letter 'e' (a user's
@@ -326,23 +467,30 @@ def _records(workdir) -> dict[int, dict]:
   return steps
 
 
-def test_a_grpo_run_stopped_by_sigterm_and_rerun_equals_a_straight_run_and_learns(toy, tmp_path):
+def _straight_and_stopped(toy, tmp_path, steps: int, stop_at: int, *extra) -> tuple[dict, dict]:
+  """The records of a straight run, and of one stopped by SIGTERM once step stop_at is logged
+  then rerun; checks that the rerun resumed and that both ran every step."""
   straight, stopped = tmp_path / 'straight', tmp_path / 'stopped'
-  out = subprocess.run(_grpo_command(toy, straight), cwd=ROOT, env=subprocess_env(),
+  out = subprocess.run(_grpo_command(toy, straight, *extra), cwd=ROOT, env=subprocess_env(),
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
-  proc = subprocess.Popen(_grpo_command(toy, stopped), stdout=subprocess.PIPE,
+  proc = subprocess.Popen(_grpo_command(toy, stopped, *extra), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=ROOT)
   for line in proc.stdout:
-    if line.startswith('step 3/'):
+    if line.startswith(f'step {stop_at}/'):
       proc.send_signal(signal.SIGTERM)  # stops after the step in flight, saves, exits 0
   assert proc.wait(timeout=300) == 0
-  rerun = subprocess.run(_grpo_command(toy, stopped), cwd=ROOT, env=subprocess_env(),
+  rerun = subprocess.run(_grpo_command(toy, stopped, *extra), cwd=ROOT, env=subprocess_env(),
                          capture_output=True, text=True, timeout=300)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert 'resuming from step' in rerun.stdout
   want, got = _records(straight), _records(stopped)
-  assert sorted(want) == list(range(STEPS + 1))  # step 0: eval/accuracy before training
+  assert sorted(want) == sorted(got) == list(range(steps + 1))  # step 0: eval before training
+  return want, got
+
+
+def test_a_grpo_run_stopped_by_sigterm_and_rerun_equals_a_straight_run_and_learns(toy, tmp_path):
+  want, got = _straight_and_stopped(toy, tmp_path, STEPS, 3)
   for step in range(1, STEPS + 1):
     for name in ('train/reward', 'train/loss', 'train/grad_norm', 'train/logp_mismatch',
                  'train/completion_tokens'):
@@ -350,6 +498,26 @@ def test_a_grpo_run_stopped_by_sigterm_and_rerun_equals_a_straight_run_and_learn
   assert 0 < want[1]['perf/generation_share'] < 1 and want[1]['train/clip_fraction'] == 0
   # The policy learns the reward: held-out greedy completions score more than before training.
   assert want[STEPS]['eval/reward'] > want[0]['eval/reward'] + 0.2, (want[0], want[STEPS])
+
+
+def test_num_iterations_reuses_each_rollout_batch_clips_and_resumes_exactly(toy, tmp_path):
+  """grpo.num_iterations=2 at a large learning rate: each step's rollout batch makes 2 updates,
+  the second off its sampling policy (logp_old scored before the first), so ratios clip. Steps
+  count batches and the state updates: the schedule is stretched (warmup 2 steps: 4 updates, a
+  step's lr the mean of its two), and a run stopped by SIGTERM resumes at its step and equals
+  the straight run bitwise."""
+  steps, lr = 4, 3e-2
+  want, got = _straight_and_stopped(
+      toy, tmp_path, steps, 1, '--config.grpo.num_iterations=2', f'--config.train.steps={steps}',
+      f'--config.optim.learning_rate={lr}', f'--config.optim.min_learning_rate={lr}')
+  for step in range(1, steps + 1):
+    for name in ('train/reward', 'train/loss', 'train/grad_norm', 'train/logp_mismatch',
+                 'train/clip_fraction', 'train/lr', 'train/completion_tokens'):
+      assert got[step][name] == want[step][name], (step, name)  # bitwise: same rollouts
+  # Updates 0, 1 | 2, 3 | 4, 5 ... at lr · (0, 1/4) | (2/4, 3/4) | (1, 1) ...
+  np.testing.assert_allclose([want[s]['train/lr'] for s in range(1, steps + 1)],
+                             [lr / 8, lr * 5 / 8, lr, lr], rtol=1e-6)
+  assert all(want[s]['train/clip_fraction'] > 0 for s in range(2, steps + 1)), want
 
 
 @pytest.mark.parametrize('extra, message', [
