@@ -129,26 +129,6 @@ def _size(num_bytes: float) -> str:
   return f'{num_bytes:.0f} bytes'
 
 
-def _cause(error: BaseException) -> str:
-  """The gist of an orbax/tensorstore error: the OS error when there is one (their messages
-  repeat long paths), else the start of the message (without tensorstore's spec)."""
-  error = _read_error(error)
-  text = str(error).strip()
-  found = _TENSORSTORE_OS_ERROR.search(text)
-  if found:
-    return f'{os.strerror(int(found.group(1)))} (errno {found.group(1)})'
-  text = text.split(' [tensorstore_spec=')[0]
-  return text.splitlines()[0][:300] if text else type(error).__name__
-
-
-def _described(error: BaseException) -> str:
-  """_cause, after the error's type unless it is an OS error (whose text says what it is)."""
-  error = _read_error(error)
-  if isinstance(error, OSError) or _TENSORSTORE_OS_ERROR.search(str(error)):
-    return _cause(error)
-  return f'{type(error).__name__}: {_cause(error)}'
-
-
 # What a failed read says about the checkpoint, from least to most serious: when processes differ,
 # the most serious one is what they all do.
 _OK, _DAMAGED, _TRANSIENT, _OTHER = 'ok', 'damaged', 'transient', 'other'
@@ -180,7 +160,7 @@ def _errno_kind(code: int | None) -> str:
 def _kind(error: BaseException) -> str:
   """What a failed read of a checkpoint says about its files (measured with orbax 0.12.8 and
   tensorstore 0.1.86 on a checkpoint whose files were deleted, truncated or overwritten:
-  tests/test_checkpoint.py):
+  tests/test_checkpoint_faults.py):
 
   damaged: our DamagedCheckpoint (a digest differs; a missing state directory); FileNotFoundError
     (orbax: a JSON item's file, an array's directory); json.JSONDecodeError (a truncated JSON
@@ -208,6 +188,26 @@ def _kind(error: BaseException) -> str:
     if _TENSORSTORE_TRANSIENT.match(text):
       return _TRANSIENT
   return _OTHER
+
+
+def _cause(error: BaseException) -> str:
+  """The gist of an orbax/tensorstore error: the OS error when there is one (their messages
+  repeat long paths), else the start of the message (without tensorstore's spec)."""
+  error = _read_error(error)
+  text = str(error).strip()
+  found = _TENSORSTORE_OS_ERROR.search(text)
+  if found:
+    return f'{os.strerror(int(found.group(1)))} (errno {found.group(1)})'
+  text = text.split(' [tensorstore_spec=')[0]
+  return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def _described(error: BaseException) -> str:
+  """_cause, after the error's type unless it is an OS error (whose text says what it is)."""
+  error = _read_error(error)
+  if isinstance(error, OSError) or _TENSORSTORE_OS_ERROR.search(str(error)):
+    return _cause(error)
+  return f'{type(error).__name__}: {_cause(error)}'
 
 
 def _options(read_only: bool, **kwargs) -> ocp.CheckpointManagerOptions:
@@ -393,9 +393,9 @@ class Checkpointer:
     if damaged:
       names = ', '.join(f'{step}{DAMAGED_SUFFIX}' for step in damaged)
       raise CheckpointError(
-          f'every checkpoint in {self.directory} is damaged ({names}; the warnings above say '
-          'why), so the run does not start over on its own. To train from step 0, use a new '
-          f'--workdir, or move the .damaged directories out of {self.directory}.')
+          f'every checkpoint in {self.directory} is damaged and was set aside ({names}, kept '
+          'for inspection), so the run does not start over on its own. To train from step 0, '
+          f'use a new --workdir, or move the .damaged directories out of {self.directory}.')
     return None
 
   def damaged_steps(self) -> list[int]:

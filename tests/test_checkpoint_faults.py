@@ -150,9 +150,10 @@ def test_damaged_files_set_the_step_aside_and_the_previous_one_is_used(workdir, 
 def test_every_checkpoint_damaged_stops_naming_them_and_never_starts_over(workdir, capsys):
   for step in STEPS:
     _damage(str(workdir / 'checkpoints' / str(step) / 'state' / 'manifest.ocdbt'), 'truncate')
-  message = (r'every checkpoint in .*/checkpoints is damaged \(1.damaged, 2.damaged; the warnings '
-             r'above say why\), so the run does not start over on its own. To train from step 0, '
-             r'use a new --workdir, or move the .damaged directories out of .*/checkpoints\.$')
+  message = (r'every checkpoint in .*/checkpoints is damaged and was set aside \(1.damaged, '
+             r'2.damaged, kept for inspection\), so the run does not start over on its own. To '
+             r'train from step 0, use a new --workdir, or move the .damaged directories out of '
+             r'.*/checkpoints\.$')
   checkpointer = checkpoint_lib.Checkpointer(workdir)
   with pytest.raises(checkpoint_lib.CheckpointError, match=message):
     checkpointer.restore_latest(ABSTRACT)
