@@ -10,13 +10,22 @@ What can go wrong, and what happens:
 - A save that fails (disk full, I/O error), in the foreground or in the background, is reported
   by the next `check()` (every step) naming the step and the cause; its temporary directory is
   removed. Before each save the free space is compared with the state's size.
-- A complete-looking checkpoint whose files are damaged, or whose arrays do not match the digests
-  computed on the device when it was saved, is moved to STEP.damaged and the previous one is used.
+- A complete-looking checkpoint whose files are damaged (missing, truncated, undecodable: see
+  `_kind`), or whose arrays do not match the digests computed on the device when it was saved, is
+  moved to STEP.damaged and the previous one is used. When every checkpoint is damaged the run stops
+  rather than start over from step 0.
+- Any other failure to read a checkpoint (an I/O error, a device out of memory, an orbax error)
+  says nothing about the files: the run stops naming the step and the cause, and no checkpoint is
+  moved. Transient I/O errors (EIO, a stale NFS handle, a timeout) are first tried again
+  (RETRY_DELAYS).
 """
+import errno
+import json
 import logging as pylogging
 import os
 import re
 import shutil
+import time
 
 from absl import logging
 import jax
@@ -30,6 +39,10 @@ from jax_pretrain.errors import UserError
 
 DIRECTORY = 'checkpoints'  # under the workdir
 _FREE_SPACE_MARGIN = 1.1  # free space wanted before a save, as a multiple of the state's bytes
+# Seconds to wait before each new try of a read that failed with a transient I/O error; after the
+# last, the restore stops. (A module constant: tests shrink it.)
+RETRY_DELAYS = (1.0, 4.0, 16.0)
+DAMAGED_SUFFIX = '.damaged'  # a step set aside: STEP.damaged, beside the checkpoints
 
 
 class CheckpointError(UserError):
@@ -116,14 +129,85 @@ def _size(num_bytes: float) -> str:
   return f'{num_bytes:.0f} bytes'
 
 
-def _cause(error: Exception) -> str:
+# What a failed read says about the checkpoint, from least to most serious: when processes differ,
+# the most serious one is what they all do.
+_OK, _DAMAGED, _TRANSIENT, _OTHER = 'ok', 'damaged', 'transient', 'other'
+_KINDS = (_OK, _DAMAGED, _TRANSIENT, _OTHER)
+# tensorstore raises ValueError for every failure; its message starts with the status code (none
+# for INVALID_ARGUMENT) and ends with [os_error_code='N'] when a system call failed.
+_TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='?(\d+)")
+_TENSORSTORE_DAMAGED = re.compile(r'^(NOT_FOUND|OUT_OF_RANGE|DATA_LOSS): |Truncated|decompress|'
+                                  r'Error decoding|Invalid JSON')
+_TENSORSTORE_TRANSIENT = re.compile(r'^(UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED): ')
+
+
+def _read_error(error: BaseException) -> BaseException:
+  """The error under orbax's wrapper of a failed array read (a bare Exception, 'Encountered error
+  while reading array index: ...', raised from tensorstore's)."""
+  while type(error) is Exception and (error.__cause__ or error.__context__) is not None:
+    error = error.__cause__ or error.__context__
+  return error
+
+
+def _errno_kind(code: int | None) -> str:
+  if code == errno.ENOENT:
+    return _DAMAGED
+  if code in (errno.EACCES, errno.EPERM):
+    return _OTHER  # no retry mends a permission
+  return _TRANSIENT  # EIO, EAGAIN, ETIMEDOUT, ESTALE, ...
+
+
+def _kind(error: BaseException) -> str:
+  """What a failed read of a checkpoint says about its files (measured with orbax 0.12.8 and
+  tensorstore 0.1.86 on a checkpoint whose files were deleted, truncated or overwritten:
+  tests/test_checkpoint_faults.py):
+
+  damaged: our DamagedCheckpoint (a digest differs; a missing state directory); FileNotFoundError
+    (orbax: a JSON item's file, an array's directory); json.JSONDecodeError (a truncated JSON
+    file: an item, the state's _METADATA, array_metadatas); tensorstore's ValueError of a missing
+    or cut array file (NOT_FOUND, OUT_OF_RANGE, DATA_LOSS) or of bytes that do not decode
+    ('Truncated Zstd-compressed stream' is also what a deleted data file gives, 'Error decoding',
+    'ZSTD_decompressStream() failed', 'Invalid JSON'), or of a system call that found no file
+    (os_error_code 2).
+  transient: another OSError, or tensorstore's os_error_code, other than a permission (EIO,
+    EAGAIN, ETIMEDOUT, ESTALE, ...); tensorstore's UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED.
+  other: everything else (a permission, a device's RESOURCE_EXHAUSTED, any other orbax error).
+  """
+  error = _read_error(error)
+  if isinstance(error, (DamagedCheckpoint, FileNotFoundError, json.JSONDecodeError)):
+    return _DAMAGED
+  if isinstance(error, OSError):
+    return _errno_kind(error.errno)
+  if isinstance(error, ValueError):
+    text = str(error)
+    found = _TENSORSTORE_OS_ERROR.search(text)
+    if found:
+      return _errno_kind(int(found.group(1)))
+    if _TENSORSTORE_DAMAGED.search(text):
+      return _DAMAGED
+    if _TENSORSTORE_TRANSIENT.match(text):
+      return _TRANSIENT
+  return _OTHER
+
+
+def _cause(error: BaseException) -> str:
   """The gist of an orbax/tensorstore error: the OS error when there is one (their messages
-  repeat long paths), else the start of the message."""
+  repeat long paths), else the start of the message (without tensorstore's spec)."""
+  error = _read_error(error)
   text = str(error).strip()
-  found = re.search(r'([A-Z][A-Za-z ]+) \[os_error_code=.?(\d+)', text)
+  found = _TENSORSTORE_OS_ERROR.search(text)
   if found:
-    return f'{found.group(1)} (errno {found.group(2)})'
+    return f'{os.strerror(int(found.group(1)))} (errno {found.group(1)})'
+  text = text.split(' [tensorstore_spec=')[0]
   return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def _described(error: BaseException) -> str:
+  """_cause, after the error's type unless it is an OS error (whose text says what it is)."""
+  error = _read_error(error)
+  if isinstance(error, OSError) or _TENSORSTORE_OS_ERROR.search(str(error)):
+    return _cause(error)
+  return f'{type(error).__name__}: {_cause(error)}'
 
 
 def _options(read_only: bool, **kwargs) -> ocp.CheckpointManagerOptions:
@@ -257,51 +341,121 @@ class Checkpointer:
       return f'no checkpoint was completed yet in {self.directory}'
     return f'the last complete checkpoint is step {max(steps)} in {self.directory}'
 
-  def saved_config(self, step: int) -> dict | None:
-    """The config a checkpoint was saved with (None if it cannot be read)."""
-    try:
-      return dict(self._manager.restore(step, args=ocp.args.Composite(
-          config=ocp.args.JsonRestore()))['config'])
-    except Exception:  # noqa: BLE001  (damaged: restore_latest deals with it)
-      return None
+  def saved_config(self, step: int) -> dict:
+    """The config a checkpoint was saved with (raises what orbax raised: see latest_config)."""
+    return dict(self._manager.restore(step, args=ocp.args.Composite(
+        config=ocp.args.JsonRestore()))['config'])
+
+  def latest_config(self) -> tuple[int, dict] | None:
+    """(step, config) of the newest checkpoint whose config reads, or None if there is none.
+    Damage and failures are handled as in restore_latest: a run is never checked against nothing
+    because a config could not be read."""
+    return self._newest('reading the config of', self.saved_config)
 
   def _saved_digests(self, step: int) -> dict | None:
     if 'digests' not in (self._manager.item_metadata(step) or {}):
       return None  # written before digests existed
-    try:
-      return dict(self._manager.restore(step, args=ocp.args.Composite(
-          digests=ocp.args.JsonRestore()))['digests'])
-    except Exception:  # noqa: BLE001
-      return None
+    return dict(self._manager.restore(step, args=ocp.args.Composite(
+        digests=ocp.args.JsonRestore()))['digests'])
 
   def restore_latest(self, abstract_state):
     """(step, state) of the newest checkpoint that restores and verifies, or None if there is none.
 
     A checkpoint whose files are damaged, or whose arrays differ from their digests, is moved
-    aside with a warning in favour of the previous one; one that does not fit the config (another
-    model) raises CheckpointError rather than silently starting over.
+    aside with a warning in favour of the previous one; when all are damaged, CheckpointError.
+    One that does not fit the config (another model), or cannot be read for another reason (an
+    I/O error that persists, a device out of memory), raises CheckpointError rather than silently
+    starting over, every checkpoint kept as it is.
     """
+    def restore(step: int):
+      metadata = self._manager.item_metadata(step)
+      if 'state' not in metadata:
+        raise DamagedCheckpoint('its state directory is missing')
+      check_shapes(metadata['state'], abstract_state,
+                   f'checkpoint {os.path.join(self.directory, str(step))}')
+      state = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state)))['state']
+      _verify(state, self._saved_digests(step))
+      return state
+    return self._newest('restoring', restore)
+
+  def _newest(self, what: str, read):
+    """(step, read(step)) of the newest step that reads (`_read`), setting damaged ones aside;
+    None when there are no checkpoints. A workdir whose checkpoints are all damaged (now or
+    before: only STEP.damaged directories left) raises CheckpointError: starting over from step 0
+    is the user's decision."""
     for step in reversed(self.all_steps()):
-      where = f'checkpoint {os.path.join(self.directory, str(step))}'
-      try:
-        check_shapes(self._manager.item_metadata(step)['state'], abstract_state, where)
-        state = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state)))['state']
-        _verify(state, self._saved_digests(step))
-      except CheckpointError:
-        raise
-      except Exception as e:  # noqa: BLE001  (truncated, missing, altered files)
-        self._set_aside(step, e)
-        continue
-      return step, state
+      result, damage = self._read(step, what, lambda step=step: read(step))
+      if damage is None:
+        return step, result
+      self._set_aside(step, damage)
+    damaged = self.damaged_steps()
+    if damaged:
+      names = ', '.join(f'{step}{DAMAGED_SUFFIX}' for step in damaged)
+      raise CheckpointError(
+          f'every checkpoint in {self.directory} is damaged and was set aside ({names}, kept '
+          'for inspection), so the run does not start over on its own. To train from step 0, '
+          f'use a new --workdir, or move the .damaged directories out of {self.directory}.')
     return None
 
-  def _set_aside(self, step: int, error: Exception) -> None:
+  def damaged_steps(self) -> list[int]:
+    """The steps set aside as damaged (STEP.damaged directories), oldest first."""
+    try:
+      names = os.listdir(self.directory)
+    except OSError:
+      return []
+    return sorted(int(name[:-len(DAMAGED_SUFFIX)]) for name in names
+                  if name.endswith(DAMAGED_SUFFIX) and name[:-len(DAMAGED_SUFFIX)].isdigit())
+
+  def _read(self, step: int, what: str, read):
+    """(read(), None), or (None, the error) when it shows the step's files damaged (`_kind`).
+
+    A transient I/O error is tried again after each of RETRY_DELAYS; one that persists, and any
+    other failure, raise CheckpointError naming the step, the cause and what to do, and nothing
+    is moved. With several processes they agree (one collective per try): the most serious
+    outcome on any process is what all do. A CheckpointError from read() (a checkpoint that does
+    not fit the config) passes through.
+    """
+    where = os.path.join(self.directory, str(step))
+    tries = 0
+    while True:
+      tries += 1
+      result, error, kind = None, None, _OK
+      try:
+        result = read()
+      except CheckpointError:
+        raise
+      except Exception as e:  # noqa: BLE001  (sorted by _kind; the rest stops the run below)
+        error, kind = e, _kind(e)
+      kind = _KINDS[-int(multihost.minimum(-_KINDS.index(kind)))]
+      if error is None and kind != _OK:
+        error = RuntimeError('failed on another process (see its log)')
+      if kind == _OK:
+        return result, None
+      if kind == _DAMAGED:
+        return None, error
+      if kind == _TRANSIENT and tries <= len(RETRY_DELAYS):
+        delay = RETRY_DELAYS[tries - 1]
+        logging.warning('%s checkpoint %s: %s; trying again in %g s (try %d of %d).', what, where,
+                        _cause(error), delay, tries, len(RETRY_DELAYS) + 1)
+        time.sleep(delay)
+        continue
+      if kind == _TRANSIENT:
+        advice = (f'it failed {tries} times over {sum(RETRY_DELAYS):g} s: check the file system '
+                  '(disk, mount, network) and run the same command to resume.')
+      else:
+        advice = (f'fix the cause and run the same command to resume (if this checkpoint itself '
+                  f'cannot be read, move {where} out of {self.directory} to resume from the one '
+                  'before).')
+      raise CheckpointError(f'{what} checkpoint {where} failed: {_described(error)}. No checkpoint '
+                            f'was moved or deleted; {advice}') from error
+
+  def _set_aside(self, step: int, error: BaseException) -> None:
     """Renames a damaged step to STEP.damaged (kept for inspection), so that the resumed run can
     save that step again."""
-    damaged = os.path.join(self.directory, f'{step}.damaged')
-    logging.warning('checkpoint %s/%d is damaged (%s: %s); moved to %s, trying the previous one.',
-                    self.directory, step, type(error).__name__, error, damaged)
+    damaged = os.path.join(self.directory, f'{step}{DAMAGED_SUFFIX}')
+    logging.warning('checkpoint %s/%d is damaged (%s); moved to %s, trying the previous one.',
+                    self.directory, step, _cause(error), damaged)
     if multihost.is_main():
       if os.path.exists(damaged):
         shutil.rmtree(damaged)
@@ -327,16 +481,19 @@ class Checkpointer:
     abstract = {'params': abstract_params}
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
                                 abstract)
+
+    def read():
+      params = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          abstract, restore_args=restore_args, partial_restore=True)))['state']['params']
+      _verify(params, self._saved_digests(step), prefix='params/')
+      return params
     try:
-      restored = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-          abstract, restore_args=restore_args, partial_restore=True)))
+      params, damage = self._read(step, 'reading the params of', read)
     finally:
       reader.close()
-    params = restored['state']['params']
-    try:
-      _verify(params, self._saved_digests(step), prefix='params/')
-    except DamagedCheckpoint as e:
-      raise CheckpointError(f'{where}: {e}. Use another step (--step) or re-export it.') from None
+    if damage is not None:  # (another run's: read, not set aside)
+      raise CheckpointError(f'{where} is damaged: {_cause(damage)}. Use another step (--step) or '
+                            're-export it.') from damage
     return step, params
 
   def close(self) -> None:

@@ -25,6 +25,7 @@ files in --include_path (lm_eval's task format: a local JSONL works offline).
 import functools
 import json
 import time
+import traceback
 
 import jax
 import lm_eval
@@ -233,6 +234,43 @@ def check_tasks(t) -> None:
     check_known(*_training_tasks(t))
   except TaskError as e:
     raise config_lib.ConfigError(f'train.lm_eval_tasks: {e}') from None
+
+
+def _modules(error: BaseException) -> list[str]:
+  """The modules of the frames an exception went through, outermost first."""
+  return [frame.f_globals.get('__name__', '')
+          for frame, _ in traceback.walk_tb(error.__traceback__)]
+
+
+def _ours(module: str) -> bool:
+  return module.startswith('jax_pretrain.')
+
+
+def harness_failed(error: BaseException) -> bool:
+  """Whether an exception of evaluate_during_training is the harness's or its tasks' (a dataset's
+  download, a task's config, a metric), which training can outlive, rather than ours (our model,
+  the engine, the device: a bug or an out-of-memory that the next step would hit too).
+
+  The harness's: a TaskError (a task this model cannot run), or an exception raised inside
+  lm_eval's code or what it calls (datasets, huggingface_hub: offline or unreachable, a download
+  raises ConnectionError, then FileNotFoundError, there; lm_eval 0.4.13, datasets 5.2.0) without
+  passing through our code again (JaxLM's methods, which the harness calls), nor chained to an
+  exception that did.
+  """
+  chain, seen = [], set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  if any(isinstance(e, TaskError) for e in chain):
+    return True
+  modules = _modules(chain[0])  # the whole way down from our call
+  into_harness = next((i for i, m in enumerate(modules)
+                       if m == 'lm_eval' or m.startswith('lm_eval.')), None)
+  if into_harness is None or any(map(_ours, modules[into_harness:])):
+    return False
+  # A chained exception's frames run from where it was caught: none of them may be ours.
+  return not any(_ours(m) for e in chain[1:] for m in _modules(e))
 
 
 def evaluate_during_training(config, params, tokenizer) -> dict[str, float]:

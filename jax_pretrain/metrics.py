@@ -125,7 +125,10 @@ class MetricWriter:
   its points after S (each segment starts with a SessionLog START event at S + 1, by which
   TensorBoard's loader purges). (wandb keeps them: it ignores points at steps below its last.)
   A failing write (a full disk) is warned about once and training goes on: the checkpoint saves
-  check the free space and stop the run cleanly if it is short.
+  check the free space and stop the run cleanly if it is short. A writer (TensorBoard, wandb) that
+  raises anything is warned about once, by name, and later writes are tried again: the others, and
+  metrics.jsonl, get every step regardless (the scalars are what the run is watched by, not what it
+  computes).
   """
 
   def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0,
@@ -136,20 +139,24 @@ class MetricWriter:
     os.makedirs(workdir, exist_ok=True)
     self._path = os.path.join(workdir, JSONL)
     _truncate_jsonl(self._path, os.path.join(workdir, DISCARDED_JSONL), start_step)
-    self._writers = [_tensorboard_writer(workdir, start_step)]
+    self._writers = {'TensorBoard': _tensorboard_writer(workdir, start_step)}
     if config and config['train'].get('wandb_project'):
-      self._writers.append(_WandbWriter(workdir, config['train'], config))
+      self._writers['wandb'] = _WandbWriter(workdir, config['train'], config)
     self._jsonl = open(self._path, 'ab')  # noqa: SIM115
     self._last: tuple[int, dict] | None = None  # (file offset, row) of the last line
     self._failures = 0
+    self._failed_writers: set[str] = set()  # warned about
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self._enabled:
       return
     scalars = {k: float(v) for k, v in scalars.items() if v is not None}
-    try:
-      for writer in self._writers:
+    for name, writer in self._writers.items():
+      try:
         writer.write_scalars(step, scalars)
+      except Exception as e:  # noqa: BLE001  (a writer's own failure, of any kind: see above)
+        self._writer_failed(name, f'writing the metrics of step {step}', e)
+    try:
       if self._last is not None and self._last[1]['step'] == step:  # merge into the step's line
         offset, row = self._last[0], {**self._last[1], **scalars}
         self._jsonl.seek(offset)
@@ -165,10 +172,20 @@ class MetricWriter:
         logging.warning('writing the metrics of step %d to %s failed (%s); training goes on, and '
                         'later writes are tried again.', step, self._path, e)
 
+  def _writer_failed(self, name: str, what: str, error: Exception) -> None:
+    if name not in self._failed_writers:
+      self._failed_writers.add(name)
+      logging.warning('%s: %s failed (%s: %s); training goes on, with metrics.jsonl and the '
+                      'other writers, and later writes are tried again.', name, what,
+                      type(error).__name__, str(error).strip().split('\n')[0][:300])
+
   def close(self) -> None:
     if self._enabled:
-      for writer in self._writers:
-        writer.close()
+      for name, writer in self._writers.items():
+        try:
+          writer.close()
+        except Exception as e:  # noqa: BLE001  (as in write: the run's end is not the writer's)
+          self._writer_failed(name, 'closing', e)
       self._jsonl.close()
 
 

@@ -24,6 +24,17 @@ def learning_rate_schedule(o: OptimConfig, steps: int,
       decay_steps=steps * updates_per_step, end_value=o.min_learning_rate)
 
 
+def applied_learning_rate(schedule: optax.Schedule, opt_state) -> jax.Array:
+  """The rate the optimizer applies at its next update: the schedule at the count that optax's
+  scale_by_learning_rate keeps (ScaleByScheduleState in opt_state), not at the train step. A
+  skipped step (the non-finite guard, a float16 overflow) keeps the old optimizer state, count
+  included, so after skips the count is behind the step and the rates differ."""
+  is_schedule_state = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  [count] = [x.count for x in jax.tree.leaves(opt_state, is_leaf=is_schedule_state)
+             if is_schedule_state(x)]
+  return schedule(count)
+
+
 def weight_decay_mask(params):
   """True where weight decay applies: matrices, not norm scales (1-D per layer, even when the
   scanned stack makes them [layers, d_model])."""

@@ -50,15 +50,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
 def run_lm_eval(params, tokenizer, config: ml_collections.ConfigDict,
                 logger: train_lib.StepLogger, step: int) -> None:
-  """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC. A failure
-  (a task's download, a task the model cannot run) is a warning: training goes on."""
+  """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC. A failure of
+  the harness or its tasks (a task's download, a task the model cannot run:
+  lm_eval.harness_failed) is a warning and training goes on; one of our code (the model, the
+  engine, the device) stops the run like any other error."""
   from jax_pretrain import lm_eval as lm_eval_lib  # noqa: PLC0415
   params = multihost.gather(params, on_device=True)  # every process takes part, 0 evaluates
   if multihost.is_main():
     t0 = time.perf_counter()
     try:
       scalars = lm_eval_lib.evaluate_during_training(config, params, tokenizer)
-    except Exception as e:  # noqa: BLE001  (the harness raises many kinds)
+    except Exception as e:  # (the harness raises many kinds; ours are raised again)
+      if not lm_eval_lib.harness_failed(e):
+        raise
       logging.warning('lm_eval at step %d failed, training goes on: %s: %s', step,
                       type(e).__name__, str(e).splitlines()[0] if str(e) else '')
       return

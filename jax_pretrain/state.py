@@ -230,7 +230,9 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
         nonfinite_count=state.nonfinite_count + (~guarded).astype(jnp.int32),
         consecutive_nonfinite=jnp.where(guarded, 0, state.consecutive_nonfinite + 1),
         loss_scale=loss_scale)
-    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
+    # The rate this step's update used (dropped with it on a skip), from the optimizer's count.
+    lr = optim.applied_learning_rate(schedule, state.opt_state)
+    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr,
                'nonfinite_count': new_state.nonfinite_count,
                'consecutive_nonfinite': new_state.consecutive_nonfinite,
                **{name: total / weight for name, total in sums.items()}}

@@ -157,9 +157,11 @@ def _claim(workdir: str):
 
 
 def _saved_config(checkpointer) -> dict | None:
-  """The config of the checkpoint the run will resume from, or None for a new run."""
-  latest = checkpointer.latest_step()
-  return checkpointer.saved_config(latest) if latest is not None else None
+  """The config of the checkpoint the run will resume from, or None for a new run. A step whose
+  config file is damaged is set aside (the previous one is checked), and any other failure to
+  read it stops the run (Checkpointer.latest_config): a resume is never left unchecked."""
+  latest = checkpointer.latest_config()
+  return latest[1] if latest is not None else None
 
 
 def _initial_state(s: Setup, checkpointer, is_main: bool) -> TrainState:

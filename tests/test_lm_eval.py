@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -257,3 +258,73 @@ def test_agrees_with_lm_eval_hugging_face_backend(run, loaded, tasks, tmp_path):
         f'(both), local_gen exact_match {theirs["local_gen"]["exact_match,none"]} (both, '
         f'identical generations), max |Δ loglikelihood| {worst}')
   assert max(worst.values()) < 1e-4
+
+
+class _Logger:
+  """What run_lm_eval writes its scalars to (train.StepLogger's write)."""
+
+  def __init__(self):
+    self.written = []
+
+  def write(self, step, scalars):
+    self.written.append((step, scalars))
+
+
+FAULT_TASKS = {
+    'fine_mc': 'dataset_path: json\ndataset_kwargs: {data_files: {test: DOCS}}\n'
+               'test_split: test' + YAMLS['local_mc'],
+    # A download that fails (offline here: ConnectionError, then FileNotFoundError in datasets).
+    'no_download': 'dataset_path: jax-pretrain-tests/no-such-dataset\ntest_split: test'
+                   + YAMLS['local_mc'],
+    'missing_file': 'dataset_path: json\ndataset_kwargs: {data_files: {test: MISSING}}\n'
+                    'test_split: test' + YAMLS['local_mc'],
+    # More new tokens than the model's context: our TaskError, raised in JaxLM.generate_until.
+    'too_long': 'dataset_path: json\ndataset_kwargs: {data_files: {test: DOCS}}\n'
+                'test_split: test' + YAMLS['local_gen'].replace(f'max_gen_toks: {GEN_TOKENS}',
+                                                                'max_gen_toks: 100'),
+}
+
+
+def _raise(error):
+  def raising(*args, **kwargs):
+    raise error
+  return raising
+
+
+@pytest.mark.parametrize('task, patch, warned', [
+    ('fine_mc', None, None),
+    ('no_download', None, r'(ConnectionError|\w*NotFoundError): '),  # (offline | online)
+    ('missing_file', None, "FileNotFoundError: Unable to find '.*/missing.jsonl'"),
+    ('too_long', None, 'TaskError: a task asks for 100 new tokens'),  # (as a regex)
+    # Ours: an error in our model's code, which the harness called, or before the harness.
+    ('fine_mc', ('_score', jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory')), None),
+    ('fine_mc', ('__init__', ValueError('a bug of ours')), None),
+])
+def test_lm_eval_during_training_warns_for_the_harness_and_raises_ours(loaded, tmp_path,
+                                                                       monkeypatch, caplog, task,
+                                                                       patch, warned):
+  _, params, tokenizer, config = loaded
+  docs = tmp_path / 'docs.jsonl'
+  docs.write_text(''.join(json.dumps({'context': f'The {w}', 'choices': [' cat', ' dog'],
+                                      'label': 0, 'target': 'x'}) + '\n'
+                          for w in ('first', 'second', 'third', 'fourth')))
+  (tmp_path / f'{task}.yaml').write_text(f'task: {task}\n' + FAULT_TASKS[task].replace(
+      'DOCS', str(docs)).replace('MISSING', str(tmp_path / 'missing.jsonl')))
+  config = config.copy_and_resolve_references()
+  config.train.lm_eval_tasks, config.train.lm_eval_include_path = task, str(tmp_path)
+  config.train.lm_eval_limit = 4
+  logger = _Logger()
+  if patch is not None:
+    name, error = patch
+    monkeypatch.setattr(lm_eval_lib.JaxLM, name, _raise(error))
+    with pytest.raises(type(error), match=str(error)):
+      pretrain.run_lm_eval(params, tokenizer, config, logger, 7)
+    assert not logger.written
+    return
+  pretrain.run_lm_eval(params, tokenizer, config, logger, 7)
+  failed = [r.getMessage() for r in caplog.records if 'lm_eval at step 7 failed' in r.getMessage()]
+  if warned is None:
+    assert not failed and [step for step, _ in logger.written] == [7]
+  else:
+    assert not logger.written and len(failed) == 1, failed
+    assert re.match(f'lm_eval at step 7 failed, training goes on: {warned}', failed[0]), failed

@@ -132,3 +132,38 @@ def test_a_non_finite_loss_is_the_guards_not_the_scalers():
   _, after, metrics = _one_step('float16', True, float('inf'))
   assert not np.isfinite(metrics['loss'])
   assert int(after.nonfinite_count) == 1 and int(after.loss_scale.skips) == 0
+
+
+def test_the_logged_rate_is_the_one_applied_after_skipped_steps():
+  """A skipped step (an overflow, or the non-finite guard) keeps the optimizer state, its schedule
+  count included: the next update applies the rate the skipped one would have. The metrics' lr is
+  that rate, schedule(count), not schedule(step); proof that it is the one applied: the run with
+  two skips ends with the params of a run of only its two good steps, whose rates are the same."""
+  s = build_setup(small_config('float16'), jax.devices()[:1])
+  step = jax.jit(state_lib.make_train_step(s.model, s.optimizer, s.schedule, grad_accum_steps=1,
+                                           pad_id=258, loss_scaling=True))
+  tokens = jax.random.randint(jax.random.key(0), (16, 33), 0, 256)
+  ones = jnp.ones((16, 32), jnp.float32)
+
+  def run(kinds):
+    state, lrs = state_lib.init_state(s), []
+    for kind in kinds:  # 'good', 'overflow' (the scaler's skip), 'nonfinite' (the guard's)
+      scale = 2.0 ** 100 if kind == 'overflow' else state_lib.LOSS_SCALE_INIT
+      state = state.replace(loss_scale=state.loss_scale.replace(scale=jnp.float32(scale)))
+      weights = ones * (jnp.inf if kind == 'nonfinite' else 1.0)
+      state, metrics = step(state, {'tokens': tokens, 'weights': weights})
+      lrs.append(float(metrics['lr']))
+    return state, lrs
+
+  skipped, lrs = run(['good', 'good', 'overflow', 'nonfinite', 'good'])
+  assert int(skipped.loss_scale.skips) == 1 and int(skipped.nonfinite_count) == 1
+  schedule = lambda n: float(s.schedule(n))
+  # Steps 1-5 apply (or would apply) the rate of the updates counted before them: 0, 1, 2, 2, 2.
+  # (rel: the step computes the schedule in its compiled code, rounded differently)
+  assert lrs == pytest.approx([schedule(n) for n in (0, 1, 2, 2, 2)], rel=1e-6)
+  for lr, n in zip(lrs[3:], (3, 4)):  # schedule(step), what was logged before
+    assert lr != pytest.approx(schedule(n), rel=0.1)
+  straight, straight_lrs = run(['good', 'good', 'good'])
+  assert straight_lrs == [lrs[0], lrs[1], lrs[4]]
+  for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(skipped.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

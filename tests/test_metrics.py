@@ -158,3 +158,42 @@ def test_a_wandb_project_without_wandb_installed_is_refused_at_start(monkeypatch
   with pytest.raises(config_lib.ConfigError, match=r"train.wandb_project='p' needs wandb: `pip "
                      'install wandb`'):
     config_lib.resolve(c, num_devices=1, backend='cpu')
+
+
+class _Recording:
+  """A metric writer (the interface of clu's and _WandbWriter) that records, or always raises."""
+
+  def __init__(self, error: Exception | None = None):
+    self.steps, self.error, self.closed = [], error, False
+
+  def write_scalars(self, step, scalars):
+    if self.error:
+      raise self.error
+    self.steps.append(step)
+
+  def close(self):
+    self.closed = True
+    if self.error:
+      raise self.error
+
+
+@pytest.mark.parametrize('failing', ['TensorBoard', 'wandb'])
+def test_a_writer_that_raises_is_one_warning_and_the_others_and_jsonl_go_on(tmp_path, monkeypatch,
+                                                                            caplog, failing):
+  writers = {name: _Recording(RuntimeError(f'{name} broke') if name == failing else None)
+             for name in ('TensorBoard', 'wandb')}
+  monkeypatch.setattr(metrics, '_tensorboard_writer', lambda *args: writers['TensorBoard'])
+  monkeypatch.setattr(metrics, '_WandbWriter', lambda *args: writers['wandb'])
+  writer = metrics.MetricWriter(str(tmp_path), config={'train': {'wandb_project': 'p'}})
+  for step in (1, 2, 3):
+    writer.write(step, {'train/loss': float(step)})
+  writer.close()
+  [other] = set(writers) - {failing}
+  assert writers[other].steps == [1, 2, 3] and writers[other].closed
+  assert len(writers[failing].steps) == 0 and writers[failing].closed  # tried to the end
+  with open(tmp_path / 'metrics.jsonl', encoding='utf-8') as f:
+    assert [json.loads(line)['step'] for line in f] == [1, 2, 3]
+  warnings = [r.getMessage() for r in caplog.records if 'broke' in r.getMessage()]
+  assert warnings == [f'{failing}: writing the metrics of step 1 failed (RuntimeError: {failing} '
+                      'broke); training goes on, with metrics.jsonl and the other writers, and '
+                      'later writes are tried again.']

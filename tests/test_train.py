@@ -4,11 +4,13 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import pretrain
 from jax_pretrain.data import corpus
 from jax_pretrain.data.tokenizer import ByteTokenizer
+from tests.conftest import build_setup
 
 
 def unigram_entropy_nats(tokens: np.ndarray) -> float:
@@ -51,3 +53,23 @@ def test_same_seed_gives_identical_losses(tmp_path):
   a = losses(run(tmp_path / 'a', steps=20) and tmp_path / 'a')
   b = losses(run(tmp_path / 'b', steps=20) and tmp_path / 'b')
   assert len(a) == 4 and a == b
+
+
+def test_the_logged_rate_after_skipped_steps_is_the_one_the_optimizer_applied(tmp_path):
+  """train/lr is schedule(the optimizer's count of applied updates), not schedule(step): after the
+  non-finite guard skips steps, the next update applies the rate the skipped ones would have."""
+  c = config_lib.preset('test')
+  c.train.steps, c.train.log_every, c.train.eval_every = 6, 1, 6
+  c.optim.learning_rate, c.optim.min_learning_rate = 1e30, 1e29  # step 2 blows the params up
+  c.optim.warmup_steps = 1
+  c.train.on_nonfinite, c.train.max_consecutive_skips = 'skip', 100
+  pretrain.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
+  with open(tmp_path / 'metrics.jsonl', encoding='utf-8') as f:
+    rows = {r['step']: r for r in map(json.loads, f) if 'train/lr' in r}
+  schedule = build_setup(c, devices=jax.devices()[:1]).schedule
+  skips = {0: 0, **{step: int(r['train/nonfinite_skips']) for step, r in rows.items()}}
+  assert skips[6] >= 3, skips  # every step from the third on is skipped
+  for step, r in rows.items():
+    applied = step - 1 - skips[step - 1]  # updates applied before this step
+    assert r['train/lr'] == pytest.approx(float(schedule(applied)), rel=1e-6), step
+  assert rows[6]['train/lr'] != pytest.approx(float(schedule(5)), rel=1e-3)  # schedule(step)

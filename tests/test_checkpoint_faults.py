@@ -1,0 +1,285 @@
+"""Restoring through faults: only real damage sets a checkpoint aside (files deleted, cut short or
+altered, as orbax and tensorstore report them); an I/O error, a device out of memory or another
+orbax error stops with one line and moves nothing; a transient I/O error is tried again; a workdir
+whose every checkpoint is damaged stops instead of starting over; an unreadable saved config is
+never a silent skip of the resume check."""
+import errno
+import glob
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jax_pretrain import checkpoint as checkpoint_lib
+from jax_pretrain import config as config_lib
+from jax_pretrain import pretrain
+
+STEPS = (1, 2)
+
+
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch):
+  monkeypatch.setattr(checkpoint_lib, 'RETRY_DELAYS', (0.01, 0.01, 0.01))
+
+
+def _state(step: int) -> dict:
+  """A small state, different at each step; 'w' is large enough for a data file of its own."""
+  return {'params': {'w': jax.random.normal(jax.random.key(step), (300, 100)),
+                     'b': jnp.arange(10, dtype=jnp.int32) + step}}
+
+
+ABSTRACT = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                   sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
+    jax.eval_shape(_state, 0))
+
+
+@pytest.fixture
+def workdir(tmp_path):
+  """A workdir with complete checkpoints of steps 1 and 2 (config {'step': STEP})."""
+  checkpointer = checkpoint_lib.Checkpointer(tmp_path, async_save=False)
+  for step in STEPS:
+    checkpointer.save(step, _state(step), {'step': step})
+  checkpointer.close()
+  return tmp_path
+
+
+def listing(workdir) -> list[str]:
+  return sorted(os.listdir(workdir / 'checkpoints'))
+
+
+def restore(workdir):
+  """What the trainer does on start: the saved config, then the state (train.py)."""
+  checkpointer = checkpoint_lib.Checkpointer(workdir)
+  try:
+    latest = checkpointer.latest_config()
+    restored = checkpointer.restore_latest(ABSTRACT)
+  finally:
+    checkpointer.close()
+  return latest, restored
+
+
+def _largest_data_file(step_dir) -> str:
+  files = [f for f in glob.glob(os.path.join(step_dir, 'state', '**', 'd', '*'), recursive=True)
+           if os.path.isfile(f)]
+  return max(files, key=os.path.getsize)
+
+
+def _btree_file(step_dir) -> str:
+  [path] = glob.glob(os.path.join(step_dir, 'state', 'd', '*'))
+  return path
+
+
+def _alter_digest(step_dir) -> str:
+  path = os.path.join(step_dir, 'digests', 'metadata')
+  with open(path, encoding='utf-8') as f:
+    digests = json.load(f)
+  digests['params/w'][0] += 1
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(digests, f)
+  return path
+
+
+def _damage(path: str, how: str) -> None:
+  if how == 'delete':
+    os.remove(path)
+  elif how == 'truncate':
+    with open(path, 'r+b') as f:
+      f.truncate(os.path.getsize(path) // 2)
+  elif how == 'overwrite':  # bytes at the start of a compressed chunk
+    with open(path, 'r+b') as f:
+      f.seek(20)
+      f.write(bytes(range(0, 256, 7)))
+  elif how == 'rmtree':
+    shutil.rmtree(path)
+
+
+# (file of step 2, what is done to it, the error orbax/tensorstore raise for it: type, text).
+# Measured with orbax-checkpoint 0.12.8 and tensorstore 0.1.86; a change of theirs shows here.
+DAMAGE = [
+    (_largest_data_file, 'delete', ValueError, 'Truncated Zstd-compressed stream'),
+    (_largest_data_file, 'truncate', ValueError, 'OUT_OF_RANGE: '),
+    (_largest_data_file, 'overwrite', ValueError, 'ZSTD_decompressStream() failed'),
+    (lambda d: os.path.join(d, 'state', 'manifest.ocdbt'), 'delete', ValueError, 'NOT_FOUND: '),
+    (lambda d: os.path.join(d, 'state', 'manifest.ocdbt'), 'truncate', ValueError, 'DATA_LOSS: '),
+    (_btree_file, 'delete', ValueError, 'NOT_FOUND: '),
+    (lambda d: os.path.join(d, 'state', '_METADATA'), 'truncate', json.JSONDecodeError, ''),
+    (lambda d: os.path.join(d, 'state', 'array_metadatas', 'process_0'), 'truncate',
+     json.JSONDecodeError, ''),
+    (lambda d: os.path.join(d, 'state'), 'rmtree', checkpoint_lib.DamagedCheckpoint,
+     'state directory is missing'),
+    (lambda d: os.path.join(d, 'digests', 'metadata'), 'delete', FileNotFoundError, 'not found'),
+    (lambda d: os.path.join(d, 'digests', 'metadata'), 'truncate', json.JSONDecodeError, ''),
+    (_alter_digest, 'altered', checkpoint_lib.DamagedCheckpoint, 'does not match the digest'),
+    (lambda d: os.path.join(d, 'config', 'metadata'), 'delete', FileNotFoundError, 'not found'),
+    (lambda d: os.path.join(d, 'config', 'metadata'), 'truncate', json.JSONDecodeError, ''),
+]
+
+
+@pytest.mark.parametrize('find, how, error_type, text', DAMAGE,
+                         ids=[f'{i}-{how}' for i, (_, how, _, _) in enumerate(DAMAGE)])
+def test_damaged_files_set_the_step_aside_and_the_previous_one_is_used(workdir, monkeypatch, caplog,
+                                                                       find, how, error_type,
+                                                                       text):
+  path = find(str(workdir / 'checkpoints' / '2'))
+  if how != 'altered':
+    _damage(path, how)
+  seen = []
+  kind = checkpoint_lib._kind  # noqa: SLF001
+  monkeypatch.setattr(checkpoint_lib, '_kind', lambda e: seen.append(
+      checkpoint_lib._read_error(e)) or kind(e))  # noqa: SLF001
+  (config_step, config), (step, state) = restore(workdir)
+  # (A damaged state is found after the config was read: the run is checked against step 2's.)
+  expected = 1 if '/config/' in path else 2
+  assert (config_step, config, step) == (expected, {'step': expected}, 1)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(_state(1))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert listing(workdir) == ['1', '2.damaged']
+  [error] = seen  # what orbax raised, read once (damage is not retried)
+  assert type(error) is error_type and text in str(error), repr(error)[:500]
+  [warning] = [r.getMessage() for r in caplog.records if 'is damaged' in r.getMessage()]
+  assert '/checkpoints/2 is damaged (' in warning and 'trying the previous one' in warning
+  assert len(warning) < 1000  # the cause, not tensorstore's whole spec
+
+
+def test_every_checkpoint_damaged_stops_naming_them_and_never_starts_over(workdir, capsys):
+  for step in STEPS:
+    _damage(str(workdir / 'checkpoints' / str(step) / 'state' / 'manifest.ocdbt'), 'truncate')
+  message = (r'every checkpoint in .*/checkpoints is damaged and was set aside \(1.damaged, '
+             r'2.damaged, kept for inspection\), so the run does not start over on its own. To '
+             r'train from step 0, use a new --workdir, or move the .damaged directories out of '
+             r'.*/checkpoints\.$')
+  checkpointer = checkpoint_lib.Checkpointer(workdir)
+  with pytest.raises(checkpoint_lib.CheckpointError, match=message):
+    checkpointer.restore_latest(ABSTRACT)
+  checkpointer.close()
+  assert listing(workdir) == ['1.damaged', '2.damaged']
+  # The same command again: only .damaged steps left, still no fresh start (the trainer's path).
+  c = config_lib.preset('test')
+  c.train.steps = 5
+  with pytest.raises(checkpoint_lib.CheckpointError, match=message):
+    pretrain.train_and_evaluate(c, str(workdir), devices=jax.devices()[:1])
+  assert 'step 1/' not in capsys.readouterr().out
+  assert not os.path.exists(workdir / 'metrics.jsonl')
+  assert listing(workdir) == ['1.damaged', '2.damaged']
+
+
+def fail_restore(monkeypatch, error: Exception, item: str = 'state', times: int | None = None):
+  """Makes orbax's restore of `item` raise `error` (the first `times` calls; None: every call);
+  returns the list of calls made for that item."""
+  calls = []
+  restore = ocp.CheckpointManager.restore
+
+  def failing(self, step, *args, **kwargs):
+    composite = kwargs.get('args', args[0] if args else None)
+    if composite is not None and item in composite:
+      calls.append(step)
+      if times is None or len(calls) <= times:
+        raise error
+    return restore(self, step, *args, **kwargs)
+  monkeypatch.setattr(ocp.CheckpointManager, 'restore', failing)
+  return calls
+
+
+def eio():
+  return OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+@pytest.mark.parametrize('code', [errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ESTALE])
+def test_a_transient_io_error_is_tried_again_and_the_restore_succeeds(workdir, monkeypatch, caplog,
+                                                                      code):
+  calls = fail_restore(monkeypatch, OSError(code, os.strerror(code)), times=1)
+  _, (step, _) = restore(workdir)
+  assert step == 2 and calls == [2, 2]
+  assert listing(workdir) == ['1', '2']
+  [warning] = [r.getMessage() for r in caplog.records if 'trying again' in r.getMessage()]
+  assert f'restoring checkpoint {workdir}/checkpoints/2: [Errno {code}] ' in warning
+  assert 'trying again in 0.01 s (try 1 of 4)' in warning
+
+
+def test_tensorstores_io_error_is_tried_again(workdir, monkeypatch):
+  # tensorstore reports a failed system call as a ValueError ending in the errno (its format,
+  # seen for ELOOP on a real checkpoint).
+  error = ValueError('UNKNOWN: Error reading "w/0.0" in OCDBT database at local file "/x/": Failed '
+                     'to open: "/x/d/0": Input/output error [os_error_code=\'5\']')
+  assert checkpoint_lib._kind(error) == 'transient'  # noqa: SLF001
+  calls = fail_restore(monkeypatch, error, times=2)
+  _, (step, _) = restore(workdir)
+  assert step == 2 and calls == [2, 2, 2] and listing(workdir) == ['1', '2']
+
+
+def test_a_persistent_io_error_stops_after_the_retries_and_moves_nothing(workdir, monkeypatch):
+  calls = fail_restore(monkeypatch, eio())
+  with pytest.raises(checkpoint_lib.CheckpointError) as e:
+    restore(workdir)
+  assert str(e.value) == (
+      f'restoring checkpoint {workdir}/checkpoints/2 failed: [Errno 5] Input/output error. No '
+      'checkpoint was moved or deleted; it failed 4 times over 0.03 s: check the file system '
+      '(disk, mount, network) and run the same command to resume.')
+  assert calls == [2, 2, 2, 2]  # step 1 is not tried: it is not what the user asked to resume
+  assert listing(workdir) == ['1', '2']
+
+
+@pytest.mark.parametrize('error, cause', [
+    (jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate '
+                                '1.00GiB.'),
+     'JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.'),
+    (ValueError('Found incomplete checkpoint at /x/2.'),
+     'ValueError: Found incomplete checkpoint at /x/2.'),
+    (PermissionError(errno.EACCES, 'Permission denied'), '[Errno 13] Permission denied'),
+    (KeyError('opt_state'), "KeyError: 'opt_state'"),
+])
+def test_any_other_failure_stops_at_once_in_one_line_and_moves_nothing(workdir, monkeypatch, error,
+                                                                       cause):
+  calls = fail_restore(monkeypatch, error)
+  with pytest.raises(checkpoint_lib.CheckpointError) as e:
+    restore(workdir)
+  checkpoints = f'{workdir}/checkpoints'
+  assert str(e.value) == (
+      f'restoring checkpoint {checkpoints}/2 failed: {cause}. No checkpoint was moved or '
+      f'deleted; fix the cause and run the same command to resume (if this checkpoint itself '
+      f'cannot be read, move {checkpoints}/2 out of {checkpoints} to resume from the one before).')
+  assert '\n' not in str(e.value)
+  assert calls == [2]  # not retried
+  assert listing(workdir) == ['1', '2']
+
+
+def test_an_unreadable_config_stops_the_run_before_anything_is_written(workdir, monkeypatch):
+  calls = fail_restore(monkeypatch, eio(), item='config')
+  c = config_lib.preset('test')
+  with pytest.raises(checkpoint_lib.CheckpointError,
+                     match=r'^reading the config of checkpoint .*/checkpoints/2 failed: '
+                           r'\[Errno 5\] Input/output error\. No checkpoint was moved'):
+    pretrain.train_and_evaluate(c, str(workdir), devices=jax.devices()[:1])
+  assert len(calls) == 4 and listing(workdir) == ['1', '2']
+  assert not os.path.exists(workdir / 'config.json')  # nothing written for this run
+
+
+def test_a_damaged_config_is_set_aside_and_the_resume_is_checked_against_the_previous_one(
+    tmp_path):
+  """Before: a config that could not be read skipped the resume check (a changed seed went
+  through); now the step is damaged, and the previous step's config refuses the change."""
+  c = config_lib.preset('test')
+  c.train.steps, c.train.eval_every, c.checkpoint.every_steps = 10, 5, 5
+  pretrain.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
+  _damage(str(tmp_path / 'checkpoints' / '10' / 'config' / 'metadata'), 'truncate')
+  c.train.seed = 1
+  with pytest.raises(config_lib.ConfigError, match='train.seed 0 -> 1'):
+    pretrain.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
+  assert listing(tmp_path) == ['10.damaged', '5']
+
+
+def test_restore_params_of_a_damaged_checkpoint_names_it_in_one_line(workdir, monkeypatch):
+  _damage(_largest_data_file(str(workdir / 'checkpoints' / '2')), 'truncate')
+  checkpointer = checkpoint_lib.Checkpointer(workdir, read_only=True)
+  with pytest.raises(checkpoint_lib.CheckpointError,
+                     match=r'checkpoint .*/checkpoints/2 is damaged: OUT_OF_RANGE: .*Use another '
+                           r'step \(--step\) or re-export it\.$'):
+    checkpointer.restore_params(ABSTRACT['params'], step=2)
+  checkpointer.close()
+  assert listing(workdir) == ['1', '2']  # another run's checkpoints are only read
