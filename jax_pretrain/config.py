@@ -35,10 +35,6 @@ STREAM = ("the checkpoint's data position counts batches of the old data stream,
 _LOSS_SCALE = ("a float16 run's train state holds its dynamic loss scale, other dtypes' do not "
                '(to resume on another card, give the old dtype: --config.model.dtype=OLD)')
 _AUTO_DTYPE = 'auto'
-_UPDATES = ("the checkpoint's train state counts optimizer updates, grpo.num_iterations of them a "
-            'step, and its learning-rate schedule is stretched by it')
-
-
 def _float16_toggled(before, after) -> str:
   """model.dtype: float16 on or off changes the train state (it gains or loses its loss scale)."""
   toggled = (before == 'float16') != (after == 'float16') and _AUTO_DTYPE not in (before, after)
@@ -192,55 +188,51 @@ CHECKPOINT = (
     F('save_final', True, SAFE, 'save the state at the end of training'),
 )
 
-GRPO = (  # read by `python -m jax_pretrain.grpo` only (jax_pretrain/grpo.py)
-    F('task', '', STREAM, 'required by grpo: the training task, JSONL of {"prompt", "answer"'
-      '[, "choices"]} or hf:NAME[:CONFIG][@SPLIT] (jax_pretrain/tasks.py; --task)'),
-    F('eval_task', '', SAFE, "held-out task: eval/accuracy at step 0, every train.eval_every "
-      "steps and at the end ('': none; --eval_task)"),
-    F('task_format', 'plain', STREAM, "layout of the task files: 'plain' | 'medqa' | 'gsm8k'"),
-    F('task_fields', '', STREAM, "'FIELD=COLUMN,...': the column each of the format's fields is "
-      "read from (e.g. 'prompt=question,answer=label'; '': their own names)"),
-    F('reward', 'exact', SAFE, "'exact' | 'choice' | 'number' | 'module:function' | "
-      "'path.py:function'"),
-    F('num_samples', 16, STREAM, 'completions sampled per prompt (a group); train.batch_size '
-      'counts completions, so batch_size / num_samples prompts a step'),
-    F('max_new_tokens', 64, SAFE, 'tokens generated per completion at most'),
-    F('rollout_slots', 0, SAFE, "completions decoded at once over all devices (the engine's "
-      "KV-cache rows, split over the devices; rounded up to a multiple of them); 0: all of a "
-      "step's (train.batch_size)"),
-    F('temperature', 1.0, SAFE, 'rollout sampling temperature (TRL: 1.0)'),
-    F('stop', '\\n', SAFE, "a completion ends at this text (backslash escapes read; '': only at "
-      'EOS or max_new_tokens); rewards see the text before it'),
-    F('beta', 0.0, SAFE, 'KL penalty (k3) against the initial model; 0: no reference model is '
-      'held (TRL: 0.0)'),
-    F('scale_rewards', 'group', SAFE, "'group': advantages divided by the group's std (+ 1e-4, "
-      "TRL's) | 'none'"),
-    F('use_bias_correction_kl', True, SAFE, "the k3 KL term times the importance ratio, the "
-      "unbiased reverse-KL gradient (TRL's default and name); False: k3 alone (tunix)"),
-    F('num_iterations', 1, _UPDATES, "optimizer updates per rollout batch (TRL's num_iterations, "
-      'μ): the later ones reuse it with the clipped objective; train.steps, warmup_steps and every '
-      'step cadence count rollout batches'),
-)
-
+# The trainer's groups: every config has them.
 GROUPS = {'model': MODEL, 'data': DATA, 'train': TRAIN, 'optim': OPTIM, 'mesh': MESH,
-          'checkpoint': CHECKPOINT, 'grpo': GRPO}
+          'checkpoint': CHECKPOINT}
 FIELDS = {f'{group}.{f.name}': f for group, fields in GROUPS.items() for f in fields}
 
 # Fields that moved between groups: configs and config.json files written before still load.
 MOVED = {tuple(f.was.split('.')): tuple(name.split('.')) for name, f in FIELDS.items() if f.was}
 
 
-def defaults() -> ml_collections.ConfigDict:
-  """Every field at its default, as the tables above declare them."""
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """A program's own config group (e.g. grpo's, jax_pretrain/grpo/config.py): its fields and the
+  check of its resolved values. A config has it only where the program's config adds it
+  (defaults(group)); resolve checks it there."""
+  name: str
+  fields: tuple[Field, ...]
+  resolve: Callable[[ml_collections.ConfigDict], None]
+
+
+_PROGRAM_GROUPS: dict[str, Group] = {}  # registered by the modules that define them
+
+
+def register(group: Group) -> Group:
+  """Makes a program's group known to from_dict, resolve and resume_changes."""
+  _PROGRAM_GROUPS[group.name] = group
+  return group
+
+
+def _fields(group: str) -> tuple[Field, ...]:
+  return GROUPS[group] if group in GROUPS else _PROGRAM_GROUPS[group].fields
+
+
+def defaults(*groups: Group) -> ml_collections.ConfigDict:
+  """Every field of the trainer's groups (and of the programs' `groups`) at its default, as the
+  tables declare them."""
+  tables = {**GROUPS, **{g.name: g.fields for g in groups}}
   return ml_collections.ConfigDict(
-      {group: {f.name: f.default for f in fields} for group, fields in GROUPS.items()})
+      {group: {f.name: f.default for f in fields} for group, fields in tables.items()})
 
 
-def _view_class(group: str, doc: str) -> type:
+def view_class(group: str, fields: tuple[Field, ...], doc: str) -> type:
   """A frozen dataclass of the group's fields (their types those of the defaults), built from
   the resolved group by from_config."""
   cls = dataclasses.make_dataclass(
-      f'{group.capitalize()}Config', [(f.name, type(f.default)) for f in GROUPS[group]],
+      f'{group.capitalize()}Config', [(f.name, type(f.default)) for f in fields],
       frozen=True, namespace={'from_config': classmethod(
           lambda cls, g: cls(**{f.name: g[f.name] for f in dataclasses.fields(cls)}))})
   cls.__doc__ = doc
@@ -249,12 +241,12 @@ def _view_class(group: str, doc: str) -> type:
 
 
 # Typed, frozen views of the resolved groups (the model group's is model.ModelConfig).
-DataConfig = _view_class('data', 'The resolved data group.')
-TrainConfig = _view_class('train', 'The resolved train group.')
-OptimConfig = _view_class('optim', 'The resolved optim group.')
-MeshConfig = _view_class('mesh', 'The resolved mesh group: every axis size is known.')
-CheckpointConfig = _view_class('checkpoint', 'The resolved checkpoint group.')
-GrpoConfig = _view_class('grpo', 'The resolved grpo group.')
+DataConfig = view_class('data', GROUPS['data'], 'The resolved data group.')
+TrainConfig = view_class('train', GROUPS['train'], 'The resolved train group.')
+OptimConfig = view_class('optim', GROUPS['optim'], 'The resolved optim group.')
+MeshConfig = view_class('mesh', GROUPS['mesh'],
+                        'The resolved mesh group: every axis size is known.')
+CheckpointConfig = view_class('checkpoint', GROUPS['checkpoint'], 'The resolved checkpoint group.')
 
 
 def model_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:
@@ -281,15 +273,15 @@ def checkpoint_config(config: ml_collections.ConfigDict) -> CheckpointConfig:
   return CheckpointConfig.from_config(config.checkpoint)
 
 
-def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
-  return GrpoConfig.from_config(config.grpo)
-
-
-def from_dict(saved: dict, strict: bool = False) -> ml_collections.ConfigDict:
+def from_dict(saved: dict, strict: bool = False,
+              groups: tuple[Group, ...] = ()) -> ml_collections.ConfigDict:
   """A config from a (possibly older) dict, over today's defaults: fields it lacks keep their
-  defaults and moved fields go to their new group. Unknown fields are dropped (a config.json of
-  another version), or with strict=True refused, naming the field (a typo in a config file)."""
-  c = defaults()
+  defaults and moved fields go to their new group. It has the trainer's groups, `groups`, and the
+  registered program groups that `saved` has (another program's group in a run's config.json,
+  e.g. grpo's, is dropped where its module is not loaded). Unknown fields are dropped (a
+  config.json of another version), or with strict=True refused, naming the field (a typo in a
+  config file)."""
+  c = defaults(*groups, *(g for name, g in _PROGRAM_GROUPS.items() if name in saved))
   for group, fields in saved.items():
     for name, value in (fields.items() if isinstance(fields, dict) else [(None, fields)]):
       new_group, new_name = MOVED.get((group, name), (group, name))
@@ -313,16 +305,21 @@ def load_file(path: str) -> ml_collections.ConfigDict:
 
 def fine_tune(c: ml_collections.ConfigDict, run: str, config_file: str) -> None:
   """c (changed in place) fine-tunes a trained run: its model group and seq_len are the run's
-  (its config.json) and checkpoint.restore_from is the run. config_file: how the user named it,
+  (its config.json) and checkpoint.restore_from is the run. `run` may also name a preset
+  (configs/NAME.py, e.g. 'xlarge'): its model and seq_len, no params (to plan a run: python -m
+  jax_pretrain.plan --grpo --config=configs/grpo.py:xlarge). config_file: how the user named it,
   for the message when the run has no config.json."""
   path = os.path.join(run, 'config.json')
-  if not os.path.isfile(path):
+  if not os.path.isdir(run) and os.path.isfile(os.path.join(PRESETS_DIR, f'{run}.py')):
+    saved = preset(run)
+  elif not os.path.isfile(path):
     raise ConfigError(f"--config={config_file}:{run}: {path} not found (a run's workdir holds "
-                      'it).')
-  with open(path, encoding='utf-8') as f:
-    saved = from_dict(json.load(f))
+                      'it; or name a preset, e.g. xlarge).')
+  else:
+    with open(path, encoding='utf-8') as f:
+      saved = from_dict(json.load(f))
+    c.checkpoint.restore_from = run
   c.model, c.data.seq_len = saved.model, saved.data.seq_len
-  c.checkpoint.restore_from = run
 
 
 def preset(name: str) -> ml_collections.ConfigDict:
@@ -358,13 +355,15 @@ class RunShape:
 _DTYPES = ('float32', 'bfloat16', 'float16')
 
 
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
+  """Raises ConfigError(message) unless ok: a group's check (resolve, a program's group)."""
   if not ok:
     raise ConfigError(message)
 
 
-def _choice(group: ml_collections.ConfigDict, where: str, field: str, choices) -> None:
-  _check(group[field] in choices, f'{where}.{field}={group[field]!r}: choose one of '
+def choice(group: ml_collections.ConfigDict, where: str, field: str, choices) -> None:
+  """Raises ConfigError naming where.field unless its value is one of choices."""
+  check(group[field] in choices, f'{where}.{field}={group[field]!r}: choose one of '
          f'{tuple(choices)}.')
 
 
@@ -384,7 +383,9 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, backend: str | 
   accum, tokens_per_step = _resolve_batch(c)
   _resolve_schedule(c.train, c.optim, tokens_per_step)
   _resolve_rest(c)
-  _resolve_grpo(c.grpo)
+  for group in c:
+    if group in _PROGRAM_GROUPS:
+      _PROGRAM_GROUPS[group].resolve(c[group])
   c.lock()
   return c, RunShape(mesh_shape=mesh_shape, grad_accum_steps=accum,
                      tokens_per_step=tokens_per_step, choices=tuple(choices))
@@ -416,20 +417,20 @@ def _resolve_model(m: ml_collections.ConfigDict, backend: str | None, tokenizer_
   choices = []
   if device is not None:
     backend = device.platform
-  _choice(m, 'model', 'attention', attention.IMPLEMENTATIONS + (attention.AUTO,))
-  _choice(m, 'model', 'remat', tuple(model_lib.REMAT_POLICIES) + (model_lib.AUTO_REMAT,))
-  _choice(m, 'model', 'dtype', _DTYPES + (_AUTO_DTYPE,))
-  _choice(m, 'model', 'param_dtype', _DTYPES)
+  choice(m, 'model', 'attention', attention.IMPLEMENTATIONS + (attention.AUTO,))
+  choice(m, 'model', 'remat', tuple(model_lib.REMAT_POLICIES) + (model_lib.AUTO_REMAT,))
+  choice(m, 'model', 'dtype', _DTYPES + (_AUTO_DTYPE,))
+  choice(m, 'model', 'param_dtype', _DTYPES)
   for field in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'mlp_dim', 'vocab_size'):
-    _check(m[field] > 0, f'model.{field} must be positive, got {m[field]}.')
-  _check(m.num_heads % m.num_kv_heads == 0,
+    check(m[field] > 0, f'model.{field} must be positive, got {m[field]}.')
+  check(m.num_heads % m.num_kv_heads == 0,
          f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}.')
   if m.head_dim == 0:
-    _check(m.d_model % m.num_heads == 0,
+    check(m.d_model % m.num_heads == 0,
            f'model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; '
            'set model.head_dim explicitly.')
     m.head_dim = m.d_model // m.num_heads
-  _check(m.head_dim % 2 == 0, f'model.head_dim={m.head_dim} must be even (rotary embeddings).')
+  check(m.head_dim % 2 == 0, f'model.head_dim={m.head_dim} must be even (rotary embeddings).')
   if (m.attention == attention.AUTO or m.dtype == _AUTO_DTYPE) and device is None and (
       backend is None):
     device = jax.devices()[0]
@@ -444,7 +445,7 @@ def _resolve_model(m: ml_collections.ConfigDict, backend: str | None, tokenizer_
                                         m.dtype, m.head_dim)
     choices.append(f'attention {m.attention} (auto: {why})')
   reason = attention.unavailable_reason(m.attention, backend)
-  _check(reason is None, reason)
+  check(reason is None, reason)
   if m.remat == model_lib.AUTO_REMAT:
     # 'dots' keeps every matmul output for the backward pass and recomputes only the cheap rest.
     # With XLA's attention, the T×T attention scores are matmul outputs too: 'dots' would keep
@@ -454,20 +455,20 @@ def _resolve_model(m: ml_collections.ConfigDict, backend: str | None, tokenizer_
     choices.append(f'remat {m.remat} (auto: attention {m.attention})')
   if m.fp8 and backend == 'gpu':
     capability = getattr(device, 'compute_capability', None)
-    _check(capability is None or tuple(int(x) for x in capability.split('.')[:2]) >= (8, 9),
+    check(capability is None or tuple(int(x) for x in capability.split('.')[:2]) >= (8, 9),
            f'model.fp8=True needs FP8 matmuls (an NVIDIA GPU of compute capability >= 8.9: '
            f'Hopper, Ada); this {getattr(device, "device_kind", "GPU")} has {capability}. '
            'Leave model.fp8 off.')
-  _choice(m, 'model', 'rope_scaling', model_lib.ROPE_SCALINGS)
+  choice(m, 'model', 'rope_scaling', model_lib.ROPE_SCALINGS)
   if m.rope_scaling != 'none':
-    _check(m.rope_factor > 0, f'model.rope_factor={m.rope_factor} must be positive.')
+    check(m.rope_factor > 0, f'model.rope_factor={m.rope_factor} must be positive.')
   if m.rope_scaling == 'llama3':
-    _check(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+    check(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
            f'model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor='
            f'{m.rope_high_freq_factor} must satisfy 0 < low < high.')
-    _check(m.rope_original_max_len > 0,
+    check(m.rope_original_max_len > 0,
            f'model.rope_original_max_len={m.rope_original_max_len} must be positive.')
-  _check(m.vocab_size >= tokenizer_vocab_size,
+  check(m.vocab_size >= tokenizer_vocab_size,
          f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary "
          f'({tokenizer_vocab_size}); set model.vocab_size to at least that (a multiple of '
          '128 is fastest).')
@@ -482,13 +483,13 @@ def _resolve_mesh(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     raise ConfigError(str(e)) from None
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh_shape
   tp = c.mesh.tensor
-  _check(m.num_heads % tp == 0 and m.num_kv_heads % tp == 0,
+  check(m.num_heads % tp == 0 and m.num_kv_heads % tp == 0,
          f'mesh.tensor={tp} must divide model.num_heads={m.num_heads} and '
          f'model.num_kv_heads={m.num_kv_heads}.')
-  _check(m.mlp_dim % tp == 0, f'mesh.tensor={tp} must divide model.mlp_dim={m.mlp_dim}.')
-  _check(m.vocab_size % tp == 0,
+  check(m.mlp_dim % tp == 0, f'mesh.tensor={tp} must divide model.mlp_dim={m.mlp_dim}.')
+  check(m.vocab_size % tp == 0,
          f'mesh.tensor={tp} must divide model.vocab_size={m.vocab_size} (pad the vocabulary up).')
-  _check(m.d_model % c.mesh.fsdp == 0,
+  check(m.d_model % c.mesh.fsdp == 0,
          f'mesh.fsdp={c.mesh.fsdp} must divide model.d_model={m.d_model}.')
   return mesh_shape
 
@@ -497,23 +498,23 @@ def _resolve_batch(c: ml_collections.ConfigDict) -> tuple[int, int]:
   """Derives micro_batch_size and eval_batch_size; returns (accumulation steps, tokens per step)."""
   t = c.train
   dp = c.mesh.data * c.mesh.fsdp
-  _check(c.data.seq_len > 0, f'data.seq_len must be positive, got {c.data.seq_len}.')
-  _check(t.batch_size > 0 and t.micro_batch_size >= 0,
+  check(c.data.seq_len > 0, f'data.seq_len must be positive, got {c.data.seq_len}.')
+  check(t.batch_size > 0 and t.micro_batch_size >= 0,
          f'train.batch_size={t.batch_size} must be positive and train.micro_batch_size='
          f'{t.micro_batch_size} non-negative.')
   if t.micro_batch_size == 0:
-    _check(t.batch_size % dp == 0,
+    check(t.batch_size % dp == 0,
            f'train.batch_size={t.batch_size} is not a multiple of the {dp} data-parallel devices '
            '(mesh data×fsdp).')
     t.micro_batch_size = t.batch_size // dp
   per_pass = t.micro_batch_size * dp
-  _check(t.batch_size % per_pass == 0,
+  check(t.batch_size % per_pass == 0,
          f'train.batch_size={t.batch_size} is not a multiple of train.micro_batch_size='
          f'{t.micro_batch_size} × {dp} data-parallel devices (mesh data×fsdp) = {per_pass}. '
          f'Use a batch_size that is a multiple of {per_pass}, or change micro_batch_size.')
   if t.eval_batch_size == 0:
     t.eval_batch_size = per_pass  # eval runs without accumulation: one micro-batch per device
-  _check(t.eval_batch_size % dp == 0,
+  check(t.eval_batch_size % dp == 0,
          f'train.eval_batch_size={t.eval_batch_size} must be a multiple of the {dp} '
          'data-parallel devices.')
   return t.batch_size // per_pass, t.batch_size * c.data.seq_len
@@ -525,7 +526,7 @@ def _resolve_schedule(t: ml_collections.ConfigDict, o: ml_collections.ConfigDict
   if t.steps > 0:
     t.total_tokens = t.steps * tokens_per_step
   else:
-    _check(t.total_tokens > 0, 'set train.steps or train.total_tokens (both are 0).')
+    check(t.total_tokens > 0, 'set train.steps or train.total_tokens (both are 0).')
     t.steps = math.ceil(t.total_tokens / tokens_per_step)
     t.total_tokens = t.steps * tokens_per_step
   if o.warmup_steps > 0:
@@ -533,32 +534,32 @@ def _resolve_schedule(t: ml_collections.ConfigDict, o: ml_collections.ConfigDict
   else:
     o.warmup_steps = math.ceil(o.warmup_tokens / tokens_per_step)
     o.warmup_tokens = o.warmup_steps * tokens_per_step
-  _check(o.warmup_steps < t.steps,
+  check(o.warmup_steps < t.steps,
          f'optim.warmup_steps={o.warmup_steps} must be smaller than train.steps={t.steps}.')
-  _check(o.learning_rate > 0, f'optim.learning_rate={o.learning_rate} must be positive.')
-  _check(0 <= o.min_learning_rate <= o.learning_rate,
+  check(o.learning_rate > 0, f'optim.learning_rate={o.learning_rate} must be positive.')
+  check(0 <= o.min_learning_rate <= o.learning_rate,
          f'optim.min_learning_rate={o.min_learning_rate} must lie in [0, optim.learning_rate='
          f'{o.learning_rate}].')
-  _check(o.grad_clip >= 0, f'optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).')
-  _choice(o, 'optim', 'mu_dtype', _DTYPES)
+  check(o.grad_clip >= 0, f'optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).')
+  choice(o, 'optim', 'mu_dtype', _DTYPES)
 
 
 def _resolve_rest(c: ml_collections.ConfigDict) -> None:
   t = c.train
-  _choice(t, 'train', 'on_nonfinite', ('halt', 'skip'))
+  choice(t, 'train', 'on_nonfinite', ('halt', 'skip'))
   for field in ('log_every', 'eval_every'):
-    _check(t[field] > 0, f'train.{field} must be positive, got {t[field]}.')
+    check(t[field] > 0, f'train.{field} must be positive, got {t[field]}.')
   for field in ('lm_eval_every', 'lm_eval_limit'):
-    _check(t[field] >= 0, f'train.{field} must be >= 0, got {t[field]}.')
-  _check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
+    check(t[field] >= 0, f'train.{field} must be >= 0, got {t[field]}.')
+  check(c.checkpoint.every_steps >= 0, 'checkpoint.every_steps must be >= 0.')
   profile_steps(t)
-  _choice(c.data, 'data', 'on_bad_record', ('error', 'skip'))
-  _choice(c.data, 'data', 'format', ('text', 'sft'))
-  _check(c.data.format != 'sft' or c.model.attention in ('xla', 'cudnn'),
+  choice(c.data, 'data', 'on_bad_record', ('error', 'skip'))
+  choice(c.data, 'data', 'format', ('text', 'sft'))
+  check(c.data.format != 'sft' or c.model.attention in ('xla', 'cudnn'),
          f"model.attention={c.model.attention!r} cannot keep packed SFT examples apart "
          "(data.format='sft' needs a segment mask); use --config.model.attention=xla (any "
          "device) or cudnn (NVIDIA GPUs), or auto.")
-  _check(not t.wandb_project or importlib.util.find_spec('wandb') is not None,
+  check(not t.wandb_project or importlib.util.find_spec('wandb') is not None,
          f'train.wandb_project={t.wandb_project!r} needs wandb: `pip install wandb` (or leave '
          'train.wandb_project empty).')
 
@@ -569,34 +570,13 @@ def unescape(text: str) -> str:
   return text.encode('latin-1', 'backslashreplace').decode('unicode_escape')
 
 
-def _resolve_grpo(g: ml_collections.ConfigDict) -> None:
-  """The grpo group's values on their own (what they need of a run: grpo.GRPO.check)."""
-  _check(g.num_samples >= 2, f'grpo.num_samples={g.num_samples}: a group needs at least 2 '
-         'completions (advantages compare them).')
-  _check(g.max_new_tokens > 0, f'grpo.max_new_tokens={g.max_new_tokens} must be positive.')
-  _check(g.temperature > 0, f'grpo.temperature={g.temperature} must be positive (rollouts '
-         'sample).')
-  _check(g.beta >= 0, f'grpo.beta={g.beta} must be >= 0.')
-  _check(g.rollout_slots >= 0, f'grpo.rollout_slots={g.rollout_slots} must be >= 0 (0: all).')
-  _check(g.num_iterations >= 1, f'grpo.num_iterations={g.num_iterations} must be >= 1 (optimizer '
-         'updates per rollout batch).')
-  try:
-    unescape(g.stop)
-  except ValueError as e:
-    raise ConfigError(f'grpo.stop={g.stop!r}: not a string with readable backslash escapes '
-                      f'({e}); e.g. \'\\n\' for a newline.') from None
-  _choice(g, 'grpo', 'scale_rewards', ('group', 'none'))
-  from jax_pretrain import tasks  # noqa: PLC0415  (it loads the data package: only here)
-  _choice(g, 'grpo', 'task_format', tuple(tasks.FORMATS))
-
-
 def profile_steps(t: ml_collections.ConfigDict) -> tuple[int, int] | None:
   """train.profile_steps 'START:STOP' -> (START, STOP), the steps traced, both included; '' ->
   None. Raises ConfigError on anything else."""
   if not t.profile_steps:
     return None
   start, sep, stop = t.profile_steps.partition(':')
-  _check(sep and start.strip().isdigit() and stop.strip().isdigit()
+  check(sep and start.strip().isdigit() and stop.strip().isdigit()
          and 0 < int(start) <= int(stop),
          f'train.profile_steps={t.profile_steps!r}: expected START:STOP with 0 < START <= STOP '
          "(e.g. 10:15), or '' for no profile.")
@@ -606,15 +586,16 @@ def profile_steps(t: ml_collections.ConfigDict) -> tuple[int, int] | None:
 def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> dict[str, tuple]:
   """{'group.field': (checkpoint's value, this config's)} of every resolved field that differs
   from the checkpoint's config (saved: its dict). Raises ConfigError listing the refused ones."""
-  old = from_dict(saved)
+  old = from_dict(saved, groups=tuple(_PROGRAM_GROUPS[g] for g in config if g in _PROGRAM_GROUPS))
   changes, refused = {}, {}  # reason -> the fields it refuses
   for group in config:
+    fields = {f.name: f for f in _fields(group)}
     for name in config[group]:
       field, before, after = f'{group}.{name}', old[group][name], config[group][name]
       if before == after:
         continue
       changes[field] = (before, after)
-      reason = FIELDS[field].refusal(before, after)
+      reason = fields[name].refusal(before, after)
       if reason:
         refused.setdefault(reason, []).append(f'{field} {before!r} -> {after!r}')
   if refused:

@@ -28,17 +28,19 @@ MAX_EXTRA_FLOPS = 0.02
 
 
 def compile_step(config: ml_collections.ConfigDict, run: config_lib.RunShape, devices,
-                 autotune: bool = True):
+                 autotune: bool = True, batch=None, loss=None):
   """(state.Setup, compiled train step) of a resolved config for these devices. Nothing is
   allocated or run.
 
   autotune=False skips XLA:GPU's kernel autotuning (a memory estimate needs no fast kernels; a
-  compile without a GPU never autotunes).
+  compile without a GPU never autotunes). batch(s), loss(s): the program's update (its abstract
+  batch and loss function, train.Program's); None: pretraining's.
   """
   from jax_pretrain import state as state_lib  # noqa: PLC0415
   s = state_lib.build(config, run, devices)
-  lowered = state_lib.jit_train_step(s, pad_id=-1).lower(
-      s.abstract_state, state_lib.abstract_batch(s, s.config.train.batch_size))
+  abstract = batch(s) if batch else state_lib.abstract_batch(s, s.config.train.batch_size)
+  lowered = state_lib.jit_train_step(s, -1, loss(s) if loss else None).lower(
+      s.abstract_state, abstract)
   options = {} if autotune or devices[0].platform != 'gpu' else {'xla_gpu_autotune_level': 0}
   return s, lowered.compile(compiler_options=options)
 
@@ -122,7 +124,8 @@ def with_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections
 
 def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.ConfigDict,
                     run: config_lib.RunShape, devices,
-                    target: gpu_targets.Target | None = None, alongside: float = 0.0):
+                    target: gpu_targets.Target | None = None, alongside: float = 0.0,
+                    batch=None, loss=None):
   """train.micro_batch_size=0 on a GPU: the largest micro-batch whose compiled step fits.
 
   config: the config as given (its micro_batch_size 0 asks for the fit); resolved, run: what
@@ -131,8 +134,9 @@ def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.
   micro-batch, or not a GPU (there 0 keeps meaning batch_size / data-parallel devices, no
   accumulation). Each candidate is the real train step compiled for these devices, without
   autotuning; its peak is XLA's buffer assignment, against FIT_MARGIN of `usable_memory` less
-  `alongside` (bytes per device that stay allocated beside the step: GRPO's engine cache). Raises
-  config.ConfigError when not even one sequence per device fits.
+  `alongside` (bytes per device that stay allocated beside the step: GRPO's engine cache); the
+  step is the program's (batch, loss: as compile_step takes them). Raises config.ConfigError when
+  not even one sequence per device fits.
   """
   if config.train.micro_batch_size != 0 or devices[0].platform != 'gpu':
     return resolved, run, None
@@ -148,7 +152,7 @@ def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.
   def measure(m):
     from jax_pretrain import hlo  # noqa: PLC0415
     s, compiled = compile_step(*with_micro_batch(config, resolved, run, m), devices,
-                               autotune=False)
+                               autotune=False, batch=batch, loss=loss)
     flops = hlo.analyze(compiled.as_text()).flops
     return peak_bytes(compiled), flops / s.run.tokens_per_step
 

@@ -272,39 +272,45 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   """
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import engine as engine_lib  # noqa: PLC0415
-  from jax_pretrain import grpo as grpo_lib  # noqa: PLC0415
   from jax_pretrain import state as state_lib  # noqa: PLC0415
+  from jax_pretrain.grpo import objective  # noqa: PLC0415
+  from jax_pretrain.grpo import rollout  # noqa: PLC0415
+  if 'grpo' not in config:
+    raise PlanError('--grpo plans a GRPO step: give a config with the grpo group, e.g. '
+                    '--config=configs/grpo.py:xlarge (a preset\'s model) or configs/grpo.py:RUN.')
   t = gpu_targets.TARGETS[target]
   if memory_gib:
     t = dataclasses.replace(t, memory_override=memory_gib * memory.GIB)
   devices = devices_for(t, num_devices)
   resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
   g, B, T = resolved.grpo, resolved.train.batch_size, resolved.data.seq_len
-  grpo_lib.check_batch(resolved)
+  objective.check_batch(resolved)
   prompt_tokens = prompt_tokens or T - g.max_new_tokens
   if prompt_tokens < 1 or prompt_tokens + g.max_new_tokens > T:
     raise PlanError(f'--grpo_prompt_tokens={prompt_tokens} with grpo.max_new_tokens='
                     f'{g.max_new_tokens} do not fit data.seq_len={T}.')
-  context = grpo_lib.engine_context(resolved, prompt_tokens)
+  context = objective.engine_context(resolved, prompt_tokens)
   model_config = config_lib.model_config(resolved)
-  cache = engine_lib.cache_bytes(model_config, grpo_lib.rollout_slots(resolved), context,
+  cache = engine_lib.cache_bytes(model_config, objective.rollout_slots(resolved), context,
                                  len(devices))
-  # As train.train chooses it for GRPO too: room left for the engine's cache.
-  resolved, run, fitted = memory.fit_micro_batch(config, resolved, run, devices, t,
-                                                 alongside=cache)
+  # As train.train chooses it for GRPO (grpo.program.GRPO's update): the update's own rows and
+  # loss, with room left for the engine's cache.
+  width = objective.update_width(resolved, prompt_tokens)
+  resolved, run, fitted = memory.fit_micro_batch(
+      config, resolved, run, devices, t, alongside=cache,
+      batch=lambda s: objective.update_batch(s, width), loss=objective.update_loss_fn)
   s = state_lib.build(resolved, run, devices)
-  width = grpo_lib.update_width(resolved, prompt_tokens)
   eng = engine_lib.Engine(model_config, s.abstract_state.params,
                           _Vocabulary(resolved.model.vocab_size),
-                          slots=grpo_lib.rollout_slots(resolved), context=context,
-                          chunk=grpo_lib.ROLLOUT_CHUNK, mesh=s.mesh)
+                          slots=objective.rollout_slots(resolved), context=context,
+                          chunk=rollout.ROLLOUT_CHUNK, mesh=s.mesh)
   params = memory.device_bytes(s.abstract_state.params)
   reference = {'reference params': params} if g.beta else {}
 
   t0 = time.perf_counter()
-  step = state_lib.jit_train_step(s, -1, grpo_lib.update_loss_fn(s))
+  step = state_lib.jit_train_step(s, -1, objective.update_loss_fn(s))
   try:
-    lowered = step.lower(s.abstract_state, grpo_lib.update_batch(s, width))
+    lowered = step.lower(s.abstract_state, objective.update_batch(s, width))
   except NotImplementedError as e:
     if resolved.model.attention != 'cudnn':
       raise

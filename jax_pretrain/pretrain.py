@@ -7,22 +7,24 @@ The hooks that run after training has produced a state (lm_eval, the end-of-run 
 so that train.py imports none of lm_eval, sample, engine or serve.
 """
 import time
+from typing import Callable
 
 from absl import logging
 import ml_collections
 
 from jax_pretrain import config as config_lib
+from jax_pretrain import data as data_lib
 from jax_pretrain import loop as loop_lib
 from jax_pretrain import multihost
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import train as train_lib
 
 
-class Pretraining(train_lib.Program):
+class Pretraining(train_lib.Program[data_lib.Sources, data_lib.Data, Callable]):
   """Pretraining and SFT: train.Program's data (data.train's text or SFT examples) and step, with
   the hooks below."""
 
-  def hooks(self, ctx: train_lib.Context) -> list[loop_lib.Hook]:
+  def hooks(self, ctx: train_lib.Context[data_lib.Data, Callable]) -> list[loop_lib.Hook]:
     """Every hook of a pretraining run (loop.py says when each phase runs). The step metrics (the
     console line, TensorBoard, W&B) and the non-finite check are the loop's `metrics` and `checks`
     (train.py)."""
@@ -35,7 +37,7 @@ class Pretraining(train_lib.Program):
         *([sample_hook(ctx)] if t.sample_prompt and t.sample_tokens > 0 else []),  # END
     ]
 
-  def check(self, resolved: ml_collections.ConfigDict) -> None:
+  def check(self, resolved: ml_collections.ConfigDict, sources: data_lib.Sources) -> None:
     """Checks before any work: a misspelt lm_eval task fails now, not after the first steps."""
     if resolved.train.lm_eval_tasks:
       from jax_pretrain import lm_eval as lm_eval_lib  # noqa: PLC0415

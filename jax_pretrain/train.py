@@ -4,11 +4,12 @@ brings (its data, its step, its metrics, its hooks).
   train.train(config, workdir, program, devices=None)
 
 Flow: program.open_sources -> config.resolve (the run's one resolve; everything after it takes the
-resolved config and its RunShape) -> program.check(resolved) -> claim the workdir -> the config
-against the checkpoint's -> memory.fit_micro_batch (train.micro_batch_size=0 on a GPU) ->
-state.build -> restore (or restore_from, or init) the state -> program.open_data -> program.compile
-(the step, AOT) -> loop.Loop(step, metrics=program.logger, stop signals, the non-finite check)
-with program.hooks(Context) -> its run over program.batches.
+resolved config and its RunShape) -> program.check(resolved, sources) -> claim the workdir -> the
+config against the checkpoint's -> memory.fit_micro_batch (train.micro_batch_size=0 on a GPU: the
+program's update, program.abstract_batch and loss_fn, with program.alongside's memory beside it)
+-> state.build -> restore (or restore_from, or init) the state -> program.open_data -> the
+update compiled (AOT) -> program.make_step around it -> loop.Loop(step, metrics=program.logger,
+stop signals, the non-finite check) with program.hooks(Context) -> its run over program.batches.
 Pretraining and SFT are pretrain.Pretraining (its hooks: evaluation, checkpointing, lm_eval, the
 end-of-run sample, profiling); GRPO is grpo.GRPO (rollouts through the engine in its step). This
 module imports nothing that runs after training (lm_eval, sample, engine, serve).
@@ -17,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from typing import Callable, Generic, TypeVar
 
 import jax
 import ml_collections
@@ -196,12 +198,19 @@ def compile_step(s: Setup, pad_id: int, abstract_batch, loss_fn=None):
   return train_step
 
 
+SourcesT = TypeVar('SourcesT')
+DataT = TypeVar('DataT')
+StepT = TypeVar('StepT')
+
+
 @dataclasses.dataclass
-class Context:
-  """What the setup built, for the hooks (see pretrain.Pretraining.hooks)."""
+class Context(Generic[DataT, StepT]):
+  """What the setup built, for the hooks (see pretrain.Pretraining.hooks): the program's data
+  (its open_data's) and step (its make_step's)."""
   setup: Setup
   workdir: str
-  data: data_lib.Data  # or what the program's open_data gave
+  data: DataT
+  step: StepT
   checkpoints: loop_lib.Checkpointing
   logger: StepLogger
   start_step: int
@@ -211,17 +220,20 @@ class Context:
     return self.setup.config
 
 
-class Program:
-  """What one kind of training brings to `train`; these defaults train on data.train's text or
-  SFT examples (pretrain.Pretraining adds its hooks). grpo.GRPO replaces the data, the step and
-  the logger. Each method is called once, in this order."""
+class Program(Generic[SourcesT, DataT, StepT]):
+  """What one kind of training brings to `train`: what differs between pretraining/SFT (these
+  defaults; pretrain.Pretraining adds its hooks) and GRPO (grpo/program.py). `train` calls each
+  method once, in this order, and passes each what the earlier ones produced (nothing passes
+  through self): open_sources -> check -> updates_per_step, abstract_batch, loss_fn, alongside
+  (the step that will run and what stays beside it: the micro-batch fit and the compile use
+  them) -> open_data -> make_step (around the compiled update) -> batches, logger -> hooks."""
 
-  def open_sources(self, config: ml_collections.ConfigDict):
+  def open_sources(self, config: ml_collections.ConfigDict) -> SourcesT:
     """Before the config is resolved: the data's sources, with the run's `tokenizer`."""
     return data_lib.open_sources(config)
 
-  def check(self, resolved: ml_collections.ConfigDict) -> None:
-    """Cheap checks of the resolved config, before any work."""
+  def check(self, resolved: ml_collections.ConfigDict, sources: SourcesT) -> None:
+    """Cheap checks of the resolved config against the sources, before any work."""
 
   def updates_per_step(self, resolved: ml_collections.ConfigDict) -> int:
     """Optimizer updates a step makes (GRPO: grpo.num_iterations on each rollout batch). The
@@ -229,29 +241,40 @@ class Program:
     the state's step counts updates, so the loop resumes at state.step / this."""
     return 1
 
-  def alongside(self, resolved: ml_collections.ConfigDict, sources, num_devices: int) -> float:
+  def abstract_batch(self, s: Setup, sources: SourcesT) -> dict:
+    """The update's batch, abstract (ShapeDtypeStructs in the batch sharding): what the train
+    step is compiled for, by the micro-batch fit and for the run."""
+    return state_lib.abstract_batch(s, s.config.train.batch_size)
+
+  def loss_fn(self, s: Setup) -> Callable | None:
+    """The train step's loss (state.make_train_step's loss_fn); None: the next-token loss."""
+    return None
+
+  def alongside(self, resolved: ml_collections.ConfigDict, sources: SourcesT,
+                num_devices: int) -> float:
     """Bytes per device that stay allocated beside the train step (the micro-batch fit leaves
     room for them)."""
     return 0.0
 
-  def open_data(self, resolved: ml_collections.ConfigDict, sources, step: int):
+  def open_data(self, resolved: ml_collections.ConfigDict, sources: SourcesT,
+                step: int) -> DataT:
     """The data, positioned after `step` steps: `tokenizer`, `train` (an iterator with close())."""
     return data_lib.open_batches(resolved, sources, jax.process_index(), jax.process_count(),
                                  step)
 
-  def compile(self, s: Setup, data):
-    """The loop's step function: (state, batch) -> (state, metrics)."""
-    return compile_step(s, data.tokenizer.pad_id,
-                        state_lib.abstract_batch(s, s.config.train.batch_size))
+  def make_step(self, s: Setup, data: DataT, update) -> StepT:
+    """The loop's step, (state, batch) -> (state, metrics), around `update` (the train step
+    compiled for abstract_batch with loss_fn): here the update itself."""
+    return update
 
-  def batches(self, s: Setup, data):
+  def batches(self, s: Setup, data: DataT):
     """What the step takes, one item a step (an iterator with close())."""
     return data_lib.Prefetcher(data.train, s.batch_sharding)
 
   def logger(self, s: Setup, writer: metrics_lib.MetricWriter, step: int) -> StepLogger:
     return StepLogger(s, writer, step)
 
-  def hooks(self, ctx: Context) -> list[loop_lib.Hook]:
+  def hooks(self, ctx: Context[DataT, StepT]) -> list[loop_lib.Hook]:
     return []
 
 
@@ -304,7 +327,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, program: Program,
   resolved, run_shape = config_lib.resolve(config, len(devices), device=devices[0],
                                            tokenizer_vocab_size=sources.tokenizer.vocab_size)
   is_main = multihost.is_main()
-  program.check(resolved)
+  program.check(resolved, sources)
   with _claim(workdir):
     ck = resolved.checkpoint
     stop = signals.StopSignal(check_every=resolved.train.log_every)
@@ -319,7 +342,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, program: Program,
       # train.micro_batch_size=0 on a GPU: a few compiles choose it.
       resolved, run_shape, fitted = stop.wait(
           'choosing the micro-batch', memory.fit_micro_batch, config, resolved, run_shape,
-          devices, None, program.alongside(resolved, sources, len(devices)))
+          devices, None, program.alongside(resolved, sources, len(devices)),
+          lambda s: program.abstract_batch(s, sources), program.loss_fn)
       if fitted and saved:
         changes = config_lib.resume_changes(saved, resolved)  # with the micro-batch chosen
       updates = program.updates_per_step(resolved)
@@ -338,7 +362,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, program: Program,
         workdir_lib.record_launch(workdir, step, changes)
       data = stop.wait('loading the data', program.open_data, resolved, sources, step)
       try:
-        train_step = stop.wait('compiling', program.compile, s, data)
+        update = stop.wait('compiling', compile_step, s, sources.tokenizer.pad_id,
+                           program.abstract_batch(s, sources), program.loss_fn(s))
+        train_step = program.make_step(s, data, update)
         writer = metrics_lib.MetricWriter(workdir, enabled=is_main, start_step=step,
                                           config=config_lib.as_dict(resolved))
         batches = program.batches(s, data)
@@ -346,7 +372,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, program: Program,
           logger = program.logger(s, writer, step)
           checkpoints = loop_lib.Checkpointing(checkpointer, config_lib.as_dict(resolved),
                                                every=ck.every_steps, save_final=ck.save_final)
-          ctx = Context(s, workdir, data, checkpoints, logger, step)
+          ctx = Context(s, workdir, data, train_step, checkpoints, logger, step)
           skips_at_start = int(jax.device_get(state.nonfinite_count))
           lp = loop_lib.Loop(train_step, resolved.train.steps, log_every=resolved.train.log_every,
                              metrics=logger, stop=stop,

@@ -8,6 +8,7 @@ import pkgutil
 
 import jax_pretrain
 from tests.conftest import ROOT
+from tests.conftest import run_cli
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -97,7 +98,19 @@ def test_presets_load_by_path_and_start_from_the_defaults():
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   for name in os.listdir(os.path.join(ROOT, 'configs')):
     c = config_lib.load_file(os.path.join(ROOT, 'configs', name))
-    assert set(c) == set(config_lib.defaults()), name
+    program = {'grpo'} if name == 'grpo.py' else set()  # GRPO's own group, beside the trainer's
+    assert set(c) == set(config_lib.defaults()) | program, name
+
+
+def test_pretraining_resolves_without_any_programs_group_or_their_modules():
+  """The trainer's config has no grpo group, and resolving it imports neither GRPO's modules nor
+  the task and Hugging Face modules they read (a fresh interpreter)."""
+  code = ('import sys; from jax_pretrain import config as c; '
+          'r, _ = c.resolve(c.preset("default"), 1, backend="cpu"); '
+          'print("grpo" in r, sorted(m for m in sys.modules if m.startswith("jax_pretrain.") and '
+          'm.split(".")[1] in ("grpo", "tasks") or m == "jax_pretrain.data.hub"))')
+  out = run_cli('-c', code)
+  assert out.split() == ['False', '[]'], out
 
 
 def reachable(graph, start: str) -> set[str]:

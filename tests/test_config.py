@@ -8,6 +8,7 @@ from ml_collections import config_flags
 import pytest
 
 from jax_pretrain import config as config_lib
+from jax_pretrain.grpo import config as grpo_config
 from tests.conftest import ROOT
 
 PRESETS = ('default', 'test', 'tiny', 'small', 'medium', 'medium_large', 'large', 'xlarge')
@@ -88,7 +89,8 @@ def test_tokens_derive_steps_and_both_are_kept():
     (('--config.grpo.num_iterations=0',), 1, r'grpo.num_iterations=0 must be >= 1'),
 ])
 def test_inconsistent_values_fail_with_the_numbers(overrides, devices, message):
-  c = parse(f'--config={ROOT}/configs/test.py', *overrides)
+  preset = 'grpo.py:test' if overrides[0].startswith('--config.grpo.') else 'test.py'
+  c = parse(f'--config={ROOT}/configs/{preset}', *overrides)
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.resolve(c, num_devices=devices, backend='cpu')
 
@@ -219,12 +221,13 @@ def _changed(value):
 
 
 def test_every_field_declares_its_resume_policy_and_resume_changes_applies_it():
-  saved = config_lib.as_dict(config_lib.defaults())
-  assert set(config_lib.FIELDS) == {f'{g}.{n}' for g in saved for n in saved[g]}
+  saved = config_lib.as_dict(grpo_config.defaults())  # the trainer's groups and a program's
+  fields = {**config_lib.FIELDS, **{f'grpo.{f.name}': f for f in grpo_config.FIELDS}}
+  assert set(fields) == {f'{g}.{n}' for g in saved for n in saved[g]}
   refused = []
-  for name, field in config_lib.FIELDS.items():
+  for name, field in fields.items():
     group, key = name.split('.')
-    new = config_lib.defaults()
+    new = grpo_config.defaults()
     new[group][key] = after = _changed(field.default)
     reason = field.refusal(field.default, after)
     if reason:

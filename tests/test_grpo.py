@@ -16,11 +16,14 @@ import pytest
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import engine
-from jax_pretrain import grpo
 from jax_pretrain import hf
 from jax_pretrain import model as model_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.grpo import config as grpo_config
+from jax_pretrain.grpo import objective
+from jax_pretrain.grpo import program
+from jax_pretrain.grpo import rollout
 from tests.conftest import ROOT
 from tests.conftest import build_setup
 from tests.conftest import subprocess_env
@@ -61,12 +64,13 @@ def _batch(rng, B=6, T=9):
 
 def test_group_advantages_are_the_group_centred_rewards_over_their_std():
   rewards = np.array([[1, 0, 0, 1], [0, 0, 0, 1], [1, 1, 1, 1.]])
-  got = np.asarray(grpo.group_advantages(jnp.asarray(rewards)))
+  got = np.asarray(objective.group_advantages(jnp.asarray(rewards)))
   mean, std = rewards.mean(1, keepdims=True), rewards.std(1, ddof=1, keepdims=True)
-  assert grpo.ADVANTAGE_EPS == 1e-4  # TRL's: (r - mean) / (std + 1e-4)
+  assert objective.ADVANTAGE_EPS == 1e-4  # TRL's: (r - mean) / (std + 1e-4)
   np.testing.assert_allclose(got, (rewards - mean) / (std + 1e-4), rtol=1e-6)
   assert np.all(got[2] == 0)  # a group that all agrees teaches nothing
-  np.testing.assert_allclose(grpo.group_advantages(jnp.asarray(rewards), 'none'), rewards - mean)
+  np.testing.assert_allclose(objective.group_advantages(jnp.asarray(rewards), 'none'),
+                             rewards - mean)
 
 
 @pytest.mark.parametrize('corrected', [True, False])
@@ -75,7 +79,7 @@ def test_objective_and_its_gradient_equal_the_float64_reference_with_clipped_rat
   want_loss, want_grad, want_clipped = _reference(logp, old, adv, mask, ref, corrected=corrected)
   assert 0.2 < want_clipped < 0.8  # the batch exercises both branches
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  fn = lambda lp: grpo.objective(lp, f32(old), f32(adv), f32(mask), f32(ref), epsilon=EPS,
+  fn = lambda lp: objective.objective(lp, f32(old), f32(adv), f32(mask), f32(ref), epsilon=EPS,
                                  beta=BETA, bias_correction_kl=corrected)
   (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(f32(logp))
   np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
@@ -86,7 +90,7 @@ def test_objective_and_its_gradient_equal_the_float64_reference_with_clipped_rat
   other_loss, other_grad, _ = _reference(logp, old, adv, mask, ref, corrected=not corrected)
   assert abs(other_loss - want_loss) > 1e-4 and np.abs(other_grad - want_grad).max() > 1e-4
   # beta 0: no KL term (and no reference needed).
-  loss0, _ = grpo.objective(f32(logp), f32(old), f32(adv), f32(mask), None, epsilon=EPS)
+  loss0, _ = objective.objective(f32(logp), f32(old), f32(adv), f32(mask), None, epsilon=EPS)
   np.testing.assert_allclose(float(loss0), _reference(logp, old, adv, mask, ref, beta=0)[0],
                              rtol=1e-5)
 
@@ -116,9 +120,9 @@ def test_on_a_tiny_model_the_parameter_gradient_is_the_reference_chained_through
   ref = logp + rng.normal(0, 0.3, logp.shape)
   adv = rng.normal(0, 1, 6)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  grads = jax.grad(lambda p: grpo.objective(engine.token_logprobs(model, p, tokens)[0], f32(old),
-                                            f32(adv), f32(mask), f32(ref), epsilon=EPS,
-                                            beta=BETA)[0])(params)
+  logp_of = lambda p: engine.token_logprobs(model, p, tokens)[0]
+  grads = jax.grad(lambda p: objective.objective(logp_of(p), f32(old), f32(adv), f32(mask),
+                                                 f32(ref), epsilon=EPS, beta=BETA)[0])(params)
   _, want_dlogp, clipped = _reference(logp, old, adv, mask, ref)
   assert 0 < clipped < 1
   _, vjp = jax.vjp(lambda p: engine.token_logprobs(model, p, tokens)[0], params)
@@ -135,11 +139,12 @@ def test_one_update_raises_better_than_average_completions_and_lowers_worse_ones
                        jnp.int32)  # one prompt, G=4 completions
   mask = np.zeros((4, 9))
   mask[:, 3:] = 1  # the targets after the prompt
-  adv = grpo.group_advantages(jnp.asarray([[1.0, 0.0, 0.0, 1.0]]))[0]
+  adv = objective.group_advantages(jnp.asarray([[1.0, 0.0, 0.0, 1.0]]))[0]
   before = np.asarray(_completion_logp(model, params, tokens, mask).sum(1))
   old = engine.token_logprobs(model, params, tokens)[0]  # on-policy: ratio 1
-  grads = jax.grad(lambda p: grpo.objective(engine.token_logprobs(model, p, tokens)[0], old, adv,
-                                            jnp.asarray(mask))[0])(params)
+  logp_of = lambda p: engine.token_logprobs(model, p, tokens)[0]
+  grads = jax.grad(lambda p: objective.objective(logp_of(p), old, adv, jnp.asarray(mask))[0])(
+      params)
   updates, _ = optax.sgd(0.5).update(grads, optax.sgd(0.5).init(params))
   after = np.asarray(_completion_logp(model, optax.apply_updates(params, updates), tokens,
                                       mask).sum(1))
@@ -159,7 +164,7 @@ def test_rollouts_keep_the_log_probabilities_the_training_forward_gives(tmp_path
   def sample(seed):
     eng = engine.Engine(model_config, run.params, run.tokenizer, slots=8,
                         context=tiny_run.SEQ_LEN)
-    return grpo.rollouts(eng, prompts, 4, max_new_tokens=12, temperature=1.0, seed=seed,
+    return rollout.rollouts(eng, prompts, 4, max_new_tokens=12, temperature=1.0, seed=seed,
                          pad_id=run.tokenizer.pad_id)
 
   r = sample(seed=3)
@@ -205,7 +210,7 @@ def test_a_completion_cut_at_its_stop_string_keeps_no_later_eos():
               np.zeros((8, 5), np.int32))
   assert (seq.text, seq.finish_reason, seq.eos_logprob) == ('cba', 'stop', None)
   assert tok.decode(seq.tokens) == 'cba\n' and len(seq.logprobs) == 4
-  r = grpo.rollouts(_Engine([(seq.tokens, seq.logprobs, seq.eos_logprob, seq.text)]), [[1, 2]],
+  r = rollout.rollouts(_Engine([(seq.tokens, seq.logprobs, seq.eos_logprob, seq.text)]), [[1, 2]],
                     1, max_new_tokens=8, temperature=1.0, seed=0, pad_id=0, eos_id=tok.eos_id)
   assert r.tokens_BxT1[0].tolist() == [1, 2, *tok.encode('cba\n').tolist()]  # no EOS after it
   seq = engine.Sequence(prompt=[1], max_new_tokens=8, stop=('\n',))  # EOS first: it is kept
@@ -217,7 +222,7 @@ def test_a_completion_cut_at_its_stop_string_keeps_no_later_eos():
 def test_rollout_rows_train_the_eos_that_ended_a_completion():
   eng = _Engine([([5, 6], [-0.5, -0.25], -0.125, 'ab'),  # ended by EOS: trained on it
                  ([7, 8, 9], [-1.0, -2.0, -3.0], None, 'cde')])  # max_new_tokens: no EOS
-  r = grpo.rollouts(eng, [[1, 2, 3]], 2, max_new_tokens=3, temperature=1.0, seed=0, pad_id=0,
+  r = rollout.rollouts(eng, [[1, 2, 3]], 2, max_new_tokens=3, temperature=1.0, seed=0, pad_id=0,
                     eos_id=99, width=8)
   np.testing.assert_array_equal(r.tokens_BxT1, [[1, 2, 3, 5, 6, 99, 0, 0],
                                                 [1, 2, 3, 7, 8, 9, 0, 0]])
@@ -240,9 +245,9 @@ def _logprobs(model, params, tokens, temperature):
     (40, 24, 64, 65),  # capped at seq_len inputs
 ])
 def test_update_rows_give_the_model_inputs_a_multiple_of_8_long(prompt, new, seq_len, width):
-  c = config_lib.defaults()
+  c = grpo_config.defaults()
   c.grpo.max_new_tokens, c.data.seq_len = new, seq_len
-  assert grpo.update_width(c, prompt) == width
+  assert objective.update_width(c, prompt) == width
   assert width >= prompt + new  # every rollout fits its row
 
 
@@ -263,7 +268,7 @@ def _step_batch(model, params, rng, temperature, B=8, T=11):
   logp, at_one = log_softmax_at(temperature), log_softmax_at(1.0)
   rewards = rng.integers(0, 2, (2, 4)).astype(np.float64)
   rewards[:, 0] = 1 - rewards[:, 1]  # no group all alike
-  adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards)), np.float64).reshape(-1)
+  adv = np.asarray(objective.group_advantages(jnp.asarray(rewards)), np.float64).reshape(-1)
   batch = {'tokens': tokens.astype(np.int32), 'mask': mask,
            'advantages': np.repeat(adv[:, None], T, 1).astype(np.float32),
            'rollout_logp': (at_one + rng.normal(0, 0.01, logp.shape) * mask).astype(np.float32),
@@ -289,7 +294,7 @@ def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(
     old = batch['old_logp'].astype(np.float64)
   mask = batch['mask'].astype(np.float64)
   ref = batch['ref_logp'].astype(np.float64)
-  loss_fn = grpo.make_loss_fn(model, beta=BETA, temperature=temperature,
+  loss_fn = objective.make_loss_fn(model, beta=BETA, temperature=temperature,
                               bias_correction_kl=corrected)
   (loss_sum, (weight, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
   want_loss, want_dlogp, clipped = _reference(logp, old, adv, mask, ref, corrected=corrected)
@@ -365,7 +370,7 @@ def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temper
     completion = rng.integers(3, 256, rng.integers(2, 8)).tolist()
     rows.append((prompts[b // G], completion + ([tok.eos_id] if b % 3 == 0 else [])))
   rewards = np.array([1.0, 0.0, 0.0, 1.0, 0.25, -1.0, 2.0, 0.25])
-  g = config_lib.defaults().grpo
+  g = grpo_config.defaults().grpo
   trainer = _trl_trainer(tmp_path / 'hf', tmp_path / 'out', rows, rewards, num_generations=G,
                          beta=beta, temperature=temperature, num_iterations=2 if off_policy else 1)
   if beta:  # (TRL loads its reference from the policy's directory)
@@ -373,7 +378,7 @@ def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temper
         {k: torch.from_numpy(v) for k, v in hf.to_hf(ref_params, c).items()}, strict=False)
   a = trainer.args
   assert (a.loss_type, a.epsilon, a.epsilon_high, a.scale_rewards, a.use_bias_correction_kl,
-          a.importance_sampling_level) == ('dapo', grpo.EPSILON, None, g.scale_rewards,
+          a.importance_sampling_level) == ('dapo', objective.EPSILON, None, g.scale_rewards,
                                            g.use_bias_correction_kl, 'token')
   trainer.model.train()
   inputs = trainer._generate_and_score_completions([{'prompt': 'ab'[b // G]} for b in range(P * G)])  # noqa: SLF001
@@ -396,7 +401,7 @@ def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temper
   B, T = tokens.shape[0], tokens.shape[1] - 1
   mask = np.zeros((B, T), np.float32)
   mask[:, T - C:] = completion
-  advantages = grpo.group_advantages(jnp.asarray(rewards.reshape(P, G)), g.scale_rewards)
+  advantages = objective.group_advantages(jnp.asarray(rewards.reshape(P, G)), g.scale_rewards)
   np.testing.assert_allclose(np.asarray(advantages).reshape(-1), inputs['advantages'].numpy(),
                              rtol=1e-5, atol=1e-6)
   model = model_lib.Transformer(c)
@@ -413,7 +418,7 @@ def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temper
       np.testing.assert_allclose(np.asarray(logp)[:, T - C:] * completion,
                                  inputs['old_per_token_logps'].numpy() - shift, atol=1e-5)
       batch['old_logp'] = logp.at[:, T - C:].add(shift)
-    loss_fn = grpo.make_loss_fn(model, beta, temperature)
+    loss_fn = objective.make_loss_fn(model, beta, temperature)
     (loss_sum, (weight, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
   np.testing.assert_allclose(np.asarray(logp)[:, T - C:] * completion, theirs_logp, atol=1e-5)
   np.testing.assert_allclose(float(loss_sum / weight), loss.item(), rtol=1e-5, atol=1e-6)
@@ -556,7 +561,7 @@ def test_grpo_on_a_mesh_agrees_with_one_device(toy, tmp_path, capsys):
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
     c.train.micro_batch_size = 16 // (2 * mesh[0] * mesh[1])
     c.grpo.beta = 0.04
-    train_lib.train(c, str(workdir), grpo.GRPO(), devices)
+    train_lib.train(c, str(workdir), program.GRPO(), devices)
     return _records(workdir)
 
   one = run(tmp_path / 'one', jax.devices()[:1], 1, 1, 1)

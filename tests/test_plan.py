@@ -20,6 +20,7 @@ from jax_pretrain import memory
 from jax_pretrain import model as model_lib
 from jax_pretrain import plan
 from jax_pretrain import runtime
+from jax_pretrain.grpo import config as grpo_config
 from tests.conftest import ROOT
 from tests.conftest import run_cli
 from tests.conftest import subprocess_env
@@ -181,7 +182,7 @@ def test_a_fitted_micro_batch_is_what_resolving_with_it_gives(micro_batch, eval_
 
 
 def _grpo_test_config(beta: float = 0.0):
-  c = config_lib.preset('test')
+  c = grpo_config.with_group(config_lib.preset('test'))
   c.mesh.data = 2
   c.train.batch_size = 16  # 4 prompts × 4 completions
   c.grpo.num_samples, c.grpo.max_new_tokens, c.grpo.rollout_slots = 4, 8, 8
@@ -248,7 +249,7 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
 
 
 def test_grpo_plan_cli_prints_the_update_and_the_rollout():
-  out = run_cli('-m', 'jax_pretrain.plan', '--config=configs/test.py', '--target=cpu',
+  out = run_cli('-m', 'jax_pretrain.plan', '--config=configs/grpo.py:test', '--target=cpu',
                 '--num_devices=2', '--grpo', '--grpo_prompt_tokens=10',
                 '--config.train.batch_size=16', '--config.grpo.num_samples=4',
                 '--config.grpo.max_new_tokens=8')
@@ -263,7 +264,7 @@ def test_grpo_plan_cli_prints_the_update_and_the_rollout():
 @requires_plugin
 def test_xlarge_grpo_on_one_h100_at_64_slots_decodes_in_place_near_the_bandwidth_bound():
   """Issue 24's case on one H100: 128 completions of 512 + 512 tokens, 64 slots."""
-  c = config_lib.preset('xlarge')
+  c = grpo_config.with_group(config_lib.preset('xlarge'))
   c.train.batch_size, c.grpo.num_samples, c.grpo.max_new_tokens = 128, 16, 512
   c.grpo.rollout_slots = 64
   r = plan.grpo_plan(c, target='h100', num_devices=1, prompt_tokens=512)
@@ -281,7 +282,7 @@ def test_xlarge_grpo_on_one_h100_at_64_slots_decodes_in_place_near_the_bandwidth
 def test_xlarge_grpo_on_8_gpus_splits_the_rollout_over_them_and_fits(target):
   """Issue 24's case: 128 completions of 512 new tokens after 512-token prompts, all at once over
   8 GPUs (data=8): each holds 1/8 of the cache and decodes its 16 rows."""
-  c = config_lib.preset('xlarge')  # attention auto: cuDNN
+  c = grpo_config.with_group(config_lib.preset('xlarge'))  # attention auto: cuDNN
   c.train.batch_size, c.train.micro_batch_size = 128, 8
   c.grpo.num_samples, c.grpo.max_new_tokens = 16, 512
   r = plan.grpo_plan(c, target=target, num_devices=8, prompt_tokens=512)
@@ -299,3 +300,18 @@ def test_xlarge_grpo_on_8_gpus_splits_the_rollout_over_them_and_fits(target):
   assert all(r[k]['fits'] for k in ('update', 'prefill', 'decode'))
   assert r['rollout']['rollout_s'] < 3
   assert r['rollout']['bytes_per_token'] < 1.5 * r['rollout']['ideal_bytes_per_token']
+
+
+@requires_plugin
+def test_the_grpo_update_is_fitted_as_it_will_run_not_as_pretraining():
+  """The micro-batch fit compiles the program's own update (GRPO's loss on its rows of prompt +
+  new tokens, the engine's cache beside it), not the pretraining step at data.seq_len: with rows
+  of 257 tokens where seq_len is 2,048, the pretraining step's fit would choose a micro-batch
+  several times too small."""
+  c = grpo_config.with_group(config_lib.preset('xlarge'))
+  c.train.batch_size, c.grpo.num_samples, c.grpo.max_new_tokens = 128, 16, 128
+  c.grpo.rollout_slots = 32
+  grpo = plan.grpo_plan(c, target='h100', num_devices=1, prompt_tokens=128)['update']
+  pretraining = plan.plan(c, target='h100', num_devices=1)
+  assert grpo['tokens_per_step'] == 128 * 257 and grpo['fits']
+  assert grpo['micro_batch_size'] >= 4 * pretraining['micro_batch_size']

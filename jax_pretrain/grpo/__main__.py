@@ -1,0 +1,75 @@
+"""python -m jax_pretrain.grpo --workdir=OUT --init=RUN --task=TRAIN.jsonl \
+    [--eval_task=HELDOUT.jsonl] [--config=configs/grpo.py] [--config.grpo.num_samples=16 ...]
+
+GRPO fine-tuning of a trained run (jax_pretrain/grpo/program.py); several processes as the
+trainer takes them (--coordinator_address, --num_processes, --process_id).
+"""
+import os
+import sys
+
+from jax_pretrain import PRESETS_DIR
+from jax_pretrain import multihost
+from jax_pretrain.errors import UserError
+
+
+def _init_into_config(argv: list[str]) -> list[str]:
+  """--init=RUN is --config=FILE:RUN (the config file takes the run's model and seq_len): the
+  --config value is rewritten before flags are parsed. The last --init counts, as absl's; `--init
+  RUN` and `--config FILE` are read as `--init=RUN` and `--config=FILE`."""
+  joined = []
+  for a in argv:
+    if joined and joined[-1] in ('--init', '--config'):
+      joined[-1] = f'{joined[-1]}={a}'
+    else:
+      joined.append(a)
+  argv = joined
+  init = next((a.split('=', 1)[1] for a in reversed(argv) if a.startswith('--init=')), '')
+  if not init:
+    return argv
+  given = [i for i, a in enumerate(argv) if a.startswith('--config=')]
+  out = list(argv)
+  if given:
+    value = out[given[0]].split('=', 1)[1]
+    if ':' not in value:
+      out[given[0]] = f'--config={value}:{init}'
+  else:
+    out.insert(1, f'--config={PRESETS_DIR}/grpo.py:{init}')
+  return out
+
+
+def main(workdir: str, config_holder, flag_values, start_processes) -> None:
+  from jax_pretrain import cli  # noqa: PLC0415
+  from jax_pretrain import runtime  # noqa: PLC0415
+  runtime.configure()
+  start_processes()
+  config = cli.config_value(config_holder)
+  for field in ('task', 'eval_task'):
+    if flag_values[field]:
+      config.grpo[field] = flag_values[field]
+  init = flag_values['init']
+  if init and os.path.normpath(config.checkpoint.restore_from) != os.path.normpath(init):
+    raise UserError(f'--init={init} but the config restores from '
+                    f'{config.checkpoint.restore_from!r}: give one of them.')
+  from jax_pretrain import train as train_lib  # noqa: PLC0415  (after jax.distributed starts)
+  from jax_pretrain.grpo import program  # noqa: PLC0415
+  with multihost.peer_failures():
+    train_lib.train(config, workdir, program.GRPO())
+
+
+if __name__ == '__main__':
+  sys.argv = _init_into_config(sys.argv)
+  from absl import flags  # noqa: I001
+  from jax_pretrain import cli
+  _CONFIG = cli.define_config('grpo.py', 'Config file (configs/grpo.py); its model and seq_len '
+                             'are the --init run\'s. Fields: --config.grpo.FIELD=VALUE, ...')
+  _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory of this GRPO run (config, logs, '
+                                 'TensorBoard, checkpoints).', required=True)
+  _INIT = flags.DEFINE_string('init', '', 'The trained run to fine-tune (its workdir).')
+  _TASK = flags.DEFINE_string('task', '', 'Training task: JSONL of {"prompt", "answer"} '
+                              '(sets grpo.task).')
+  _EVAL_TASK = flags.DEFINE_string('eval_task', '', 'Held-out task for eval/accuracy (sets '
+                                   'grpo.eval_task).')
+  _START_PROCESSES = cli.define_process_flags()
+  cli.run(lambda: main(_WORKDIR.value, _CONFIG, {'init': _INIT.value, 'task': _TASK.value,
+                                                 'eval_task': _EVAL_TASK.value},
+                       _START_PROCESSES))

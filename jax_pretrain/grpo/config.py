@@ -1,0 +1,92 @@
+"""The grpo config group: GRPO's fields, their check, and the configs that have them.
+
+The trainer's config (config.defaults()) has no grpo group: `python -m jax_pretrain.grpo` and
+configs/grpo.py add it (defaults(), with_group), and config.resolve checks it (_resolve) because
+this module registers it (config.register). Pretraining never imports this module, nor the tasks
+and data.hub modules its check reads.
+"""
+import ml_collections
+
+from jax_pretrain import config as config_lib
+from jax_pretrain.config import SAFE
+from jax_pretrain.config import STREAM
+from jax_pretrain.config import check
+from jax_pretrain.config import choice
+
+F = config_lib.Field
+_UPDATES = ("the checkpoint's train state counts optimizer updates, grpo.num_iterations of them a "
+            'step, and its learning-rate schedule is stretched by it')
+
+FIELDS = (
+    F('task', '', STREAM, 'required by grpo: the training task, JSONL of {"prompt", "answer"'
+      '[, "choices"]} or hf:NAME[:CONFIG][@SPLIT] (jax_pretrain/tasks.py; --task)'),
+    F('eval_task', '', SAFE, "held-out task: eval/accuracy at step 0, every train.eval_every "
+      "steps and at the end ('': none; --eval_task)"),
+    F('task_format', 'plain', STREAM, "layout of the task files: 'plain' | 'medqa' | 'gsm8k'"),
+    F('task_fields', '', STREAM, "'FIELD=COLUMN,...': the column each of the format's fields is "
+      "read from (e.g. 'prompt=question,answer=label'; '': their own names)"),
+    F('reward', 'exact', SAFE, "'exact' | 'choice' | 'number' | 'module:function' | "
+      "'path.py:function'"),
+    F('num_samples', 16, STREAM, 'completions sampled per prompt (a group); train.batch_size '
+      'counts completions, so batch_size / num_samples prompts a step'),
+    F('max_new_tokens', 64, SAFE, 'tokens generated per completion at most'),
+    F('rollout_slots', 0, SAFE, "completions decoded at once over all devices (the engine's "
+      "KV-cache rows, split over the devices; rounded up to a multiple of them); 0: all of a "
+      "step's (train.batch_size)"),
+    F('temperature', 1.0, SAFE, 'rollout sampling temperature (TRL: 1.0)'),
+    F('stop', '\\n', SAFE, "a completion ends at this text (backslash escapes read; '': only at "
+      'EOS or max_new_tokens); rewards see the text before it'),
+    F('beta', 0.0, SAFE, 'KL penalty (k3) against the initial model; 0: no reference model is '
+      'held (TRL: 0.0)'),
+    F('scale_rewards', 'group', SAFE, "'group': advantages divided by the group's std (+ 1e-4, "
+      "TRL's) | 'none'"),
+    F('use_bias_correction_kl', True, SAFE, "the k3 KL term times the importance ratio, the "
+      "unbiased reverse-KL gradient (TRL's default and name); False: k3 alone (tunix)"),
+    F('num_iterations', 1, _UPDATES, "optimizer updates per rollout batch (TRL's num_iterations, "
+      'μ): the later ones reuse it with the clipped objective; train.steps, warmup_steps and every '
+      'step cadence count rollout batches'),
+)
+
+
+def _resolve(g: ml_collections.ConfigDict) -> None:
+  """The grpo group's values on their own (what they need of a run: program.GRPO.check)."""
+  check(g.num_samples >= 2, f'grpo.num_samples={g.num_samples}: a group needs at least 2 '
+        'completions (advantages compare them).')
+  check(g.max_new_tokens > 0, f'grpo.max_new_tokens={g.max_new_tokens} must be positive.')
+  check(g.temperature > 0, f'grpo.temperature={g.temperature} must be positive (rollouts '
+        'sample).')
+  check(g.beta >= 0, f'grpo.beta={g.beta} must be >= 0.')
+  check(g.rollout_slots >= 0, f'grpo.rollout_slots={g.rollout_slots} must be >= 0 (0: all).')
+  check(g.num_iterations >= 1, f'grpo.num_iterations={g.num_iterations} must be >= 1 (optimizer '
+        'updates per rollout batch).')
+  try:
+    config_lib.unescape(g.stop)
+  except ValueError as e:
+    raise config_lib.ConfigError(f'grpo.stop={g.stop!r}: not a string with readable backslash '
+                                 f'escapes ({e}); e.g. \'\\n\' for a newline.') from None
+  choice(g, 'grpo', 'scale_rewards', ('group', 'none'))
+  from jax_pretrain import tasks  # noqa: PLC0415  (it loads the data package: only here)
+  choice(g, 'grpo', 'task_format', tuple(tasks.FORMATS))
+
+
+GROUP = config_lib.register(config_lib.Group('grpo', FIELDS, _resolve))
+GrpoConfig = config_lib.view_class('grpo', FIELDS, 'The resolved grpo group.')
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """The trainer's defaults and the grpo group's."""
+  return config_lib.defaults(GROUP)
+
+
+def with_group(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of config c with the grpo group at its defaults (c's own if it has one)."""
+  return config_lib.from_dict(c.to_dict(), groups=(GROUP,))
+
+
+def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
+  return GrpoConfig.from_config(config.grpo)
+
+
+def stop_strings(g) -> tuple[str, ...]:
+  """grpo.stop with its backslash escapes read ('\\n' -> a newline); () for ''."""
+  return (config_lib.unescape(g.stop),) if g.stop else ()

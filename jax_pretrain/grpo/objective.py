@@ -1,0 +1,194 @@
+"""GRPO's objective and the shapes of its update: what plan.py compiles and the program trains.
+
+The defaults are TRL's GRPOTrainer's (1.16: trl/trainer/grpo_config.py and grpo_trainer.py), and
+tests/test_grpo.py checks the loss, the advantages, the log-probabilities and every parameter's
+gradient against TRL's own code on an exported model. Per prompt, G completions are sampled and
+scored; each completion's advantage is its reward against its group's:
+
+  A_i = (r_i - mean(r_group)) / (std(r_group, ddof=1) + ADVANTAGE_EPS)
+
+(scale_rewards='group'; TRL divides by torch's std, the ddof=1 one, + 1e-4, a constant of its
+code; tunix uses ddof=1 and 1e-6). The policy loss per completion token t is the clipped
+importance-ratio objective (PPO's, as GRPO and TRL use it), with the KL penalty against the
+frozen initial model as TRL computes it by default (use_bias_correction_kl=True, from DeepSeek-V3.2:
+the k3 estimator times the ratio, so that its gradient is the unbiased reverse-KL one),
+
+  ratio_t = exp(logp_t - logp_old_t)
+  loss_t  = -min(ratio_t · A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) · A)
+            + beta · ratio_t · (exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1)
+
+(grpo.use_bias_correction_kl=False drops that ratio_t: k3 alone, tunix's and TRL's before it; the
+value is the same where the ratio is 1, the gradient is not: the corrected one adds
+beta · k3_t · d logp_t.) The KL term is there only when beta > 0 (beta 0: no reference model is
+held; with beta > 0 the initial params are held in the policy's shardings and score each batch
+once). Token-level aggregation (DAPO, TRL's default loss_type 'dapo'): the sum of loss_t over
+every completion token of the batch divided by their count (TRL's num_items_in_batch, the
+generation batch's completion tokens over all processes), so long completions weigh by their
+tokens. Defaults (TRL's GRPOConfig): beta 0.0, epsilon 0.2 (epsilon_high = epsilon),
+scale_rewards 'group', temperature 1.0, num_iterations 1, use_bias_correction_kl True; the guide's
+learning rate 1e-5 and 16 samples (configs/grpo.py).
+
+logp is that of the distribution the rollouts sample, softmax(logits / temperature) over the whole
+vocabulary, as TRL scores it (its fused LM head divides the logits by the temperature; at
+temperature 1, the model's own); logp_ref too.
+
+logp_old, the log-probability of the policy that sampled, at the update's precision. With one
+update per rollout batch (num_iterations=1, TRL's and tunix's default) the policy that sampled is
+the one being updated, so logp_old is this forward's own log-probability, held constant (the
+re-score with the training forward that the ratio needs, at no extra pass; TRL does the same:
+per_token_logps.detach()): the ratio is 1 in value and the gradient is the policy gradient
+A · d logp. With num_iterations = μ > 1 the batch is reused for μ updates (each one optimizer
+step over the whole batch, as TRL's μ iterations over its generation batch), and logp_old is
+scored once, before the first, by a separate forward of the batch with the params that sampled
+(the reference model's scoring function, on the policy's params): the first update's ratio is 1
+up to the two programs' rounding, the later ones' move away from 1 and clipping acts
+(train/clip_fraction). A separate pass, not the first update's forward kept: the train step
+returns sums over its micro-batches, not per-token arrays, and TRL scores old_per_token_logps
+the same way (a no-grad forward when the batch is generated). The pass costs a forward of the
+batch per rollout, a third of an update, only when μ > 1.
+
+The rollout's own log-probabilities (the engine's, over the ids it may sample) are compared
+with the training forward's: train/logp_mismatch, the mean absolute gap per completion token.
+The EOS that ends a completion is one of its trained tokens, so that a policy learns to stop.
+"""
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jax_pretrain import config as config_lib
+from jax_pretrain import state as state_lib
+
+ADVANTAGE_EPS = 1e-4  # TRL's (grpo_trainer.py: advantages / (std_rewards + 1e-4)); tunix: 1e-6
+EPSILON = 0.2  # TRL's epsilon (and epsilon_high): the clip range of the importance ratio
+
+
+def group_advantages(rewards_PxG: jax.Array, scale: str = 'group') -> jax.Array:
+  """Advantages of P groups of G completions: reward minus the group mean, over the group's std
+  (ddof=1) with scale='group', or unscaled with scale='none'."""
+  rewards_PxG = rewards_PxG.astype(jnp.float32)
+  centered_PxG = rewards_PxG - jnp.mean(rewards_PxG, axis=1, keepdims=True)
+  if scale == 'none':
+    return centered_PxG
+  return centered_PxG / (jnp.std(rewards_PxG, axis=1, keepdims=True, ddof=1) + ADVANTAGE_EPS)
+
+
+def token_terms(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array,
+                ref_logp_BxT: jax.Array | None = None, *, epsilon: float = EPSILON,
+                epsilon_high: float | None = None, beta: float = 0.0,
+                bias_correction_kl: bool = True):
+  """Per token: (loss_t of the formula above, whether the clipped branch is the smaller one, and
+  the KL term that beta multiplies, or None when beta is 0). advantages_BxT: each token's
+  completion's advantage. The KL term is k3 × ratio with bias_correction_kl (TRL's default), k3
+  alone without: like TRL's `kl` metric, it is the term the loss holds."""
+  epsilon_high = epsilon if epsilon_high is None else epsilon_high
+  a_BxT = advantages_BxT.astype(jnp.float32)
+  ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
+  unclipped_BxT = ratio_BxT * a_BxT
+  clipped_BxT = jnp.clip(ratio_BxT, 1.0 - epsilon, 1.0 + epsilon_high) * a_BxT
+  per_token_BxT = -jnp.minimum(unclipped_BxT, clipped_BxT)
+  kl_BxT = None
+  if beta:
+    delta_BxT = ref_logp_BxT - logp_BxT
+    kl_BxT = jnp.exp(delta_BxT) - delta_BxT - 1.0
+    if bias_correction_kl:
+      kl_BxT = kl_BxT * ratio_BxT
+    per_token_BxT = per_token_BxT + beta * kl_BxT
+  return per_token_BxT, clipped_BxT < unclipped_BxT, kl_BxT
+
+
+def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Array,
+              mask_BxT: jax.Array, ref_logp_BxT: jax.Array | None = None, *,
+              epsilon: float = EPSILON, epsilon_high: float | None = None,
+              beta: float = 0.0, bias_correction_kl: bool = True) -> tuple[jax.Array, dict]:
+  """(loss, metrics) of the formula above: B completions (rows), T token positions; mask_BxT 1 at
+  completion tokens (prompt and padding 0). logp_BxT is differentiated; the rest are constants."""
+  mask_BxT = mask_BxT.astype(jnp.float32)
+  a_BxT = jnp.broadcast_to(advantages_B.astype(jnp.float32)[:, None], logp_BxT.shape)
+  per_token_BxT, clipped_BxT, kl_BxT = token_terms(
+      logp_BxT, old_logp_BxT, a_BxT, ref_logp_BxT, epsilon=epsilon, epsilon_high=epsilon_high,
+      beta=beta, bias_correction_kl=bias_correction_kl)
+  tokens = jnp.maximum(jnp.sum(mask_BxT), 1.0)
+  metrics = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT) / tokens}
+  if kl_BxT is not None:
+    metrics['kl'] = jnp.sum(kl_BxT * mask_BxT) / tokens
+  return jnp.sum(per_token_BxT * mask_BxT) / tokens, metrics
+
+
+def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_kl: bool = True):
+  """The train step's loss (state.make_train_step's loss_fn): (params, batch) -> (the per-token
+  loss summed over completion tokens, (their count, {clip_fraction, logp_mismatch[, kl]} sums)).
+
+  batch: 'tokens' int32 [B, T+1]; float32 [B, T] 'mask' (1 where target t is a completion
+  token), 'advantages' (its completion's advantage), 'rollout_logp' (the engine's log-probability
+  of it, at temperature 1), with beta > 0 'ref_logp' (the initial model's, at `temperature`), and
+  with num_iterations > 1 'old_logp' (the sampling params', at `temperature`: logp_old).
+  logp is that of the sampling distribution, softmax(logits / temperature), as TRL scores it;
+  without 'old_logp', logp_old is this forward's own, held constant (see the module docstring).
+  The mismatch compares temperature-1 log-probabilities, the engine's scale."""
+  temperatures = (temperature,) if temperature == 1.0 else (temperature, 1.0)
+
+  def loss_fn(params, batch):
+    logp_BxT, *untempered = state_lib.target_logprobs(model, params, batch, temperatures)
+    held_BxT = jax.lax.stop_gradient(logp_BxT)
+    at_one_BxT = jax.lax.stop_gradient(untempered[0]) if untempered else held_BxT
+    mask_BxT = batch['mask']
+    per_token_BxT, clipped_BxT, kl_BxT = token_terms(
+        logp_BxT, batch.get('old_logp', held_BxT), batch['advantages'], batch.get('ref_logp'),
+        beta=beta, bias_correction_kl=bias_correction_kl)
+    sums = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT),
+            'logp_mismatch': jnp.sum(jnp.abs(at_one_BxT - batch['rollout_logp']) * mask_BxT)}
+    if kl_BxT is not None:
+      sums['kl'] = jnp.sum(kl_BxT * mask_BxT)
+    return jnp.sum(per_token_BxT * mask_BxT), (jnp.sum(mask_BxT), sums)
+  return loss_fn
+
+
+def check_batch(c: ml_collections.ConfigDict) -> None:
+  """A step's completions (train.batch_size) make whole groups (grpo.num_samples each)."""
+  if c.train.batch_size % c.grpo.num_samples:
+    raise config_lib.ConfigError(
+        f'train.batch_size={c.train.batch_size} (completions a step) is not a multiple of '
+        f'grpo.num_samples={c.grpo.num_samples} (completions a prompt).')
+
+
+def update_loss_fn(s: state_lib.Setup):
+  """The update's loss for the resolved config (make_loss_fn with its beta, temperature and KL
+  correction)."""
+  g = s.config.grpo
+  return make_loss_fn(s.model, g.beta, g.temperature, g.use_bias_correction_kl)
+
+
+def update_batch(s: state_lib.Setup, width: int) -> dict:
+  """The update's batch, abstract (ShapeDtypeStructs in the batch sharding): batch_size rows of
+  `width` tokens (make_loss_fn says what each array holds)."""
+  B, T = s.config.train.batch_size, width - 1
+  row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=s.batch_sharding)
+  batch = {'tokens': row((B, T + 1), jnp.int32), 'mask': row((B, T), jnp.float32),
+           'advantages': row((B, T), jnp.float32), 'rollout_logp': row((B, T), jnp.float32)}
+  if s.config.grpo.beta:
+    batch['ref_logp'] = row((B, T), jnp.float32)
+  if s.config.grpo.num_iterations > 1:
+    batch['old_logp'] = row((B, T), jnp.float32)
+  return batch
+
+
+def update_width(c: ml_collections.ConfigDict, longest_prompt: int) -> int:
+  """Tokens per row of the update: room for the longest prompt + grpo.max_new_tokens, such that
+  the model's inputs (all but the last token) are a multiple of 8 long (cuDNN's fused attention
+  trains on no odd length), and at most data.seq_len of them."""
+  inputs = -(-(longest_prompt + c.grpo.max_new_tokens - 1) // 8) * 8
+  return min(inputs, c.data.seq_len) + 1
+
+
+def rollout_slots(c: ml_collections.ConfigDict) -> int:
+  """Completions the engine decodes at once over all devices (its KV cache's rows):
+  grpo.rollout_slots, or all of a step's."""
+  return c.grpo.rollout_slots or c.train.batch_size
+
+
+def engine_context(c: ml_collections.ConfigDict, longest_prompt: int) -> int:
+  """Tokens per row of the engine's cache: the longest prompt + grpo.max_new_tokens (what a
+  completion can reach), not data.seq_len."""
+  return longest_prompt + c.grpo.max_new_tokens
+
+
