@@ -14,6 +14,7 @@ generated. Every client count runs once untimed first.
 import argparse
 import concurrent.futures
 import json
+import os
 from pydoc_data import topics
 import socket
 import subprocess
@@ -28,7 +29,8 @@ def prompts(n: int) -> list[str]:
   return [texts[i % len(texts)][:10 + (7 * i) % 31] for i in range(n)]
 
 
-def run(url: str, name: str, clients: int, n: int, max_tokens: int) -> tuple[float, int, float]:
+def run(url: str, name: str, clients: int, n: int, max_tokens: int,
+        api_key: str = '') -> tuple[float, int, float]:
   """(seconds, completion tokens, mean latency) of n requests from `clients` threads."""
   work = prompts(n)
 
@@ -38,8 +40,10 @@ def run(url: str, name: str, clients: int, n: int, max_tokens: int) -> tuple[flo
       t0 = time.perf_counter()
       body = json.dumps({'model': name, 'prompt': work[i], 'max_tokens': max_tokens,
                          'temperature': 0.8, 'seed': i}).encode()
-      request = urllib.request.Request(f'{url}/completions', data=body,
-                                       headers={'Content-Type': 'application/json'})
+      headers = {'Content-Type': 'application/json'}
+      if api_key:
+        headers['Authorization'] = f'Bearer {api_key}'
+      request = urllib.request.Request(f'{url}/completions', data=body, headers=headers)
       with urllib.request.urlopen(request, timeout=600) as r:
         usage = json.load(r)['usage']
       done.append((usage['completion_tokens'], time.perf_counter() - t0))
@@ -60,6 +64,8 @@ def main():
   p.add_argument('--requests', type=int, default=48, help='Requests per client count.')
   p.add_argument('--max_tokens', type=int, default=64, help='Tokens generated per request.')
   p.add_argument('--serve_args', default='', help='Extra flags for jax_pretrain.serve.')
+  p.add_argument('--api_key', default=os.environ.get('JAX_PRETRAIN_API_KEY', ''),
+                 help="The server's API key, if it asks for one (default: $JAX_PRETRAIN_API_KEY).")
   a = p.parse_args()
   server = None
   url = a.url
@@ -80,13 +86,14 @@ def main():
           sys.exit('error: the server did not start')
         time.sleep(0.5)
   try:
-    with urllib.request.urlopen(f'{url}/models') as r:
+    auth = {'Authorization': f'Bearer {a.api_key}'} if a.api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(f'{url}/models', headers=auth)) as r:
       name = json.load(r)['data'][0]['id']
     print(f'{"clients":>7}  {"requests":>8}  {"seconds":>8}  {"requests/s":>10}  {"tokens/s":>9}  '
           f'{"latency s":>9}')
     for clients in (int(c) for c in a.clients.split(',')):
-      run(url, name, clients, max(clients, 16), a.max_tokens)  # compiles what this count needs
-      seconds, tokens, latency = run(url, name, clients, a.requests, a.max_tokens)
+      run(url, name, clients, max(clients, 16), a.max_tokens, a.api_key)  # compiles what it needs
+      seconds, tokens, latency = run(url, name, clients, a.requests, a.max_tokens, a.api_key)
       print(f'{clients:>7}  {a.requests:>8}  {seconds:>8.2f}  {a.requests / seconds:>10.2f}  '
             f'{tokens / seconds:>9.1f}  {latency:>9.2f}', flush=True)
   finally:
