@@ -5,7 +5,8 @@ brings (its data, its step, its metrics, its hooks).
 
 Flow: program.open_sources -> config.resolve (the run's one resolve; everything after it takes the
 resolved config and its RunShape) -> program.check(resolved) -> claim the workdir -> the config
-against the checkpoint's -> memory.fit_micro_batch (train.micro_batch_size=0 on a GPU) ->
+against the checkpoint's -> memory.fit_micro_batch (train.micro_batch_size=0 on a GPU; where one
+sequence per device does not fit, also an automatic mesh.fsdp and model.remat) ->
 state.build -> restore (or restore_from, or init) the state -> program.open_data -> program.compile
 (the step, AOT) -> loop.Loop(step, metrics=program.logger, stop signals, the non-finite check)
 with program.hooks(Context) -> its run over program.batches.
@@ -316,20 +317,21 @@ def train(config: ml_collections.ConfigDict, workdir: str, program: Program,
       saved = _saved_config(checkpointer)
       # Refuses a change that does not fit the checkpoint, before any work.
       changes = config_lib.resume_changes(saved, resolved) if saved else {}
-      # train.micro_batch_size=0 on a GPU: a few compiles choose it.
+      # train.micro_batch_size=0 on a GPU: a few compiles choose it (and the FSDP and remat where
+      # they are automatic and the state does not fit as resolved).
       resolved, run_shape, fitted = stop.wait(
           'choosing the micro-batch', memory.fit_micro_batch, config, resolved, run_shape,
           devices, None, program.alongside(resolved, sources, len(devices)))
       if fitted and saved:
-        changes = config_lib.resume_changes(saved, resolved)  # with the micro-batch chosen
+        changes = config_lib.resume_changes(saved, resolved)  # with what the fit chose
       updates = program.updates_per_step(resolved)
       s = state_lib.build(resolved, dataclasses.replace(run_shape, updates_per_step=updates),
                           devices)
       for field, (before, after) in changes.items():
         multihost.log(f'config change on resume: {field} {before!r} -> {after!r}')
       multihost.log(describe(s, model_lib.count_params(s.abstract_state.params)))
-      if fitted:
-        multihost.log(f'chosen            {fitted}')
+      for line in fitted:
+        multihost.log(f'chosen            {line}')
       state = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
       step = int(jax.device_get(state.step)) // updates  # (checkpoints: at whole steps)
       if is_main:  # only once the restore succeeded
