@@ -2,11 +2,12 @@
 
 The 2.7B size of the users' guides (GPT-Neo/Pythia-2.7B proportions: 32 × 2560) in Llama form.
 About 0.5M tokens per step (256 × 2048) and 50B tokens (~20 tokens per parameter). On two A100
-40 GB: --config.mesh.fsdp=2 --config.model.remat=full (parameters and optimizer state split over
-both cards; full remat lets 8 sequences per card fit instead of 1, so FSDP gathers the weights 16
-times a step instead of 128): 32.6 GiB of 35.5 usable, ~17.8k tokens/s (python -m jax_pretrain.plan
---config=configs/xxlarge.py --target=a100-40 --num_devices=2 --config.mesh.fsdp=2
---config.model.remat=full; compiled, not measured).
+40 GB the trainer's fit chooses the mesh and remat itself (mesh.fsdp and model.remat automatic):
+data parallelism fits no sequence, so it takes fsdp=2 with remat full (parameters and optimizer
+state split over both cards; full remat lets 8 sequences per card fit instead of 1, so FSDP gathers
+the weights 16 times a step instead of 128): 32.6 GiB of 35.5 usable, ~17.5k tokens/s (python -m
+jax_pretrain.plan --config=configs/xxlarge.py --target=a100-40 --num_devices=2; compiled, not
+measured).
 """
 from jax_pretrain import config
 

@@ -90,8 +90,8 @@ MODEL = (
       'used only at initialization'),
     F('attention', 'auto', SAFE, "'auto' (cuDNN where it runs, else XLA) | 'xla' | 'cudnn' | "
       "'pallas'"),
-    F('remat', 'auto', SAFE, "'auto' (dots with fused attention, else full) | 'none' | 'full' | "
-      "'dots' | 'dots_no_batch' | 'minimal'"),
+    F('remat', 'auto', SAFE, "'auto' (dots with fused attention, else full; full where the fit "
+      "needs it: memory.fit_micro_batch) | 'none' | 'full' | 'dots' | 'dots_no_batch' | 'minimal'"),
     F('scan_layers', True, SHAPE, 'scan over stacked layers (compile time independent of depth)'),
     F('dtype', _AUTO_DTYPE, _float16_toggled, "compute dtype: 'auto' (bfloat16 on TPUs and NVIDIA "
       'sm_80+, float16 with loss scaling on older NVIDIA GPUs, float32 on the CPU) | '
@@ -174,7 +174,10 @@ OPTIM = (
 
 MESH = (  # safe to change: checkpoints restore onto any mesh
     F('data', -1, SAFE, 'data-parallel axis size; -1: all remaining devices'),
-    F('fsdp', 1, SAFE, 'parameter-sharded data-parallel axis size'),
+    F('fsdp', sharding.AUTO_FSDP, SAFE, 'parameter-sharded data-parallel axis size; 0: 1 '
+      '(plain data parallelism) unless the state does not fit that way (a GPU and '
+      'train.micro_batch_size=0 try more: memory.fit_micro_batch), or the devices data and tensor '
+      'leave when neither is -1'),
     F('tensor', 1, SAFE, 'tensor-parallel axis size (heads, MLP, vocab)'),
 )
 

@@ -1,12 +1,13 @@
 """The train step's device memory, and the trainer's micro-batch fit (train.micro_batch_size=0).
 
   resolved, run = config.resolve(config, len(devices), device=devices[0])
-  resolved, run, line = memory.fit_micro_batch(config, resolved, run, devices)
+  resolved, run, lines = memory.fit_micro_batch(config, resolved, run, devices)
 
 `compile_step` compiles the real train step for a resolved config (nothing is allocated or run),
 `peak_bytes` reads its memory from XLA's buffer assignment, and `fit_micro_batch` compiles a few
-candidate micro-batches and keeps the largest that fits; the trainer and the planner (plan.py)
-both use them.
+candidate micro-batches and keeps the largest that fits; where not even one sequence per device
+fits, it also tries the mesh's FSDP and full remat, where the config leaves them automatic
+(`search_layouts`). The trainer and the planner (plan.py) both use them.
 """
 import dataclasses
 
@@ -16,6 +17,8 @@ import numpy as np
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import gpu_targets
+from jax_pretrain import model as model_lib
+from jax_pretrain import sharding
 
 GIB = 2**30
 # train.micro_batch_size=0 on a GPU takes the largest micro-batch whose compiled step needs at most
@@ -25,6 +28,10 @@ GIB = 2**30
 FIT_MARGIN = 0.95
 # ... and whose compiled FLOPs per token exceed the smallest micro-batch's by at most this much.
 MAX_EXTRA_FLOPS = 0.02
+# Where the state does not fit as resolved, the fit compares at most this many (fsdp, remat)
+# layouts that fit: each costs a micro-batch search (two to four compiles), one that does not fit
+# a single compile.
+MAX_FITTING_LAYOUTS = 4
 
 
 def compile_step(config: ml_collections.ConfigDict, run: config_lib.RunShape, devices,
@@ -71,8 +78,9 @@ def search_micro_batch(candidates: list[int], measure, budget: float,
                        extra_flops: float = MAX_EXTRA_FLOPS):
   """(largest candidate m that fits or None, {m: measure(m) for every m compiled}).
 
-  measure(m) -> (peak bytes, compiled FLOPs per token). m fits when its peak is within budget and
-  its FLOPs per token are within `extra_flops` of the smallest candidate's: near the memory limit
+  measure(m) -> (peak bytes, compiled FLOPs per token, ...: anything more the caller wants kept
+  in `tried`). m fits when its peak is within budget and its FLOPs per token are within
+  `extra_flops` of the smallest candidate's: near the memory limit
   XLA rematerializes on its own (tiny on one A100 40GB at micro-batch 64: 23% more FLOPs), and a
   smaller micro-batch without that recompute is faster. Memory grows linearly with the
   micro-batch, so after the smallest and the largest candidate, the line through their peaks
@@ -89,7 +97,7 @@ def search_micro_batch(candidates: list[int], measure, budget: float,
     return None, tried
   if small == big or fits(big):
     return big, tried
-  (small_peak, _), (big_peak, _) = tried[small], tried[big]
+  small_peak, big_peak = tried[small][0], tried[big][0]
   guess = small + (budget - small_peak) * (big - small) / (big_peak - small_peak)
   for m in reversed([m for m in candidates if small < m < big and m <= guess]):
     if fits(m):
@@ -122,25 +130,126 @@ def with_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections
   return c, dataclasses.replace(run, grad_accum_steps=c.train.batch_size // (micro_batch * dp))
 
 
+def with_layout(resolved: ml_collections.ConfigDict, run: config_lib.RunShape, fsdp: int,
+                remat: str):
+  """(resolved, run) with mesh.fsdp=fsdp (mesh.data the data-parallel devices it leaves) and
+  model.remat=remat, re-derived as config.resolve derives them (without resolving again): the
+  mesh shape, and the start-up lines without the resolve's remat choice where the fit replaced
+  it. The data-parallel devices (data × fsdp), and so the batch's splits, stay."""
+  c = ml_collections.ConfigDict(resolved.to_dict())
+  dp = c.mesh.data * c.mesh.fsdp
+  c.mesh.data, c.mesh.fsdp, c.model.remat = dp // fsdp, fsdp, remat
+  c.lock()
+  choices = run.choices if remat == resolved.model.remat else tuple(
+      x for x in run.choices if not x.startswith('remat '))  # (config._resolve_model's line)
+  return c, dataclasses.replace(run, mesh_shape=(dp // fsdp, fsdp, c.mesh.tensor),
+                                choices=choices)
+
+
+def layout_candidates(dp: int, d_model: int, fsdp: int, remat: str, fsdp_auto: bool,
+                      remat_auto: bool) -> list[tuple[int, str]]:
+  """(fsdp, remat) layouts the fit may use, the resolved one (fsdp, remat) first, in the order
+  that prefers less sharding, then less recompute. With fsdp_auto: every power of two from fsdp up
+  that divides the dp data-parallel devices and d_model (the mesh.fsdp rule), and dp itself where
+  it does; with remat_auto: the resolve's choice, then 'full' (only the layers' inputs kept)."""
+  fsdps = [fsdp]
+  if fsdp_auto:
+    fsdps = sorted({f for f in [*(2**i for i in range(dp.bit_length())), dp]
+                    if f >= fsdp and dp % f == 0 and d_model % f == 0})
+  remats = [remat] + (['full'] if remat_auto and remat != 'full' else [])
+  return [(f, r) for f in fsdps for r in remats]
+
+
+def search_layouts(layouts: list[tuple[int, str]], search, per_device: int, ranked: bool):
+  """(the layout chosen or None, {layout: search(layout)} for every layout searched).
+
+  layouts: layout_candidates' list. search(layout) -> (the micro-batch it fits, or None; the
+  roofline's seconds per token at that micro-batch, or None without a roofline). The first layout
+  (the resolved one: the run as configured) is kept when it fits: the search goes on only where
+  it does not. Then, without `ranked` (no roofline for the device), the first that fits in the
+  order of `layouts` (less sharding, then less recompute); with it, the fastest per token of
+  those that fit (ties: the earlier), skipping layouts that cannot be faster than one found, so
+  that few are compiled:
+  - once (f, r) fits the whole per-device batch (no accumulation), every layout with at least f's
+    sharding and r's recompute: at best the same micro-batch, with more collectives or recompute;
+  - once r at fsdp f is no faster than r at the smaller fsdp before it, r at any larger fsdp:
+    sharding more stopped paying for itself (its gathers cost more than its larger micro-batch
+    saves);
+  and at most MAX_FITTING_LAYOUTS that fit.
+  """
+  rank = {r: i for i, r in enumerate(dict.fromkeys(r for _, r in layouts))}  # by recompute
+  results, whole, stopped, last = {}, [], set(), {}
+  for layout in layouts:
+    f, r = layout
+    if r in stopped or any(f >= f0 and rank[r] >= rank[r0] for f0, r0 in whole):
+      continue
+    if sum(m is not None for m, _ in results.values()) >= MAX_FITTING_LAYOUTS:
+      break
+    results[layout] = m, seconds = search(layout)
+    if m is None:
+      continue
+    if layout == layouts[0] or not ranked or seconds is None:
+      return layout, results
+    if m == per_device:
+      whole.append(layout)
+    if r in last and seconds >= last[r]:
+      stopped.add(r)
+    last[r] = seconds
+  fitting = {layout: seconds for layout, (m, seconds) in results.items() if m is not None}
+  return (min(fitting, key=fitting.get) if fitting else None), results
+
+
+def _compiled_line(tried: dict) -> str:
+  """A micro-batch search's compiles, ascending: 'micro-batch -> peak GiB', with the FLOPs XLA
+  recomputes beyond the smallest micro-batch's per token."""
+  base = tried[min(tried)][1]
+  return ', '.join(
+      f'{m} -> {p / GIB:.1f} GiB' + (f' +{f / base - 1:.0%} FLOPs' if f > base * 1.005 else '')
+      for m, (p, f, *_) in sorted(tried.items()))
+
+
+def _layout_name(layout: tuple[int, str]) -> str:
+  return f'fsdp {layout[0]} {layout[1]}'
+
+
+def _layout_outcome(layout: tuple[int, str], result: tuple, tried: dict) -> str:
+  """What a layout's micro-batch search found: its micro-batch and roofline tokens/s, or its
+  peak at one sequence per device."""
+  micro_batch, seconds = result
+  if micro_batch is None:
+    return f'{_layout_name(layout)} does not fit ({_compiled_line(tried)})'
+  speed = f', {1 / seconds:,.0f} tokens/s' if seconds else ''
+  return f'{_layout_name(layout)} -> micro-batch {micro_batch}{speed}'
+
+
 def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.ConfigDict,
                     run: config_lib.RunShape, devices,
                     target: gpu_targets.Target | None = None, alongside: float = 0.0,
                     batch=None, loss=None):
-  """train.micro_batch_size=0 on a GPU: the largest micro-batch whose compiled step fits.
+  """train.micro_batch_size=0 on a GPU: the largest micro-batch whose compiled step fits, and
+  where not even one sequence per device fits, the mesh's FSDP and the remat policy too.
 
   config: the config as given (its micro_batch_size 0 asks for the fit); resolved, run: what
-  config.resolve made of it. Returns (resolved, run, the line to print) with the chosen
-  micro-batch (with_micro_batch), or (resolved, run, None) where nothing was chosen: an explicit
-  micro-batch, or not a GPU (there 0 keeps meaning batch_size / data-parallel devices, no
-  accumulation). Each candidate is the real train step compiled for these devices, without
+  config.resolve made of it. Returns (resolved, run, the lines to print) with the choice
+  re-derived (with_layout, with_micro_batch), or (resolved, run, ()) where nothing was chosen: an
+  explicit micro-batch, or not a GPU (there 0 keeps meaning batch_size / data-parallel devices,
+  no accumulation). Each candidate is the real train step compiled for these devices, without
   autotuning; its peak is XLA's buffer assignment, against FIT_MARGIN of `usable_memory` less
   `alongside` (bytes per device that stay allocated beside the step: GRPO's engine cache); the
-  step is the program's (batch, loss: as compile_step takes them). Raises config.ConfigError when
-  not even one sequence per device fits.
+  step is the program's (batch, loss: as compile_step takes them).
+
+  Where the resolved mesh and remat do not fit one sequence per device, the layouts that
+  config leaves automatic (mesh.fsdp 0 with mesh.data -1: more FSDP; model.remat 'auto': 'full')
+  are searched (search_layouts), each with its own micro-batch search, and ranked by the
+  compiled step's roofline per token at the speeds of `target`, or on a real GPU of the
+  gpu_targets target of its device kind; without one, the first that fits in the order less
+  sharding, then less recompute. Explicit values are never replaced. Raises config.ConfigError
+  when no layout fits one sequence per device.
   """
   if config.train.micro_batch_size != 0 or devices[0].platform != 'gpu':
-    return resolved, run, None
-  per_device = resolved.train.batch_size // (run.mesh_shape[0] * run.mesh_shape[1])
+    return resolved, run, ()
+  dp = run.mesh_shape[0] * run.mesh_shape[1]
+  per_device = resolved.train.batch_size // dp
   # Each process asks one of its own devices (another process's cannot report its memory); all
   # take the smallest answer, so that every process compiles the same micro-batch.
   local = [d for d in devices if d.process_index == devices[0].client.process_index()]
@@ -148,28 +257,65 @@ def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.
   if target is None:
     from jax_pretrain import multihost  # noqa: PLC0415  (imports jax)
     limit = multihost.minimum(limit)
-
-  def measure(m):
-    from jax_pretrain import hlo  # noqa: PLC0415
-    s, compiled = compile_step(*with_micro_batch(config, resolved, run, m), devices,
-                               autotune=False, batch=batch, loss=loss)
-    flops = hlo.analyze(compiled.as_text()).flops
-    return peak_bytes(compiled), flops / s.run.tokens_per_step
-
+  speeds = target if target is not None else gpu_targets.for_device_kind(devices[0].device_kind)
+  if speeds is not None and speeds.matmul_flops is None:
+    speeds = None
   budget = FIT_MARGIN * limit - alongside
-  chosen, tried = search_micro_batch(micro_batch_candidates(per_device), measure, budget)
-  base = tried[min(tried)][1]
+  searched = {}  # layout -> {micro-batch: (peak bytes, FLOPs per token, seconds per token)}
+
+  def search(layout):
+    at = with_layout(resolved, run, *layout)
+
+    def measure(m):
+      from jax_pretrain import hlo  # noqa: PLC0415
+      s, compiled = compile_step(*with_micro_batch(config, *at, m), devices, autotune=False,
+                                 batch=batch, loss=loss)
+      stats = hlo.analyze(compiled.as_text(), speeds.devices_per_node if speeds else 8)
+      tokens = s.run.tokens_per_step
+      r = gpu_targets.roofline(stats, speeds) if speeds else None
+      return peak_bytes(compiled), stats.flops / tokens, r.step_s / tokens if r else None
+
+    chosen, searched[layout] = search_micro_batch(micro_batch_candidates(per_device), measure,
+                                                  budget)
+    return chosen, searched[layout][chosen][2] if chosen else None
+
+  layouts = layout_candidates(
+      dp, resolved.model.d_model, resolved.mesh.fsdp, resolved.model.remat,
+      fsdp_auto=config.mesh.fsdp == sharding.AUTO_FSDP and config.mesh.data == -1,
+      remat_auto=config.model.remat == model_lib.AUTO_REMAT)
+  layout, results = search_layouts(layouts, search, per_device, ranked=speeds is not None)
   beside = f' less {alongside / GIB:.1f} GiB held beside the step' if alongside else ''
-  compiled = ', '.join(
-      f'{m} -> {p / GIB:.1f} GiB' + (f' +{f / base - 1:.0%} FLOPs' if f > base * 1.005 else '')
-      for m, (p, f) in sorted(tried.items()))
-  if chosen is None:
-    remat = ('' if resolved.model.remat == 'full' else ', or set --config.model.remat=full '
-             f'(now {resolved.model.remat})')
+  within = f'{FIT_MARGIN:.0%} of {limit / GIB:.1f} GiB{beside}'
+  if layout is None:
+    compiled = (_compiled_line(searched[layouts[0]]) if len(searched) == 1 else '; '.join(
+        f'{_layout_name(x)}: {_compiled_line(tried)}' for x, tried in searched.items()))
+    advice = []
+    if len({f for f, _ in layouts}) == 1 and dp > 1:
+      advice.append('shard the state (--config.mesh.fsdp)')
+    if all(r != 'full' for _, r in layouts):
+      advice.append(f'set --config.model.remat=full (now {resolved.model.remat})')
+    more = 'shard the state over more devices (mesh.fsdp)' + (
+        ', or split the layers too (--config.mesh.tensor)' if dp > 1 else '')
     raise config_lib.ConfigError(
         f'the train step does not fit {FIT_MARGIN:.0%} of the {limit / GIB:.1f} GiB per device'
-        f'{beside} even with one sequence per device (compiled: {compiled}): shard the state '
-        f'(--config.mesh.fsdp){remat}.')
-  return (*with_micro_batch(config, resolved, run, chosen),
-          f'micro-batch {chosen} (auto: the largest within {FIT_MARGIN:.0%} of {limit / GIB:.1f} '
-          f'GiB{beside} that XLA does not recompute more of; compiled: {compiled})')
+        f'{beside} even with one sequence per device (compiled: {compiled}): '
+        f'{", or ".join(advice or [more])}.')
+  micro_batch = results[layout][0]
+  lines = [f'micro-batch {micro_batch} (auto: the largest within {within} that XLA does not '
+           f'recompute more of; compiled: {_compiled_line(searched[layout])})']
+  if layout != layouts[0]:
+    if speeds is not None:
+      how = f'the fastest by the {speeds.name} roofline (compiled, not measured)'
+    else:
+      how = (f'no roofline for {devices[0].device_kind} (not in gpu_targets): the first that '
+             'fits, less sharding first, then less recompute')
+    tried = '; '.join(_layout_outcome(x, result, searched[x])
+                      for x, result in results.items() if x != layouts[0])
+    (f, r), first = layouts[0], searched[layouts[0]]
+    mesh = f'mesh data={dp // layout[0]} fsdp={layout[0]}, ' if layout[0] != f else ''
+    lines.insert(0, f'{mesh}remat {layout[1]} (auto: '
+                 f'{"data parallelism" if f == 1 else f"fsdp {f}"} with remat {r} does not fit '
+                 f'{within} even with one sequence per device ({_compiled_line(first)}); {how}: '
+                 f'{tried})')
+  resolved, run = with_layout(resolved, run, *layout)
+  return (*with_micro_batch(config, resolved, run, micro_batch), tuple(lines))

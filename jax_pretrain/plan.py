@@ -14,7 +14,11 @@ gives, per device and optimizer step:
   collectives  by kind: how many, and the bytes of the buffers they reduce or gather;
   roofline     each kernel takes max(FLOPs / FLOP/s, HBM bytes / bandwidth) at the target's
                speeds (gpu_targets), collectives bytes / link bandwidth, added up without overlap:
-               a step time and tokens/s that are estimates, not measurements (no autotuning ran).
+               a step time and tokens/s that are estimates, not measurements (no autotuning ran)
+               (gpu_targets.roofline).
+The step is the one the trainer would run there: its micro-batch chosen by the trainer's fit
+(memory.fit_micro_batch), which where data parallelism fits no sequence also chooses an automatic
+mesh.fsdp and model.remat by that roofline; the 'chosen' lines say what and why.
 Targets: gpu_targets.TARGETS. 'cpu' compiles for this machine's CPU devices (no roofline).
 
 With --grpo, the programs of a GRPO step (grpo.py) instead, for --grpo_prompt_tokens-token prompts
@@ -79,35 +83,6 @@ def devices_for(target: gpu_targets.Target, num_devices: int) -> list:
   return topology.devices
 
 
-@dataclasses.dataclass
-class Roofline:
-  compute_s: float  # kernels: max(FLOPs / speed, HBM bytes / bandwidth), summed
-  communication_s: float  # collectives: wire bytes / link (or network) bandwidth
-
-  @property
-  def step_s(self) -> float:
-    """No overlap of communication with compute: an upper bound on the roofline's step."""
-    return self.compute_s + self.communication_s
-
-
-def roofline(stats, target: gpu_targets.Target) -> Roofline | None:
-  if target.matmul_flops is None:
-    return None
-  forward, both = target.cudnn_attention_flops
-  # The backward kernel alone, from forward and forward+backward (2.5× and 3.5× forward's FLOPs).
-  backward = 2.5 / (3.5 / both - 1.0 / forward)
-  speed = {'matmul': target.matmul_flops, 'attention': forward, 'attention_backward': backward,
-           'matmul_fp8': target.fp8_matmul_flops or target.matmul_flops}
-  compute = sum(k.times * max(k.flops / speed.get(k.kind, target.matmul_flops),
-                              k.hbm_bytes / target.hbm_bandwidth) for k in stats.kernels)
-  link = gpu_targets.COLLECTIVE_EFFICIENCY * target.link_bandwidth
-  network = gpu_targets.COLLECTIVE_EFFICIENCY * target.network_bandwidth
-  communication = sum((c.wire_bytes - c.cross_node_wire_bytes) / link
-                      + c.cross_node_wire_bytes / network
-                      for c in stats.collectives.values())
-  return Roofline(compute, communication)
-
-
 def memory_report(compiled, target: gpu_targets.Target, alongside: dict[str, float]) -> dict:
   """A compiled program's peak per device (XLA's buffer assignment), what stays on each device
   beside it (alongside: {what: bytes}), and whether both fit the memory JAX may use there."""
@@ -147,7 +122,7 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
   flops_per_token = model_lib.flops_per_token(config_lib.model_config(c),
                                               seq_len or c.data.seq_len)
   model_flops = flops_per_token * tokens_per_step / n
-  r = roofline(stats, target)
+  r = gpu_targets.roofline(stats, target)
   tokens_per_s = tokens_per_step / r.step_s if r else None
   return {
       'target': target.name,
@@ -206,7 +181,7 @@ def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | Non
   if hlo_path:
     with open(hlo_path, 'w', encoding='utf-8') as f:
       f.write(compiled.as_text())
-  return report(s, compiled, t, compile_s, [fitted] if fitted else [])
+  return report(s, compiled, t, compile_s, fitted)
 
 
 class _Vocabulary:
@@ -225,7 +200,7 @@ def call_report(compiled, target: gpu_targets.Target, alongside: dict[str, float
   is traced (the decode's steps)."""
   from jax_pretrain import hlo  # noqa: PLC0415
   stats = hlo.analyze(compiled.as_text(), target.devices_per_node, unknown_trips)
-  r = roofline(stats, target)
+  r = gpu_targets.roofline(stats, target)
   return {
       **memory_report(compiled, target, alongside),
       'compute_flops_per_call': stats.flops,
@@ -322,7 +297,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   if hlo_path:
     with open(hlo_path, 'w', encoding='utf-8') as f:
       f.write(update.as_text())
-  update_report = report(s, update, t, update_s, [fitted] if fitted else [],
+  update_report = report(s, update, t, update_s, fitted,
                          tokens_per_step=B * width, seq_len=width,
                          alongside={'engine cache': cache, **reference})
 
@@ -507,7 +482,8 @@ if __name__ == '__main__':
                               '--config.group.field=value.')
   flags.DEFINE_enum('target', 'h100', list(gpu_targets.TARGETS), 'Device to compile for.')
   flags.DEFINE_integer('num_devices', 1, 'Devices (8 per node for a GPU target; the mesh comes '
-                       'from the config, data=-1 by default).')
+                       'from the config: data=-1 and fsdp automatic by default, which the fit '
+                       'raises where data parallelism fits no sequence).')
   flags.DEFINE_bool('json', False, 'Print one JSON object instead of the report.')
   flags.DEFINE_string('hlo', None, 'Also write the compiled program (HLO text) to this file.')
   flags.DEFINE_bool('grpo', False, "A GRPO step's programs instead (jax_pretrain/grpo.py): the "

@@ -61,14 +61,25 @@ def logical_to_spec(logical_axes: Sequence[str | None]) -> P:
   return P(*(mesh_axes(name) for name in logical_axes))
 
 
+AUTO_FSDP = 0
+
+
 def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
-  """Fills in the one axis given as -1 and checks the product equals the device count."""
+  """Fills in the one axis given as -1 and checks the product equals the device count.
+
+  fsdp 0 (AUTO_FSDP) is 1 where another axis is -1 (plain data parallelism: the trainer's fit,
+  memory.fit_micro_batch, raises it when the state does not fit that way), else the devices the
+  other two leave (as -1 would be: nothing else could fill them).
+  """
   sizes = [data, fsdp, tensor]
   named = ', '.join(f'{n}={s}' for n, s in zip(MESH_AXES, sizes))
   if sizes.count(-1) > 1:
     raise ValueError(f'mesh: at most one axis may be -1 (all remaining devices); got {named}.')
+  if fsdp == AUTO_FSDP:
+    sizes[1] = 1 if -1 in sizes else -1
   if any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(f'mesh: axis sizes must be positive or -1; got {named}.')
+    raise ValueError(f'mesh: axis sizes must be positive or -1 (fsdp also 0: automatic); got '
+                     f'{named}.')
   if -1 in sizes:
     known = math.prod(s for s in sizes if s != -1)
     if num_devices % known:

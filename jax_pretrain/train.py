@@ -6,10 +6,11 @@ brings (its data, its step, its metrics, its hooks).
 Flow: program.open_sources -> config.resolve (the run's one resolve; everything after it takes the
 resolved config and its RunShape) -> program.check(resolved, sources) -> claim the workdir -> the
 config against the checkpoint's -> memory.fit_micro_batch (train.micro_batch_size=0 on a GPU: the
-program's update, program.abstract_batch and loss_fn, with program.alongside's memory beside it)
--> state.build -> restore (or restore_from, or init) the state -> program.open_data -> the
-update compiled (AOT) -> program.make_step around it -> loop.Loop(step, metrics=program.logger,
-stop signals, the non-finite check) with program.hooks(Context) -> its run over program.batches.
+program's update, program.abstract_batch and loss_fn, with program.alongside's memory beside it;
+where one sequence per device does not fit, also an automatic mesh.fsdp and model.remat) ->
+state.build -> restore (or restore_from, or init) the state -> program.open_data -> the update
+compiled (AOT) -> program.make_step around it -> loop.Loop(step, metrics=program.logger, stop
+signals, the non-finite check) with program.hooks(Context) -> its run over program.batches.
 Pretraining and SFT are pretrain.Pretraining (its hooks: evaluation, checkpointing, lm_eval, the
 end-of-run sample, profiling); GRPO is grpo.GRPO (rollouts through the engine in its step). This
 module imports nothing that runs after training (lm_eval, sample, engine, serve).
@@ -339,21 +340,22 @@ def train(config: ml_collections.ConfigDict, workdir: str, program: Program,
       saved = _saved_config(checkpointer)
       # Refuses a change that does not fit the checkpoint, before any work.
       changes = config_lib.resume_changes(saved, resolved) if saved else {}
-      # train.micro_batch_size=0 on a GPU: a few compiles choose it.
+      # train.micro_batch_size=0 on a GPU: a few compiles choose it (and the FSDP and remat where
+      # they are automatic and the state does not fit as resolved).
       resolved, run_shape, fitted = stop.wait(
           'choosing the micro-batch', memory.fit_micro_batch, config, resolved, run_shape,
           devices, None, program.alongside(resolved, sources, len(devices)),
           lambda s: program.abstract_batch(s, sources), program.loss_fn)
       if fitted and saved:
-        changes = config_lib.resume_changes(saved, resolved)  # with the micro-batch chosen
+        changes = config_lib.resume_changes(saved, resolved)  # with what the fit chose
       updates = program.updates_per_step(resolved)
       s = state_lib.build(resolved, dataclasses.replace(run_shape, updates_per_step=updates),
                           devices)
       for field, (before, after) in changes.items():
         multihost.log(f'config change on resume: {field} {before!r} -> {after!r}')
       multihost.log(describe(s, model_lib.count_params(s.abstract_state.params)))
-      if fitted:
-        multihost.log(f'chosen            {fitted}')
+      for line in fitted:
+        multihost.log(f'chosen            {line}')
       state = stop.wait('restoring', _initial_state, s, checkpointer, is_main)
       step = int(jax.device_get(state.step)) // updates  # (checkpoints: at whole steps)
       if is_main:  # only once the restore succeeded

@@ -75,6 +75,8 @@ def test_tokens_derive_steps_and_both_are_kept():
     (('--config.mesh.data=3', '--config.mesh.fsdp=-1'), 8, r'data=3.*cannot fill 8 devices'),
     (('--config.mesh.data=2', '--config.mesh.fsdp=2', '--config.mesh.tensor=1'), 8,
      r'uses 4 devices but 8 are present'),
+    (('--config.mesh.data=3',), 8, r'data=3, fsdp=0, tensor=1 cannot fill 8 devices'),
+    (('--config.mesh.data=-1', '--config.mesh.fsdp=-2'), 8, r'positive or -1 \(fsdp also 0'),
     (('--config.mesh.data=1', '--config.mesh.tensor=8'), 8,
      r'mesh.tensor=8 must divide model.num_heads=4'),
     (('--config.model.num_kv_heads=3',), 1, r'num_kv_heads=3 must divide model.num_heads=4'),
@@ -93,6 +95,36 @@ def test_inconsistent_values_fail_with_the_numbers(overrides, devices, message):
   c = parse(f'--config={ROOT}/configs/{preset}', *overrides)
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.resolve(c, num_devices=devices, backend='cpu')
+
+
+@pytest.mark.parametrize('overrides, devices, mesh', [
+    ((), 8, (8, 1, 1)),  # automatic: plain data parallelism (the GPU fit may shard more)
+    (('--config.mesh.tensor=2',), 8, (4, 1, 2)),
+    (('--config.mesh.data=2',), 8, (2, 4, 1)),  # data given: fsdp takes the devices left
+    (('--config.mesh.data=4', '--config.mesh.tensor=-1'), 8, (4, 1, 2)),
+    (('--config.mesh.fsdp=2',), 8, (4, 2, 1)),  # explicit: kept
+    (('--config.mesh.fsdp=1',), 8, (8, 1, 1)),
+])
+def test_mesh_fsdp_is_automatic_by_default_and_an_explicit_value_is_kept(overrides, devices,
+                                                                         mesh):
+  c = parse(f'--config={ROOT}/configs/test.py', *overrides)
+  assert config_lib.defaults().mesh.fsdp == 0
+  r, run = config_lib.resolve(c, num_devices=devices, backend='cpu')
+  assert run.mesh_shape == mesh and (r.mesh.data, r.mesh.fsdp, r.mesh.tensor) == mesh
+
+
+def test_runs_saved_with_fsdp_1_load_and_resume_with_it_automatic():
+  """config.json files hold the resolved mesh (fsdp=1 before it was automatic, or what the fit
+  chose): they load as given, and a run that resumes with fsdp automatic accepts another mesh
+  (checkpoints restore onto any mesh)."""
+  c = config_lib.preset('test')
+  for saved_fsdp in (1, 2):
+    saved = config_lib.as_dict(config_lib.resolve(c, 8, backend='cpu')[0])
+    saved['mesh'].update(data=8 // saved_fsdp, fsdp=saved_fsdp)
+    assert config_lib.from_dict(saved).mesh.fsdp == saved_fsdp
+    resumed, _ = config_lib.resolve(c, 8, backend='cpu')
+    expected = {} if saved_fsdp == 1 else {'mesh.data': (4, 8), 'mesh.fsdp': (2, 1)}
+    assert config_lib.resume_changes(saved, resumed) == expected
 
 
 def test_cudnn_on_cpu_is_an_error_not_a_fallback():

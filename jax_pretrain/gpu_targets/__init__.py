@@ -108,6 +108,44 @@ TARGETS = {
 }
 
 
+@dataclasses.dataclass
+class Roofline:
+  compute_s: float  # kernels: max(FLOPs / speed, HBM bytes / bandwidth), summed
+  communication_s: float  # collectives: wire bytes / link (or network) bandwidth
+
+  @property
+  def step_s(self) -> float:
+    """No overlap of communication with compute: an upper bound on the roofline's step."""
+    return self.compute_s + self.communication_s
+
+
+def roofline(stats, target: Target) -> Roofline | None:
+  """A compiled program's time at the target's speeds (the module docstring), from its
+  hlo.Stats; None for a target without them (the CPU)."""
+  if target.matmul_flops is None:
+    return None
+  forward, both = target.cudnn_attention_flops
+  # The backward kernel alone, from forward and forward+backward (2.5× and 3.5× forward's FLOPs).
+  backward = 2.5 / (3.5 / both - 1.0 / forward)
+  speed = {'matmul': target.matmul_flops, 'attention': forward, 'attention_backward': backward,
+           'matmul_fp8': target.fp8_matmul_flops or target.matmul_flops}
+  hbm = target.hbm_bandwidth  # (read from the file: once, not per kernel)
+  compute = sum(k.times * max(k.flops / speed.get(k.kind, target.matmul_flops),
+                              k.hbm_bytes / hbm) for k in stats.kernels)
+  link = COLLECTIVE_EFFICIENCY * target.link_bandwidth
+  network = COLLECTIVE_EFFICIENCY * target.network_bandwidth
+  communication = sum((c.wire_bytes - c.cross_node_wire_bytes) / link
+                      + c.cross_node_wire_bytes / network
+                      for c in stats.collectives.values())
+  return Roofline(compute, communication)
+
+
+def for_device_kind(kind: str) -> Target | None:
+  """The target of a real GPU of this kind (jax's device_kind, e.g. 'NVIDIA H100 80GB HBM3'), or
+  None: the speeds the trainer's fit (memory.fit_micro_batch) ranks its compiled candidates by."""
+  return next((t for t in TARGETS.values() if t.file and t.device_kind == kind), None)
+
+
 def plugin_library() -> str | None:
   """Path of the installed jax CUDA plugin's shared library, or None."""
   try:
