@@ -196,7 +196,7 @@ def _fake_compiles(monkeypatch, state_gib=40.0, per_sequence_gib=None):
   per_sequence_gib = per_sequence_gib or {'dots': 10.0, 'full': 1.5}
   compiled = []
 
-  def compile_step(c, run, devices, autotune=True):
+  def compile_step(c, run, devices, autotune=True, batch=None, loss=None):
     layout = (c.mesh.fsdp, c.model.remat, c.train.micro_batch_size)
     compiled.append(layout)
     peak = (state_gib / c.mesh.fsdp + per_sequence_gib[c.model.remat] * layout[2]) * memory.GIB
