@@ -473,7 +473,6 @@ class Checkpointer:
       raise CheckpointError(f'no checkpoint of step {step} in {self.directory}; its steps are '
                             f'{", ".join(map(str, self.all_steps()))}.')
     where = f'checkpoint {os.path.join(self.directory, str(step))}'
-    check_shapes(self._manager.item_metadata(step)['state']['params'], abstract_params, where)
     # The standard handler restores whole trees only; the PyTree handler reads the same files and
     # can skip the optimizer state (which may differ in structure between runs).
     reader = _manager(self.directory, item_handlers={'state': ocp.PyTreeCheckpointHandler()},
@@ -483,6 +482,10 @@ class Checkpointer:
                                 abstract)
 
     def read():
+      metadata = self._manager.item_metadata(step)  # (damaged or unreadable: as the arrays)
+      if 'state' not in metadata:
+        raise DamagedCheckpoint('its state directory is missing')
+      check_shapes(metadata['state']['params'], abstract_params, where)
       params = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
           abstract, restore_args=restore_args, partial_restore=True)))['state']['params']
       _verify(params, self._saved_digests(step), prefix='params/')

@@ -1,5 +1,5 @@
 """Batched decoding and scoring of many requests at once: the one decoder behind GRPO's rollouts
-(grpo.py), the server (serve.py), the harness (lm_eval.py), task evaluation and sample.py.
+(grpo/rollout.py), the server (serve.py), the harness (lm_eval.py), task evaluation and sample.py.
 
 Generation (Engine): a fixed number of slots, each a row of one KV cache (a buffer [slots, context,
 kv_heads, head_dim] per layer) allocated once, so memory is bounded by slots × context whatever the
@@ -12,8 +12,8 @@ batching), so a short request never waits for a long one to finish.
 
 What a decoding step moves, and nothing more: the engine holds its own copy of the params, every
 matrix in the compute dtype and the layers apart (decoding_params: converted once, when the params
-change: GRPO, once a step), so a step reads bf16 weights once instead of casting float32 ones; the
-cache's buffers are donated to each call and written in place (a scatter of the new positions),
+change: GRPO, once a step), so a step reads bf16 weights (on a GPU) once instead of casting float32
+ones; the cache's buffers are donated to each call and written in place (a scatter of the new positions),
 never copied; and the attention reads only the live part of each row (positions [0, live), live a
 bucket that covers the longest busy row), not the whole context.
 
@@ -140,17 +140,18 @@ class Sequence:
 
   def detokenize(self, tokenizer, final: bool = False) -> str:
     """The text of self.tokens, decoding only the tokens since the last call (and the few before
-    them that the tokenizer needs to continue the text): an unfinished UTF-8 character at the end
-    is held back until its last byte comes. final: the whole sequence, decoded once."""
+    them that the tokenizer needs to continue the text). An unfinished UTF-8 character at the end
+    is left out of the text (the text before it is there, for stop strings and streaming) and its
+    tokens are decoded again with the next ones. final: the whole sequence, decoded once."""
     if final:
       self._decoded = tokenizer.decode(self.tokens)
       self._prefix = self._read = len(self.tokens)
       return self._decoded
     window = tokenizer.decode(self.tokens[self._prefix:])
-    if window.endswith('\ufffd'):  # an unfinished character: wait for its next byte
-      return self._decoded
-    known = tokenizer.decode(self.tokens[self._prefix:self._read])
-    self._decoded += window[len(known):]
+    new = window[len(tokenizer.decode(self.tokens[self._prefix:self._read])):]
+    if new.endswith('\ufffd'):  # an unfinished character: its bytes come with the next tokens
+      return self._decoded + new.rstrip('\ufffd')
+    self._decoded += new
     self._prefix, self._read = self._read, len(self.tokens)
     return self._decoded
 
@@ -648,6 +649,7 @@ class Engine:
       self._finish(seq, 'cancelled')
       return
     before, reason = len(seq.tokens), None
+    decoded = seq._read  # noqa: SLF001  (tokens before it are text that had no stop string)
     for j, token in enumerate(tokens.tolist()):
       if token == self.tokenizer.eos_id:
         seq.eos_logprob, reason = float(logprobs[j]), 'stop'
@@ -665,13 +667,13 @@ class Engine:
     cut = _first_stop(text, seq.stop, max(0, searched - longest + 1))
     if cut is not None:
       # Keep the tokens up to the one that completed the stop string.
-      n = next(n for n in range(before + 1, len(seq.tokens) + 1)
+      n = next(n for n in range(decoded + 1, len(seq.tokens) + 1)
                if _first_stop(self.tokenizer.decode(seq.tokens[:n]), seq.stop) is not None)
       del seq.tokens[n:], seq.logprobs[n:], seq.top_logprobs[n:]
       text, reason = text[:cut], 'stop'
       seq.eos_logprob = None  # it ends at the stop string: an EOS sampled later is not its own
     seq.text = text  # once: a reader in another thread never sees a stop string in it
-    self.tokens_generated += len(seq.tokens) - before
+    self.tokens_generated += max(0, len(seq.tokens) - before)
     if reason:
       self._finish(seq, reason)
     else:

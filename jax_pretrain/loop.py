@@ -36,7 +36,7 @@ A second trainer (fine-tuning) uses it with its own step and hooks:
 train.StepLogger serves as `metrics` for any step whose metrics hold loss, lr, grad_norm and
 nonfinite_count (it writes train/*, perf/* and the console line); nonfinite_check reads the
 flushed dict's step, loss, grad_norm, nonfinite_count and consecutive_nonfinite. train.py and
-pretrain.py (pretrain.Pretraining.hooks lists a pretraining run's hooks) and grpo.py are the
+pretrain.py (pretrain.Pretraining.hooks lists a pretraining run's hooks) and grpo/program.py are the
 worked examples.
 """
 import dataclasses

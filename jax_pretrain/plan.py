@@ -21,15 +21,16 @@ The step is the one the trainer would run there: its micro-batch chosen by the t
 mesh.fsdp and model.remat by that roofline; the 'chosen' lines say what and why.
 Targets: gpu_targets.TARGETS. 'cpu' compiles for this machine's CPU devices (no roofline).
 
-With --grpo, the programs of a GRPO step (grpo.py) instead, for --grpo_prompt_tokens-token prompts
+With --grpo and a config with the grpo group (--config=configs/grpo.py:xlarge, or :RUN), the
+programs of a GRPO step (jax_pretrain/grpo/) instead, for --grpo_prompt_tokens-token prompts
 (default: the longest that leave room for grpo.max_new_tokens in data.seq_len):
-  update       the train step with grpo.make_loss_fn on grpo.update_batch (batch_size rows of
+  update       the train step with grpo.objective's loss on its update_batch (batch_size rows of
                the prompt + max_new_tokens, rounded up to 8), reported as above, its micro-batch
                chosen as the trainer chooses it (memory.fit_micro_batch, with room left for the
                engine's cache);
-  rollout      the engine's calls (engine.py) as GRPO makes them: its bf16 copy of the params on
-               every device, its KV cache of grpo.rollout_slots rows × (prompt + max_new_tokens)
-               split over the devices; the largest prefill call such prompts ask for, and a
+  rollout      the engine's calls (engine.py) as GRPO makes them: its compute-dtype copy of the
+               params on every device, its KV cache of grpo.rollout_slots rows × (prompt +
+               max_new_tokens) split over the devices; the largest prefill call such prompts ask for, and a
                decode call of every slot (`chunk` steps) at each live length a rollout reaches,
                each with its memory and roofline; the decode's HBM bytes per generated token
                beside the least it could read (the weights once a step, the live cache once).
@@ -486,8 +487,9 @@ if __name__ == '__main__':
                        'raises where data parallelism fits no sequence).')
   flags.DEFINE_bool('json', False, 'Print one JSON object instead of the report.')
   flags.DEFINE_string('hlo', None, 'Also write the compiled program (HLO text) to this file.')
-  flags.DEFINE_bool('grpo', False, "A GRPO step's programs instead (jax_pretrain/grpo.py): the "
-                    "update and the engine's rollout calls (--hlo: the update's).")
+  flags.DEFINE_bool('grpo', False, "A GRPO step's programs instead (jax_pretrain/grpo/; a config "
+                    'with the grpo group, e.g. --config=configs/grpo.py:xlarge): the update and '
+                    "the engine's rollout calls (--hlo: the update's).")
   flags.DEFINE_integer('grpo_prompt_tokens', 0, 'With --grpo: tokens of the longest prompt (0: '
                        'data.seq_len - grpo.max_new_tokens).')
   flags.DEFINE_float('memory_gib', None, "Device memory in GiB instead of the target's: a card of "

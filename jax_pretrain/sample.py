@@ -105,7 +105,7 @@ def main():
 
 
 if __name__ == '__main__':
-  # Flags only when run as a program: train.py imports this module for its end-of-run sample.
+  # Flags only when run as a program: pretrain.py imports this module for its end-of-run sample.
   cli.define_run_flags()
   flags.DEFINE_multi_string('prompt', [], 'Prompt; repeat the flag for a batch of prompts (none: '
                             'one empty prompt, i.e. the start of a document).')

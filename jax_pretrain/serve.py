@@ -40,6 +40,7 @@ with 503, so that no request is left hanging.
 """
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import sys
@@ -322,34 +323,43 @@ class Server:
 
 class _Choice:
   """One choice of a response: its text (after the prompt when echoed) and logprobs, whole or as
-  the deltas of a stream."""
+  the deltas of a stream. Token offsets are followed incrementally (_text_ends): a stream decodes
+  a few tokens a chunk, not the whole completion."""
 
   def __init__(self, index: int, prompt: tuple[str, list[int]], prompt_logprobs, r):
     self.index, (self.prompt_text, self.prompt_ids) = index, prompt
     self.prompt_logprobs, self.echo, self.logprobs = prompt_logprobs, r.echo, r.logprobs
     self.started, self.sent_text, self.sent_tokens = False, 0, 0
+    self.sent_chars = 0  # the length of the text of the tokens sent: seq.tokens[:sent_tokens]
 
   def final(self, seq: engine_lib.Sequence, tokenizer) -> dict:
     return {'index': self.index, 'text': (self.prompt_text if self.echo else '') + seq.text,
-            'logprobs': self._logprobs(tokenizer, seq, 0, len(seq.tokens), self.echo),
+            'logprobs': self._logprobs(tokenizer, seq, 0, 0, len(seq.tokens), self.echo),
             'finish_reason': seq.finish_reason}
 
   def delta(self, update: '_Update', tokenizer) -> dict:
     """What was not sent yet: the echoed prompt first, then the text that is final so far and
     the tokens it covers; finish_reason at the end."""
     seq, text = update.seq, update.text
-    end = (update.n_tokens if update.finish else
-           _tokens_in(tokenizer, seq.tokens[:update.n_tokens], self.sent_tokens, text))
+    tokens = seq.tokens[:update.n_tokens]
+    end, chars = self.sent_tokens, self.sent_chars
+    for n, length in _text_ends(tokenizer, tokens, self.sent_tokens, self.sent_chars):
+      if not update.finish and length > len(text):
+        break
+      end, chars = n, length
     echo = self.echo and not self.started
     out = {'index': self.index,
            'text': (self.prompt_text if echo else '') + text[self.sent_text:],
-           'logprobs': self._logprobs(tokenizer, seq, self.sent_tokens, end, echo),
+           'logprobs': self._logprobs(tokenizer, seq, self.sent_tokens, self.sent_chars, end,
+                                      echo),
            'finish_reason': update.finish}
-    self.started, self.sent_text, self.sent_tokens = True, len(text), end
+    self.started, self.sent_text, self.sent_tokens, self.sent_chars = True, len(text), end, chars
     return out
 
-  def _logprobs(self, tokenizer, seq, start: int, end: int, with_prompt: bool) -> dict | None:
-    """OpenAI's logprobs object for new tokens [start, end), after the prompt's when asked."""
+  def _logprobs(self, tokenizer, seq, start: int, start_chars: int, end: int,
+                with_prompt: bool) -> dict | None:
+    """OpenAI's logprobs object for new tokens [start, end) (the text of tokens[:start] is
+    start_chars long), after the prompt's when asked."""
     if self.logprobs is None:
       return None
     ids, logprobs, tops = seq.tokens, seq.logprobs, seq.top_logprobs
@@ -364,13 +374,17 @@ class _Choice:
 
     if with_prompt:
       lps, prompt_tops = self.prompt_logprobs
-      for k, token in enumerate(self.prompt_ids):
-        add(token, lps[k - 1] if k else None, prompt_tops[k - 1] if k else None,
-            len(tokenizer.decode(self.prompt_ids[:k])))
-    offset = (len(self.prompt_text) if self.echo else 0) + len(tokenizer.decode(ids[:start]))
-    for k in range(start, end):
-      add(ids[k], logprobs[k], tops[k], offset)
-      offset += len(out['tokens'][-1])
+      offset = 0
+      for (k, token), (_, after) in zip(enumerate(self.prompt_ids),
+                                        _text_ends(tokenizer, self.prompt_ids, 0, 0)):
+        add(token, lps[k - 1] if k else None, prompt_tops[k - 1] if k else None, offset)
+        offset = after
+    base = len(self.prompt_text) if self.echo else 0
+    offset = start_chars
+    for (k, _), (_, after) in zip(enumerate(ids[start:end], start),
+                                  _text_ends(tokenizer, ids[:end], start, start_chars)):
+      add(ids[k], logprobs[k], tops[k], base + offset)
+      offset = after
     return out
 
 
@@ -384,12 +398,19 @@ class _Update:
     self.text, self.n_tokens = seq.stable_text(), len(seq.tokens)
 
 
-def _tokens_in(tokenizer, tokens: list[int], start: int, text: str) -> int:
-  """The end of the tokens after `start` that the streamed text covers."""
-  n = start
-  while n < len(tokens) and len(tokenizer.decode(tokens[:n + 1])) <= len(text):
-    n += 1
-  return n
+TEXT_WINDOW = 4  # tokens decoded before a new one to place it in the text
+
+
+def _text_ends(tokenizer, ids: list[int], start: int, start_chars: int):
+  """(n, the length of the text of ids[:n]) for n = start + 1 .. len(ids), given that of
+  ids[:start]: each from a decode of the token and the TEXT_WINDOW before it (a tokenizer may
+  print a token differently after others: a leading space, the bytes of one character), not of
+  all of ids[:n]."""
+  chars = start_chars
+  for n in range(start + 1, len(ids) + 1):
+    p = max(0, n - 1 - TEXT_WINDOW)
+    chars += len(tokenizer.decode(ids[p:n])) - len(tokenizer.decode(ids[p:n - 1]))
+    yield n, chars
 
 
 def _stops(r: CompletionRequest) -> tuple[str, ...]:
@@ -523,6 +544,7 @@ def main():
   context = f.context or run.config.data.seq_len
   engine = engine_lib.Engine(config_lib.model_config(run.config), run.params, run.tokenizer,
                              slots=f.slots, context=context, chunk=f.chunk)
+  run = dataclasses.replace(run, params=None)  # the engine holds its own copy: free the float32 one
   name = f.model_name or os.path.basename(os.path.normpath(f.workdir))
   if f.warmup:
     t0 = time.perf_counter()
@@ -533,14 +555,17 @@ def main():
   print(f'serving {name} on http://{f.host}:{f.port}/v1 ({f.slots} slots of {context} tokens'
         f'{", API key required" if server.api_key else ""})', flush=True)
   uv = listen(server, f.host, f.port)
-  uv.run()
+  try:
+    uv.run()
+  except SystemExit:  # uvicorn's own exit when it cannot start (a port in use, say)
+    if uv.started:
+      raise
+    raise UserError(f'could not serve on {f.host}:{f.port} (the line above says why)') from None
   if server.failure is not None:
     cause = server.failure.__cause__ or server.failure
     print(f'error: the engine stopped ({server.failure}; the last error: {type(cause).__name__}: '
           f'{cause}); the tracebacks are in the log above.', file=sys.stderr, flush=True)
     sys.exit(1)
-  if not uv.started:
-    raise UserError(f'could not serve on {f.host}:{f.port} (the error above says why)')
 
 
 def define_flags() -> None:

@@ -12,8 +12,8 @@ state.build -> restore (or restore_from, or init) the state -> program.open_data
 compiled (AOT) -> program.make_step around it -> loop.Loop(step, metrics=program.logger, stop
 signals, the non-finite check) with program.hooks(Context) -> its run over program.batches.
 Pretraining and SFT are pretrain.Pretraining (its hooks: evaluation, checkpointing, lm_eval, the
-end-of-run sample, profiling); GRPO is grpo.GRPO (rollouts through the engine in its step). This
-module imports nothing that runs after training (lm_eval, sample, engine, serve).
+end-of-run sample, profiling); GRPO is grpo.program.GRPO (rollouts through the engine in its
+step). This module imports nothing that runs after training (lm_eval, sample, engine, serve).
 """
 import contextlib
 import dataclasses
@@ -72,7 +72,7 @@ class StepLogger:
   `record(step, metrics)` keeps the device arrays of a logged step; they are read (`flush`) after
   the next step has been dispatched, so logging never waits for the device to go idle. `report`
   makes the scalars and the console line of the metrics read (a program's own logger overrides
-  it: grpo.GRPOLogger).
+  it: grpo.program.GRPOLogger).
   """
 
   def __init__(self, s: Setup, writer: metrics_lib.MetricWriter, start_step: int):

@@ -274,12 +274,22 @@ def test_a_damaged_config_is_set_aside_and_the_resume_is_checked_against_the_pre
   assert listing(tmp_path) == ['10.damaged', '5']
 
 
-def test_restore_params_of_a_damaged_checkpoint_names_it_in_one_line(workdir, monkeypatch):
-  _damage(_largest_data_file(str(workdir / 'checkpoints' / '2')), 'truncate')
+@pytest.mark.parametrize('damage, cause', [
+    ('array', 'OUT_OF_RANGE: '), ('metadata', ''), ('state', 'its state directory is missing')])
+def test_restore_params_of_a_damaged_checkpoint_names_it_in_one_line(workdir, damage, cause):
+  """Another run's params (--init, restore_from, GRPO's reference, workdir.load): damaged arrays,
+  a truncated _METADATA or no state directory at all are one CheckpointError naming the step."""
+  step_dir = str(workdir / 'checkpoints' / '2')
+  if damage == 'array':
+    _damage(_largest_data_file(step_dir), 'truncate')
+  elif damage == 'metadata':
+    _damage(os.path.join(step_dir, 'state', '_METADATA'), 'truncate')
+  else:
+    shutil.rmtree(os.path.join(step_dir, 'state'))
   checkpointer = checkpoint_lib.Checkpointer(workdir, read_only=True)
   with pytest.raises(checkpoint_lib.CheckpointError,
-                     match=r'checkpoint .*/checkpoints/2 is damaged: OUT_OF_RANGE: .*Use another '
-                           r'step \(--step\) or re-export it\.$'):
+                     match=rf'checkpoint .*/checkpoints/2 is damaged: {cause}.*Use another step '
+                           r'\(--step\) or re-export it\.$'):
     checkpointer.restore_params(ABSTRACT['params'], step=2)
   checkpointer.close()
   assert listing(workdir) == ['1', '2']  # another run's checkpoints are only read

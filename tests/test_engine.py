@@ -135,3 +135,21 @@ def test_incremental_detokenization_gives_the_tokenizers_text(tmp_path):
       whole = tok.decode(ids)
       assert whole.startswith(shown) and '\ufffd' not in whole[len(shown):] or shown == whole
       assert seq.detokenize(tok, final=True) == whole
+
+
+def test_a_stop_string_before_an_unfinished_character_ends_the_sequence_at_once(tiny):
+  """Bytes of 'ab\\n東京xyz' in chunks of 4 with stop '\\n': the chunk that writes the newline
+  also starts a 3-byte character, whose text is not complete yet; the sequence still ends there,
+  keeping no token after the one that completed the stop string (GRPO trains on those tokens)."""
+  cfg, params = tiny
+  tok = tokenizer_lib.ByteTokenizer()
+  eng = engine.Engine(cfg, params, tok, slots=1, context=64)
+  ids = [int(t) for t in tok.encode('ab\n東京xyz')]
+  seq = engine.Sequence(prompt=[0], max_new_tokens=len(ids), stop=('\n',))
+  for start in range(0, len(ids), 4):
+    chunk = np.asarray(ids[start:start + 4])
+    eng._extend(seq, chunk, np.zeros(len(chunk), np.float32), None, None)  # noqa: SLF001
+    if seq.done:
+      break
+  assert (seq.finish_reason, seq.text, seq.tokens) == ('stop', 'ab', ids[:3])
+  assert len(seq.logprobs) == 3

@@ -285,6 +285,7 @@ def task_eval_hooks(ctx: train_lib.Context[TaskData, 'Step'], eng) -> list[loop_
     rewards = [r for _, r in evaluate.task_rewards(eng, sources.eval_items, sources.reward,
                                                    g.max_new_tokens,
                                                    grpo_config.stop_strings(g))]
+    eng.set_params(None)  # (as after a rollout: the update needs the memory)
     scalars = {'eval/accuracy': tasks.accuracy(rewards), 'eval/reward': float(np.mean(rewards))}
     ctx.logger.write(step, scalars)
     multihost.log(f'eval at step {step} | accuracy {scalars["eval/accuracy"]:.4f} '
