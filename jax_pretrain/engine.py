@@ -13,9 +13,9 @@ batching), so a short request never waits for a long one to finish.
 What a decoding step moves, and nothing more: the engine holds its own copy of the params, every
 matrix in the compute dtype and the layers apart (decoding_params: converted once, when the params
 change: GRPO, once a step), so a step reads bf16 weights (on a GPU) once instead of casting float32
-ones; the cache's buffers are donated to each call and written in place (a scatter of the new positions),
-never copied; and the attention reads only the live part of each row (positions [0, live), live a
-bucket that covers the longest busy row), not the whole context.
+ones; the cache's buffers are donated to each call and written in place (a scatter of the new
+positions), never copied; and the attention reads only the live part of each row (positions [0,
+live), live a bucket that covers the longest busy row), not the whole context.
 
 On a mesh (GRPO on the trainer's devices) the slots and the cache are split over every device of
 it, and each device prefills and decodes its own rows with a whole copy of the weights (shard_map:

@@ -30,8 +30,9 @@ programs of a GRPO step (jax_pretrain/grpo/) instead, for --grpo_prompt_tokens-t
                engine's cache);
   rollout      the engine's calls (engine.py) as GRPO makes them: its compute-dtype copy of the
                params on every device, its KV cache of grpo.rollout_slots rows × (prompt +
-               max_new_tokens) split over the devices; the largest prefill call such prompts ask for, and a
-               decode call of every slot (`chunk` steps) at each live length a rollout reaches,
+               max_new_tokens) split over the devices; the largest prefill call such prompts ask
+               for, and a decode call of every slot (`chunk` steps) at each live length a rollout
+               reaches,
                each with its memory and roofline; the decode's HBM bytes per generated token
                beside the least it could read (the weights once a step, the live cache once).
 Each program's memory counts what stays on the device beside its own buffers while it runs: the
