@@ -227,7 +227,7 @@ def decoding_params(config: model_lib.ModelConfig, params):
     layers = params.pop('layers')
     for i in range(config.num_layers):
       params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], layers)
-  cast = lambda x: x.astype(config.dtype) if x.ndim >= 2 and jnp.issubdtype(
+  cast = lambda x: x.astype(config.compute_dtype) if x.ndim >= 2 and jnp.issubdtype(
       x.dtype, jnp.floating) else x
   return jax.tree.map(cast, params)
 
@@ -241,8 +241,8 @@ def _decoding_model(config: model_lib.ModelConfig) -> model_lib.Transformer:
 def cache_bytes(config: model_lib.ModelConfig, slots: int, context: int, devices: int) -> float:
   """Bytes one device holds of an engine's cache and last logits (`slots` over `devices`)."""
   local = -(-slots // devices)
-  kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(
-      config.dtype).itemsize
+  kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * (
+      config.compute_dtype.itemsize)
   return float(local * (context * kv + config.vocab_size * 4))
 
 
@@ -564,7 +564,7 @@ class Engine:
     sharding): nothing is allocated."""
     c = self.model.config
     shape = (self.slots, self.context, c.num_kv_heads, c.head_dim)
-    layer = jax.ShapeDtypeStruct(shape, c.dtype, sharding=self._rows)
+    layer = jax.ShapeDtypeStruct(shape, c.compute_dtype, sharding=self._rows)
     return (model_lib.KVCache((layer,) * c.num_layers, (layer,) * c.num_layers),
             jax.ShapeDtypeStruct((self.slots, c.vocab_size), jnp.float32, sharding=self._rows))
 

@@ -83,10 +83,10 @@ def evaluate(workdir: str, data: str = '', *, step: int | None = None, max_token
                                        setup.batch_sharding)
     results.append(Result(eval_set.name, eval_set.weight, int(count), nll, eval_set.bytes))
   if len(results) > 1:
-    known = [r.bytes for r in results]
+    known = [r.bytes for r in results if r.bytes is not None]
     results.append(Result('all', sum(r.weight for r in results), sum(r.tokens for r in results),
                           sum(r.nll for r in results),
-                          None if None in known else sum(known)))
+                          sum(known) if len(known) == len(results) else None))
   return results
 
 
@@ -129,7 +129,7 @@ def main_task(f) -> None:
   context = run.config.data.seq_len
   tasks.check_lengths(items, lambda text: sample_lib.encode_prompt(run.tokenizer, text), context,
                       f.max_new_tokens)
-  eng = engine_lib.Engine(config_lib.model_config(run.config), run.params, run.tokenizer,
+  eng = engine_lib.Engine(run.config.model, run.params, run.tokenizer,
                           slots=16, context=context)
   stop = (config_lib.unescape(f.stop),) if f.stop else ()
   scored = task_rewards(eng, items, reward, f.max_new_tokens, stop)

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import dataclasses
 import json
 import os
+from typing import Any
 
 from flax.linen import meta
 import jax
@@ -234,7 +235,8 @@ _ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
 def _rope_config(c: model_lib.ModelConfig) -> dict:
   """config.json's rotary fields: rope_parameters (transformers >= 5), rope_scaling and rope_theta
   (older versions)."""
-  scaling = {'rope_type': {ours: hf for hf, ours in _ROPE_TYPES.items()}[c.rope_scaling]}
+  scaling: dict[str, Any] = {
+      'rope_type': {ours: hf for hf, ours in _ROPE_TYPES.items()}[c.rope_scaling]}
   if c.rope_scaling != 'none':
     scaling['factor'] = c.rope_factor
   if c.rope_scaling == 'llama3':
@@ -372,11 +374,10 @@ def save(out_dir: str, params, c: model_lib.ModelConfig, *, max_position_embeddi
 
 def export(workdir: str, out_dir: str, step: int | None = None) -> list[str]:
   """A run's checkpoint as a LlamaForCausalLM directory; returns notes for the user."""
-  from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import workdir as workdir_lib  # noqa: PLC0415
   run = workdir_lib.load(workdir, step, devices=jax.devices()[:1])
   length = max(run.config.model.max_position_embeddings, run.config.data.seq_len)
-  return save(out_dir, jax.device_get(run.params), config_lib.model_config(run.config),
+  return save(out_dir, jax.device_get(run.params), run.config.model,
               max_position_embeddings=length, tokenizer=run.tokenizer)
 
 
@@ -413,5 +414,5 @@ def import_run(hf_dir: str, workdir: str, config):
   config.checkpoint.restore_from = os.path.abspath(workdir)
   resolved, _ = config_lib.resolve(config, num_devices=1, backend=jax.devices()[0].platform,
                                    tokenizer_vocab_size=tokenizer.vocab_size)
-  params = read_params(hf_dir, config_lib.model_config(resolved), hf_vocab)
+  params = read_params(hf_dir, resolved.model, hf_vocab)
   return workdir_lib.create(workdir, config, params, tokenizer)

@@ -137,7 +137,7 @@ class JaxLM(lm_eval_model.TemplateLM):
     """Sum of the log-probabilities of the last n tokens of each row given the tokens before them,
     and whether each of those tokens was the most likely one. Longest rows first, batch_size rows
     per call, padded to a power-of-two length (and to batch_size rows)."""
-    results = [None] * len(rows)
+    results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)  # (each row's, filled below)
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     pad = self.tokenizer_.pad_id
     for start in range(0, len(order), self.batch_size):
@@ -214,10 +214,10 @@ def scalars(results: dict) -> dict[str, float]:
   return out
 
 
-_TASK_MANAGERS = {}
+_TASK_MANAGERS: dict[str, object] = {}
 
 
-def _training_tasks(t) -> tuple[list[str], object]:
+def _training_tasks(t: config_lib.TrainConfig) -> tuple[list[str], object]:
   """The train.lm_eval_tasks names and their task index (built once per include path)."""
   from lm_eval.tasks import TaskManager  # noqa: PLC0415
   if t.lm_eval_include_path not in _TASK_MANAGERS:
@@ -227,7 +227,7 @@ def _training_tasks(t) -> tuple[list[str], object]:
           _TASK_MANAGERS[t.lm_eval_include_path])
 
 
-def check_tasks(t) -> None:
+def check_tasks(t: config_lib.TrainConfig) -> None:
   """Fails (ConfigError) on a train.lm_eval_tasks name that lm_eval does not know (t: the
   resolved train group, or its view)."""
   try:
@@ -257,11 +257,13 @@ def harness_failed(error: BaseException) -> bool:
   passing through our code again (JaxLM's methods, which the harness calls), nor chained to an
   exception that did.
   """
-  chain, seen = [], set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    chain.append(error)
-    error = error.__cause__ or error.__context__
+  chain: list[BaseException] = []
+  seen: set[int] = set()
+  e: BaseException | None = error
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    chain.append(e)
+    e = e.__cause__ or e.__context__
   if any(isinstance(e, TaskError) for e in chain):
     return True
   modules = _modules(chain[0])  # the whole way down from our call
@@ -273,11 +275,12 @@ def harness_failed(error: BaseException) -> bool:
   return not any(_ours(m) for e in chain[1:] for m in _modules(e))
 
 
-def evaluate_during_training(config, params, tokenizer) -> dict[str, float]:
+def evaluate_during_training(config: config_lib.Config, params,
+                             tokenizer) -> dict[str, float]:
   """The train.lm_eval_* tasks on the current params, as lm_eval/TASK/METRIC scalars."""
-  t = config_lib.train_config(config)
+  t = config.train
   tasks, task_manager = _training_tasks(t)
-  lm = JaxLM(config_lib.model_config(config), params, tokenizer, max_length=config.data.seq_len,
+  lm = JaxLM(config.model, params, tokenizer, max_length=config.data.seq_len,
              seed=t.seed)
   return scalars(run_tasks(lm, tasks, limit=t.lm_eval_limit or None, task_manager=task_manager))
 
@@ -290,7 +293,7 @@ def main():
   task_manager = TaskManager(include_path=f.include_path or None)
   check_known(f.tasks, task_manager)  # before the model loads: a typo fails at once
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
-  lm = JaxLM(config_lib.model_config(run.config), run.params, run.tokenizer,
+  lm = JaxLM(run.config.model, run.params, run.tokenizer,
              max_length=run.config.data.seq_len, batch_size=f.batch_size, seed=f.seed)
   limit = None if f.limit is None else (int(f.limit) if f.limit >= 1 else f.limit)
   results = run_tasks(lm, f.tasks, limit=limit, num_fewshot=f.num_fewshot,

@@ -12,12 +12,10 @@ fits, it also tries the mesh's FSDP and full remat, where the config leaves them
 import dataclasses
 
 import jax
-import ml_collections
 import numpy as np
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import gpu_targets
-from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
 
 GIB = 2**30
@@ -34,7 +32,7 @@ MAX_EXTRA_FLOPS = 0.02
 MAX_FITTING_LAYOUTS = 4
 
 
-def compile_step(config: ml_collections.ConfigDict, run: config_lib.RunShape, devices,
+def compile_step(config: config_lib.Config, run: config_lib.RunShape, devices,
                  autotune: bool = True, batch=None, loss=None):
   """(state.Setup, compiled train step) of a resolved config for these devices. Nothing is
   allocated or run.
@@ -116,34 +114,34 @@ def usable_memory(device, target: gpu_targets.Target | None = None) -> float:
   return float(device.memory_stats()['bytes_limit'])
 
 
-def with_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.ConfigDict,
-                     run: config_lib.RunShape, micro_batch: int):
+def with_micro_batch[C: config_lib.Config](config: config_lib.Config, resolved: C,
+                                            run: config_lib.RunShape,
+                                            micro_batch: int) -> tuple[C, config_lib.RunShape]:
   """(resolved, run) with train.micro_batch_size=micro_batch, re-derived as config.resolve derives
-  it (without resolving again): the accumulation steps, and the eval batch where `config` (the
-  unresolved one) leaves it 0 (one micro-batch per data-parallel device)."""
-  c = ml_collections.ConfigDict(resolved.to_dict())
-  dp = c.mesh.data * c.mesh.fsdp
-  c.train.micro_batch_size = micro_batch
-  if config.train.eval_batch_size == 0:
-    c.train.eval_batch_size = micro_batch * dp
-  c.lock()
-  return c, dataclasses.replace(run, grad_accum_steps=c.train.batch_size // (micro_batch * dp))
+  it (config.resolve_batch, without resolving again): the accumulation steps, and the eval batch
+  where `config` (as given, unresolved) leaves it 0 (one micro-batch per data-parallel device)."""
+  train, accum, _ = config_lib.resolve_batch(
+      dataclasses.replace(resolved.train, micro_batch_size=micro_batch,
+                          eval_batch_size=config.train.eval_batch_size),
+      resolved.data.seq_len, resolved.mesh)
+  return (dataclasses.replace(resolved, train=train),
+          dataclasses.replace(run, grad_accum_steps=accum))
 
 
-def with_layout(resolved: ml_collections.ConfigDict, run: config_lib.RunShape, fsdp: int,
-                remat: str):
+def with_layout[C: config_lib.Config](resolved: C, run: config_lib.RunShape, fsdp: int,
+                                       remat: str) -> tuple[C, config_lib.RunShape]:
   """(resolved, run) with mesh.fsdp=fsdp (mesh.data the data-parallel devices it leaves) and
   model.remat=remat, re-derived as config.resolve derives them (without resolving again): the
   mesh shape, and the start-up lines without the resolve's remat choice where the fit replaced
   it. The data-parallel devices (data × fsdp), and so the batch's splits, stay."""
-  c = ml_collections.ConfigDict(resolved.to_dict())
-  dp = c.mesh.data * c.mesh.fsdp
-  c.mesh.data, c.mesh.fsdp, c.model.remat = dp // fsdp, fsdp, remat
-  c.lock()
+  mesh = resolved.mesh
+  dp = mesh.data * mesh.fsdp
+  c = dataclasses.replace(
+      resolved, mesh=dataclasses.replace(mesh, data=dp // fsdp, fsdp=fsdp),
+      model=dataclasses.replace(resolved.model, remat=remat))
   choices = run.choices if remat == resolved.model.remat else tuple(
       x for x in run.choices if not x.startswith('remat '))  # (config._resolve_model's line)
-  return c, dataclasses.replace(run, mesh_shape=(dp // fsdp, fsdp, c.mesh.tensor),
-                                choices=choices)
+  return c, dataclasses.replace(run, mesh_shape=(dp // fsdp, fsdp, mesh.tensor), choices=choices)
 
 
 def layout_candidates(dp: int, d_model: int, fsdp: int, remat: str, fsdp_auto: bool,
@@ -178,7 +176,10 @@ def search_layouts(layouts: list[tuple[int, str]], search, per_device: int, rank
   and at most MAX_FITTING_LAYOUTS that fit.
   """
   rank = {r: i for i, r in enumerate(dict.fromkeys(r for _, r in layouts))}  # by recompute
-  results, whole, stopped, last = {}, [], set(), {}
+  results: dict[tuple[int, str], tuple] = {}
+  whole: list[tuple[int, str]] = []
+  stopped: set[str] = set()
+  last: dict[str, float] = {}
   for layout in layouts:
     f, r = layout
     if r in stopped or any(f >= f0 and rank[r] >= rank[r0] for f0, r0 in whole):
@@ -196,7 +197,7 @@ def search_layouts(layouts: list[tuple[int, str]], search, per_device: int, rank
       stopped.add(r)
     last[r] = seconds
   fitting = {layout: seconds for layout, (m, seconds) in results.items() if m is not None}
-  return (min(fitting, key=fitting.get) if fitting else None), results
+  return (min(fitting, key=lambda x: fitting[x]) if fitting else None), results
 
 
 def _compiled_line(tried: dict) -> str:
@@ -222,15 +223,15 @@ def _layout_outcome(layout: tuple[int, str], result: tuple, tried: dict) -> str:
   return f'{_layout_name(layout)} -> micro-batch {micro_batch}{speed}'
 
 
-def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.ConfigDict,
-                    run: config_lib.RunShape, devices,
-                    target: gpu_targets.Target | None = None, alongside: float = 0.0,
-                    batch=None, loss=None):
+def fit_micro_batch[C: config_lib.Config](
+    config: config_lib.Config, resolved: C, run: config_lib.RunShape, devices,
+    target: gpu_targets.Target | None = None, alongside: float = 0.0, batch=None,
+    loss=None) -> tuple[C, config_lib.RunShape, tuple[str, ...]]:
   """train.micro_batch_size=0 on a GPU: the largest micro-batch whose compiled step fits, and
   where not even one sequence per device fits, the mesh's FSDP and the remat policy too.
 
-  config: the config as given (its micro_batch_size 0 asks for the fit); resolved, run: what
-  config.resolve made of it. Returns (resolved, run, the lines to print) with the choice
+  config: the config as given (config.typed: its micro_batch_size 0 asks for the fit); resolved,
+  run: what config.resolve made of it. Returns (resolved, run, the lines to print) with the choice
   re-derived (with_layout, with_micro_batch), or (resolved, run, ()) where nothing was chosen: an
   explicit micro-batch, or not a GPU (there 0 keeps meaning batch_size / data-parallel devices,
   no accumulation). Each candidate is the real train step compiled for these devices, without
@@ -282,7 +283,7 @@ def fit_micro_batch(config: ml_collections.ConfigDict, resolved: ml_collections.
   layouts = layout_candidates(
       dp, resolved.model.d_model, resolved.mesh.fsdp, resolved.model.remat,
       fsdp_auto=config.mesh.fsdp == sharding.AUTO_FSDP and config.mesh.data == -1,
-      remat_auto=config.model.remat == model_lib.AUTO_REMAT)
+      remat_auto=config.model.remat == config_lib.AUTO_REMAT)
   layout, results = search_layouts(layouts, search, per_device, ranked=speeds is not None)
   beside = f' less {alongside / GIB:.1f} GiB held beside the step' if alongside else ''
   within = f'{FIT_MARGIN:.0%} of {limit / GIB:.1f} GiB{beside}'

@@ -1,6 +1,9 @@
 """Decoder-only transformer, Llama-style: RMSNorm, rotary embeddings, grouped-query attention,
 SwiGLU MLP, no biases, tied or untied embeddings.
 
+The model reads the resolved model group, config.ModelConfig (its dtype and remat policy
+through its properties: compute_dtype, master_dtype, remat_policy).
+
 Parameters are float32 (param_dtype) and cast to the compute dtype at use; norms, softmax
 statistics and the logits returned to the loss are float32. Every parameter carries logical axis
 names (see sharding.LOGICAL_AXIS_RULES). Layers are stacked on a leading 'layers' axis and scanned,
@@ -20,9 +23,7 @@ Training never passes a cache.
 Shape suffixes: B batch, T length, D d_model, N query heads, K kv heads, H head_dim, F mlp_dim,
 V vocab, L layers, S cache length.
 """
-import dataclasses
 import math
-from typing import Any
 
 import flax
 import flax.linen as nn
@@ -30,61 +31,17 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import Mesh
-import ml_collections
 
 from jax_pretrain import fp8
 from jax_pretrain import sharding
+from jax_pretrain.config import ModelConfig
 from jax_pretrain.kernels import attention
-
-REMAT_POLICIES = {
-    'none': None,  # keep every activation
-    'full': jax.checkpoint_policies.nothing_saveable,  # recompute the whole block in backward
-    'dots': jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the rest
-    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # projections only
-    'minimal': jax.checkpoint_policies.save_only_these_names('attn_out', 'mlp_hidden'),
-}
-AUTO_REMAT = 'auto'  # resolved by config.resolve: 'dots' with fused attention, else 'full'
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  num_layers: int
-  d_model: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  mlp_dim: int
-  vocab_size: int
-  tie_embeddings: bool = True
-  rope_theta: float = 10000.0
-  rope_scaling: str = 'none'  # 'none' | 'linear' | 'llama3' (see rope_frequencies)
-  rope_factor: float = 1.0
-  rope_low_freq_factor: float = 1.0
-  rope_high_freq_factor: float = 4.0
-  rope_original_max_len: int = 8192
-  norm_eps: float = 1e-5
-  init_std: float = 0.02
-  attention: str = 'xla'
-  remat: str = 'full'
-  scan_layers: bool = True
-  dtype: Any = jnp.bfloat16
-  param_dtype: Any = jnp.float32
-  fp8: bool = False  # the dense projections (attention and MLP) in FP8: fp8.py
-
-  @classmethod
-  def from_config(cls, m: ml_collections.ConfigDict) -> 'ModelConfig':
-    """From the (resolved) config.model group."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: v for k, v in m.items() if k in fields}
-    kwargs['dtype'] = jnp.dtype(m.dtype)
-    kwargs['param_dtype'] = jnp.dtype(m.param_dtype)
-    return cls(**kwargs)
 
 
 def _param(module: nn.Module, name: str, shape, axes, std: float):
   init = nn.initializers.normal(std) if std else nn.initializers.ones
   return module.param(name, nn.with_logical_partitioning(init, axes), shape,
-                      module.config.param_dtype)
+                      module.config.master_dtype)
 
 
 @flax.struct.dataclass
@@ -99,10 +56,8 @@ class KVCache:
   @classmethod
   def zeros(cls, c: 'ModelConfig', batch: int, max_len: int) -> 'KVCache':
     shape = (batch, max_len, c.num_kv_heads, c.head_dim)
-    return cls(*(tuple(jnp.zeros(shape, c.dtype) for _ in range(c.num_layers)) for _ in 'kv'))
-
-
-ROPE_SCALINGS = ('none', 'linear', 'llama3')
+    return cls(*(tuple(jnp.zeros(shape, c.compute_dtype) for _ in range(c.num_layers))
+                 for _ in 'kv'))
 
 
 def rope_frequencies(c: ModelConfig) -> jax.Array:
@@ -167,7 +122,7 @@ class RMSNorm(nn.Module):
     scale_D = _param(self, 'scale', (x_BxTxD.shape[-1],), ('norm',), std=0.0)
     x = x_BxTxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.config.norm_eps)
-    return (x * scale_D).astype(self.config.dtype)
+    return (x * scale_D).astype(self.config.compute_dtype)
 
 
 @flax.struct.dataclass
@@ -199,7 +154,7 @@ class Attention(nn.Module):
     wv_DxKxH = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
     wo_NxHxD = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), out_std)
 
-    dt, dense = c.dtype, _dense_einsum(c)
+    dt, dense = c.compute_dtype, _dense_einsum(c)
     q_BxTxNxH = dense('btd,dnh->btnh', x_BxTxD, wq_DxNxH.astype(dt))
     k_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wk_DxKxH.astype(dt))
     v_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wv_DxKxH.astype(dt))
@@ -209,11 +164,12 @@ class Attention(nn.Module):
     q_BxTxNxH = apply_rope(q_BxTxNxH, cos_TxH2, sin_TxH2)
     k_BxTxKxH = apply_rope(k_BxTxKxH, cos_TxH2, sin_TxH2)
 
-    if kv is None or use.slots_B is not None:  # training, or a prefill attending to itself
+    if use is None or use.slots_B is not None:  # training, or a prefill attending to itself
       o_BxTxNxH = attention.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
                                              implementation=c.attention, mesh=self.mesh,
                                              segments_BxT=segments_BxT)
     if kv is not None:
+      assert use is not None  # (a cache comes with its CacheUse, training with neither)
       B = x_BxTxD.shape[0]
       rows_B = use.slots_B if use.slots_B is not None else jnp.arange(B)
       kv = tuple(cache_BxSxKxH.at[rows_B[:, None], use.positions_BxT].set(
@@ -257,7 +213,7 @@ class Mlp(nn.Module):
     w_up_DxF = _param(self, 'w_up', (D, F), ('embed', 'mlp'), c.init_std)
     w_down_FxD = _param(self, 'w_down', (F, D), ('mlp', 'embed'),
                         c.init_std / math.sqrt(2 * c.num_layers))
-    dt, dense = c.dtype, _dense_einsum(c)
+    dt, dense = c.compute_dtype, _dense_einsum(c)
     gate_BxTxF = dense('btd,df->btf', x_BxTxD, w_gate_DxF.astype(dt))
     up_BxTxF = dense('btd,df->btf', x_BxTxD, w_up_DxF.astype(dt))
     h_BxTxF = nn.silu(gate_BxTxF) * up_BxTxF
@@ -307,7 +263,7 @@ class Transformer(nn.Module):
                            c.init_std)
     # The lookup reads a replicated compute-dtype copy of the table (V·D·2 bytes): XLA's SPMD
     # partitioner aborts on a gather from a sharded table inside the train step's shard_map.
-    table_VxD = embedding_VxD.astype(c.dtype)
+    table_VxD = embedding_VxD.astype(c.compute_dtype)
     if c.tie_embeddings and table_VxD.dtype == embedding_VxD.dtype:
       # No cast separates the replicated copy from the sharded output projection (float32
       # compute): XLA's SPMD partitioner then aborts (spmd_partitioner_util.cc:498, a CHECK on
@@ -321,12 +277,13 @@ class Transformer(nn.Module):
     if cache is None:
       cos_TxH2, sin_TxH2 = rope_tables(jnp.arange(tokens_BxT.shape[1]), inv_freq_H2)
     else:  # per-row positions: tables [B, T, H/2]
+      assert use is not None
       cos_TxH2, sin_TxH2 = rope_tables(use.positions_BxT, inv_freq_H2)
 
     block = Block
     if c.remat != 'none':
       # prevent_cse is only needed outside scan (scan already stops XLA from merging recomputation).
-      block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], prevent_cse=not c.scan_layers)
+      block = nn.remat(Block, policy=c.remat_policy, prevent_cse=not c.scan_layers)
     if c.scan_layers:
       stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
                       in_axes=(nn.broadcast,) * 3, length=c.num_layers,
@@ -351,7 +308,7 @@ class Transformer(nn.Module):
       w_DxV = embedding_VxD.T
     else:
       w_DxV = _param(self, 'lm_head', (c.d_model, c.vocab_size), ('embed', 'vocab'), c.init_std)
-    logits_BxTxV = jnp.einsum('btd,dv->btv', x_BxTxD, w_DxV.astype(c.dtype),
+    logits_BxTxV = jnp.einsum('btd,dv->btv', x_BxTxD, w_DxV.astype(c.compute_dtype),
                               preferred_element_type=jnp.float32)
     logits_BxTxV = sharding.constrain(logits_BxTxV, ('batch', 'length', 'act_vocab'), self.mesh)
     if cache is None:

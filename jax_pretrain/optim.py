@@ -1,7 +1,7 @@
 """AdamW with linear warmup then cosine decay, clipping by global norm, and a decay mask.
 
-Everything is read from the resolved optim group's typed view (config.OptimConfig); the run's
-length is train.steps.
+Everything is read from the resolved optim group (config.OptimConfig); the run's length is
+train.steps.
 """
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ def weight_decay_mask(params):
 
 def make_optimizer(o: OptimConfig, steps: int,
                    updates_per_step: int = 1) -> optax.GradientTransformation:
-  """o: the resolved optim group (config.optim_config); steps: the run's steps (the schedule's
+  """o: the resolved optim group (Config.optim); steps: the run's steps (the schedule's
   length), each of updates_per_step optimizer updates (learning_rate_schedule)."""
   adamw = optax.adamw(learning_rate_schedule(o, steps, updates_per_step), b1=o.b1, b2=o.b2,
                       eps=o.eps, weight_decay=o.weight_decay, mask=weight_decay_mask,

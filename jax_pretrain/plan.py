@@ -114,14 +114,13 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
   on each device while the step runs without being one of its buffers: 'fits' counts it.
   """
   # (imported here: importing them starts jax, which `main` configures first)
-  from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import hlo  # noqa: PLC0415
   from jax_pretrain import model as model_lib  # noqa: PLC0415
   c, run = s.config, s.run
   n = s.mesh.size
   stats = hlo.analyze(compiled.as_text(), target.devices_per_node)
   tokens_per_step = tokens_per_step or run.tokens_per_step
-  flops_per_token = model_lib.flops_per_token(config_lib.model_config(c),
+  flops_per_token = model_lib.flops_per_token(c.model,
                                               seq_len or c.data.seq_len)
   model_flops = flops_per_token * tokens_per_step / n
   r = gpu_targets.roofline(stats, target)
@@ -164,13 +163,15 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
 
 def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | None = None,
          memory_gib: float | None = None) -> dict:
-  """Compiles the train step of `config` for `num_devices` of `target`; returns `report`'s dict
-  (and writes the compiled HLO text to hlo_path if given). memory_gib: plan for a card of the
-  target's family with this much memory (e.g. 24 for an RTX 3090 against the A100 program).
+  """Compiles the train step of `config` (a ConfigDict, as --config gives it, or a Config) for
+  `num_devices` of `target`; returns `report`'s dict (and writes the compiled HLO text to
+  hlo_path if given). memory_gib: plan for a card of the target's family with this much memory
+  (e.g. 24 for an RTX 3090 against the A100 program).
 
   Raises PlanError (no CUDA plugin, too few CPU devices) and config.ConfigError.
   """
   from jax_pretrain import config as config_lib  # noqa: PLC0415
+  config = config_lib.typed(config)
   t = gpu_targets.TARGETS[target]
   if memory_gib:
     t = dataclasses.replace(t, memory_override=memory_gib * memory.GIB)
@@ -250,16 +251,19 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import engine as engine_lib  # noqa: PLC0415
   from jax_pretrain import state as state_lib  # noqa: PLC0415
+  from jax_pretrain.grpo import config as grpo_config  # noqa: PLC0415
   from jax_pretrain.grpo import objective  # noqa: PLC0415
   from jax_pretrain.grpo import rollout  # noqa: PLC0415
-  if 'grpo' not in config:
+  config = config_lib.typed(config)
+  if not isinstance(config, grpo_config.GrpoTrainConfig):
     raise PlanError('--grpo plans a GRPO step: give a config with the grpo group, e.g. '
                     '--config=configs/grpo.py:xlarge (a preset\'s model) or configs/grpo.py:RUN.')
   t = gpu_targets.TARGETS[target]
   if memory_gib:
     t = dataclasses.replace(t, memory_override=memory_gib * memory.GIB)
   devices = devices_for(t, num_devices)
-  resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
+  given, run = config_lib.resolve(config, len(devices), device=devices[0])
+  resolved = grpo_config.of(given)
   g, B, T = resolved.grpo, resolved.train.batch_size, resolved.data.seq_len
   objective.check_batch(resolved)
   prompt_tokens = prompt_tokens or T - g.max_new_tokens
@@ -267,7 +271,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
     raise PlanError(f'--grpo_prompt_tokens={prompt_tokens} with grpo.max_new_tokens='
                     f'{g.max_new_tokens} do not fit data.seq_len={T}.')
   context = objective.engine_context(resolved, prompt_tokens)
-  model_config = config_lib.model_config(resolved)
+  model_config = resolved.model
   cache = engine_lib.cache_bytes(model_config, objective.rollout_slots(resolved), context,
                                  len(devices))
   # As train.train chooses it for GRPO (grpo.program.GRPO's update): the update's own rows and

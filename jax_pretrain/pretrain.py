@@ -37,20 +37,21 @@ class Pretraining(train_lib.Program[data_lib.Sources, data_lib.Data, Callable]):
         *([sample_hook(ctx)] if t.sample_prompt and t.sample_tokens > 0 else []),  # END
     ]
 
-  def check(self, resolved: ml_collections.ConfigDict, sources: data_lib.Sources) -> None:
+  def check(self, resolved: config_lib.Config, sources: data_lib.Sources) -> None:
     """Checks before any work: a misspelt lm_eval task fails now, not after the first steps."""
     if resolved.train.lm_eval_tasks:
       from jax_pretrain import lm_eval as lm_eval_lib  # noqa: PLC0415
       lm_eval_lib.check_tasks(resolved.train)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+def train_and_evaluate(config: config_lib.Config | ml_collections.ConfigDict, workdir: str,
                        devices=None) -> dict[str, float]:
-  """Trains per the config, writing logs and checkpoints to workdir; returns the last metrics."""
+  """Trains per the config (train.train takes it), writing logs and checkpoints to workdir;
+  returns the last metrics."""
   return train_lib.train(config, workdir, Pretraining(), devices)
 
 
-def run_lm_eval(params, tokenizer, config: ml_collections.ConfigDict,
+def run_lm_eval(params, tokenizer, config: config_lib.Config,
                 logger: train_lib.StepLogger, step: int) -> None:
   """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC. A failure of
   the harness or its tasks (a task's download, a task the model cannot run:
@@ -91,7 +92,7 @@ def sample_hook(ctx: train_lib.Context) -> loop_lib.Hook:
   def sample(info: loop_lib.StepInfo) -> None:
     params = multihost.gather(info.state.params)  # every process takes part, process 0 samples
     if multihost.is_main():
-      text = sample_lib.generate_text(config_lib.model_config(ctx.config), params,
+      text = sample_lib.generate_text(ctx.config.model, params,
                                       ctx.data.tokenizer, t.sample_prompt, t.sample_tokens,
                                       seed=t.seed)
       multihost.log(f'sample: {t.sample_prompt!r} -> {text!r}')

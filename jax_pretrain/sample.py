@@ -18,7 +18,6 @@ import jax
 import numpy as np
 
 from jax_pretrain import cli
-from jax_pretrain import config as config_lib
 from jax_pretrain import engine as engine_lib
 from jax_pretrain import model as model_lib
 from jax_pretrain import workdir as workdir_lib
@@ -95,7 +94,7 @@ def main():
   f = flags.FLAGS
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   prompts = f.prompt or ['']
-  texts = generate_texts(config_lib.model_config(run.config), run.params, run.tokenizer, prompts,
+  texts = generate_texts(run.config.model, run.params, run.tokenizer, prompts,
                          f.max_new_tokens, temperature=f.temperature, top_k=f.top_k,
                          top_p=f.top_p, seed=f.seed)
   for k, (prompt, text) in enumerate(zip(prompts, texts)):

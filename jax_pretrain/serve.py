@@ -59,7 +59,6 @@ import pydantic
 from starlette import exceptions as starlette_exceptions
 
 from jax_pretrain import cli
-from jax_pretrain import config as config_lib
 from jax_pretrain import engine as engine_lib
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import workdir as workdir_lib
@@ -542,7 +541,7 @@ def main():
     raise UserError(f'--max_sequences_per_request={f.max_sequences_per_request}: it must be >= 1')
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   context = f.context or run.config.data.seq_len
-  engine = engine_lib.Engine(config_lib.model_config(run.config), run.params, run.tokenizer,
+  engine = engine_lib.Engine(run.config.model, run.params, run.tokenizer,
                              slots=f.slots, context=context, chunk=f.chunk)
   run = dataclasses.replace(run, params=None)  # the engine holds its own copy: free the float32 one
   name = f.model_name or os.path.basename(os.path.normpath(f.workdir))

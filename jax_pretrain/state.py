@@ -12,7 +12,6 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
@@ -57,7 +56,7 @@ class LossScale:
                      skips=self.skips + overflow.astype(jnp.int32))
 
 
-def uses_loss_scale(config: ml_collections.ConfigDict) -> bool:
+def uses_loss_scale(config: config_lib.Config) -> bool:
   """Whether this (resolved) config trains with dynamic loss scaling: float16 compute."""
   return config.model.dtype == 'float16'
 
@@ -81,8 +80,8 @@ def target_logprobs(model: nn.Module, params, batch,
   forward pass."""
   tokens_BxT1 = batch['tokens']
   inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-  logits_BxTxV = model.apply({'params': params}, inputs_BxT,
-                             segments_BxT=batch.get('segments')).astype(jnp.float32)
+  logits_BxTxV = jnp.asarray(model.apply({'params': params}, inputs_BxT,
+                                         segments_BxT=batch.get('segments')), jnp.float32)
   # A masked sum, not take_along_axis: XLA's SPMD partitioner aborts on that gather when the
   # vocabulary is split over 'tensor' inside the train step's shard_map.
   is_target_BxTxV = targets_BxT[..., None] == jnp.arange(logits_BxTxV.shape[-1])
@@ -140,13 +139,13 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   default_loss_fn = make_loss_fn(model, pad_id)
   given_loss_fn = loss_fn or default_loss_fn
 
-  def loss_fn(params, batch):  # -> (loss sum, (weight, sums))
+  def loss_with_sums(params, batch):  # -> (loss sum, (weight, sums))
     loss, aux = given_loss_fn(params, batch)
     return loss, (aux if isinstance(aux, tuple) else (aux, {}))
-  loss_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+  loss_and_grad = jax.value_and_grad(loss_with_sums, has_aux=True)
 
   def scaled_loss(params, batch, factor):
-    loss, aux = loss_fn(params, batch)
+    loss, aux = loss_with_sums(params, batch)
     return loss * factor, (loss, aux)
   scaled_loss_and_grad = jax.value_and_grad(scaled_loss, has_aux=True)
 
@@ -179,11 +178,12 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
               jax.tree.map(jnp.add, grads, grads_i)), None
 
     micro = jax.tree.map(micro_batches, batch)
+    aux_zeros: tuple
     if given_loss_fn is default_loss_fn:
       aux_zeros = (jnp.zeros((), jnp.float32), {})
     else:  # the structure of its sums, from an abstract trace of one micro-batch
       aux_zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), jax.eval_shape(
-          lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro))[1]))
+          lambda: loss_with_sums(params, jax.tree.map(lambda x: x[0], micro))[1]))
     zeros = (jnp.zeros((), jnp.float32), aux_zeros,
              jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, zeros, micro)
@@ -204,7 +204,8 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     sums_fn = local_sums
 
   def train_step(state: TrainState, batch):
-    scale = state.loss_scale.scale if loss_scaling else None
+    old_scale = state.loss_scale if loss_scaling else None  # (a LossScale where loss_scaling)
+    scale = old_scale.scale if old_scale is not None else None
     loss_sum, (weight, sums), grads = sums_fn(state.params, batch, scale)
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
@@ -218,14 +219,15 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                      (params, opt_state), (state.params, state.opt_state))
     loss_scale, guarded = None, finite
-    if loss_scaling:
+    if old_scale is not None:
       # Overflowing gradients of a finite loss are the scaler's to skip (and halve the scale);
       # the non-finite guard counts (and halts on) a non-finite loss only.
       overflow = (jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
-                  & (state.loss_scale.scale >= LOSS_SCALE_MIN))
-      loss_scale = state.loss_scale.update(jnp.isfinite(grad_norm), overflow)
+                  & (old_scale.scale >= LOSS_SCALE_MIN))
+      loss_scale = old_scale.update(jnp.isfinite(grad_norm), overflow)
       guarded = finite | overflow
-    new_state = state.replace(
+    new_state = dataclasses.replace(
+        state,
         step=state.step + 1, params=params, opt_state=opt_state,
         nonfinite_count=state.nonfinite_count + (~guarded).astype(jnp.int32),
         consecutive_nonfinite=jnp.where(guarded, 0, state.consecutive_nonfinite + 1),
@@ -236,7 +238,7 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
                'nonfinite_count': new_state.nonfinite_count,
                'consecutive_nonfinite': new_state.consecutive_nonfinite,
                **{name: total / weight for name, total in sums.items()}}
-    if loss_scaling:
+    if loss_scale is not None:
       metrics['loss_scale'] = loss_scale.scale
       metrics['loss_scale_skips'] = loss_scale.skips
     return new_state, metrics
@@ -247,7 +249,7 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
 @dataclasses.dataclass
 class Setup:
   """Everything built from the config before the first step."""
-  config: ml_collections.ConfigDict
+  config: config_lib.Config
   run: config_lib.RunShape
   mesh: Any
   model: model_lib.Transformer
@@ -260,13 +262,13 @@ class Setup:
   new_state_fn: Any  # params -> TrainState at step 0 with a fresh optimizer
 
 
-def build(config: ml_collections.ConfigDict, run: config_lib.RunShape, devices=None) -> Setup:
+def build(config: config_lib.Config, run: config_lib.RunShape, devices=None) -> Setup:
   """Builds mesh, model and optimizer, and the abstract sharded state, from a resolved config and
   its RunShape (config.resolve(config, len(devices), device=devices[0]): resolve first, once)."""
   devices = jax.devices() if devices is None else devices
   mesh = sharding.make_mesh(run.mesh_shape, devices)
-  model = model_lib.Transformer(config_lib.model_config(config), mesh=mesh)
-  o, updates = config_lib.optim_config(config), run.updates_per_step
+  model = model_lib.Transformer(config.model, mesh=mesh)
+  o, updates = config.optim, run.updates_per_step
   optimizer = optim.make_optimizer(o, config.train.steps, updates)
   schedule = optim.learning_rate_schedule(o, config.train.steps, updates)
   # Init traces the model once (the forward pass is dead code XLA drops); the batch must split
@@ -294,9 +296,10 @@ def build(config: ml_collections.ConfigDict, run: config_lib.RunShape, devices=N
   opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state,
                                         param_shardings,
                                         transform_non_params=lambda _: replicated)
-  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                               nonfinite_count=replicated, consecutive_nonfinite=replicated,
-                               loss_scale=jax.tree.map(lambda _: replicated, abstract.loss_scale))
+  state_shardings = TrainState(  # (the state's tree, of shardings)
+      step=replicated, params=param_shardings, opt_state=opt_shardings,  # type: ignore[arg-type]
+      nonfinite_count=replicated, consecutive_nonfinite=replicated,  # type: ignore[arg-type]
+      loss_scale=jax.tree.map(lambda _: replicated, abstract.loss_scale))
   return Setup(config=config, run=run, mesh=mesh, model=model, optimizer=optimizer,
                schedule=schedule, state_shardings=state_shardings,
                batch_sharding=sharding.named_sharding(mesh, ('batch', None)),
@@ -329,8 +332,9 @@ def state_from_host_params(s: Setup, params) -> TrainState:
   the params (host_zeros filled in place: hf.read_params) and the fresh optimizer state (all
   zeros for AdamW: count, mu, nu; tests check it against optimizer.init) are aliased by the CPU
   device, and the untouched zeros take no memory. Elsewhere they are copied."""
-  fresh = jax.tree.map(lambda x: host_zeros(x.shape, x.dtype),
-                       s.abstract_state.replace(params=None)).replace(params=params)
+  fresh = dataclasses.replace(jax.tree.map(lambda x: host_zeros(x.shape, x.dtype),
+                                           dataclasses.replace(s.abstract_state, params=None)),
+                              params=params)
   return jax.tree.map(lambda x, sharding: jax.device_put(x, sharding, may_alias=True), fresh,
                       s.state_shardings)
 

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar, cast
 
 import jax
 import ml_collections
@@ -79,11 +79,11 @@ class StepLogger:
     c = s.config
     self._writer, self._steps = writer, c.train.steps
     self._tokens_per_step = s.run.tokens_per_step
-    self._flops_per_token = model_lib.flops_per_token(config_lib.model_config(c), c.data.seq_len)
+    self._flops_per_token = model_lib.flops_per_token(c.model, c.data.seq_len)
     self._num_devices = s.mesh.size
     self._peak = metrics_lib.peak_flops_per_device(s.mesh.devices.flat[0].device_kind,
                                                    c.train.peak_flops)
-    self._pending = None
+    self._pending: tuple[int, Any] | None = None  # (step, its metrics on the device)
     self._last_time, self._last_step = time.perf_counter(), start_step
     self.latest: dict[str, float] = {}
 
@@ -217,7 +217,7 @@ class Context(Generic[DataT, StepT]):
   start_step: int
 
   @property
-  def config(self) -> ml_collections.ConfigDict:
+  def config(self) -> config_lib.Config:
     return self.setup.config
 
 
@@ -229,14 +229,15 @@ class Program(Generic[SourcesT, DataT, StepT]):
   (the step that will run and what stays beside it: the micro-batch fit and the compile use
   them) -> open_data -> make_step (around the compiled update) -> batches, logger -> hooks."""
 
-  def open_sources(self, config: ml_collections.ConfigDict) -> SourcesT:
-    """Before the config is resolved: the data's sources, with the run's `tokenizer`."""
-    return data_lib.open_sources(config)
+  def open_sources(self, config: config_lib.Config) -> SourcesT:
+    """Before the config is resolved (config: as given): the data's sources, with the run's
+    `tokenizer`."""
+    return cast(SourcesT, data_lib.open_sources(config))  # (pretraining's: data_lib.Sources)
 
-  def check(self, resolved: ml_collections.ConfigDict, sources: SourcesT) -> None:
+  def check(self, resolved: config_lib.Config, sources: SourcesT) -> None:
     """Cheap checks of the resolved config against the sources, before any work."""
 
-  def updates_per_step(self, resolved: ml_collections.ConfigDict) -> int:
+  def updates_per_step(self, resolved: config_lib.Config) -> int:
     """Optimizer updates a step makes (GRPO: grpo.num_iterations on each rollout batch). The
     schedule counts updates, so its lengths are stretched by this (optim.learning_rate_schedule);
     the state's step counts updates, so the loop resumes at state.step / this."""
@@ -251,17 +252,17 @@ class Program(Generic[SourcesT, DataT, StepT]):
     """The train step's loss (state.make_train_step's loss_fn); None: the next-token loss."""
     return None
 
-  def alongside(self, resolved: ml_collections.ConfigDict, sources: SourcesT,
+  def alongside(self, resolved: config_lib.Config, sources: SourcesT,
                 num_devices: int) -> float:
     """Bytes per device that stay allocated beside the train step (the micro-batch fit leaves
     room for them)."""
     return 0.0
 
-  def open_data(self, resolved: ml_collections.ConfigDict, sources: SourcesT,
+  def open_data(self, resolved: config_lib.Config, sources: SourcesT,
                 step: int) -> DataT:
     """The data, positioned after `step` steps: `tokenizer`, `train` (an iterator with close())."""
-    return data_lib.open_batches(resolved, sources, jax.process_index(), jax.process_count(),
-                                 step)
+    return cast(DataT, data_lib.open_batches(resolved, cast(data_lib.Sources, sources),
+                                             jax.process_index(), jax.process_count(), step))
 
   def make_step(self, s: Setup, data: DataT, update) -> StepT:
     """The loop's step, (state, batch) -> (state, metrics), around `update` (the train step
@@ -270,7 +271,7 @@ class Program(Generic[SourcesT, DataT, StepT]):
 
   def batches(self, s: Setup, data: DataT):
     """What the step takes, one item a step (an iterator with close())."""
-    return data_lib.Prefetcher(data.train, s.batch_sharding)
+    return data_lib.Prefetcher(cast(data_lib.Data, data).train, s.batch_sharding)
 
   def logger(self, s: Setup, writer: metrics_lib.MetricWriter, step: int) -> StepLogger:
     return StepLogger(s, writer, step)
@@ -312,16 +313,18 @@ def profile_hooks(ctx: Context) -> list[loop_lib.Hook]:
                            config_lib.profile_steps(ctx.config.train)).hooks()
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, program: Program,
+def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, program: Program,
           devices=None) -> dict[str, float]:
-  """Trains per the config and the program, writing logs and checkpoints to workdir; returns the
-  last logged scalars ({} when a stop signal came before the first step).
+  """Trains per the config (a config file's ConfigDict, with the command line's overrides; or a
+  Config) and the program, writing logs and checkpoints to workdir; returns the last logged
+  scalars ({} when a stop signal came before the first step).
 
   Cheap checks come first (config, data sources, program.check(resolved config), the workdir's
   lock, the config against the checkpoint's); then the micro-batch is chosen (GPUs), the state
   restored, the data loaded and the step compiled, each interruptible by a stop signal; then the
   loop.
   """
+  config = config_lib.typed(config)  # (as given: a field that does not exist is refused here)
   sources = program.open_sources(config)
   devices = jax.devices() if devices is None else devices
   # The run's one resolve: every field checked, nothing built.

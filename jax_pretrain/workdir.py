@@ -12,7 +12,6 @@ evaluation, export and import read.
 tokenizer, on this machine's devices. `create(...)` writes a step-0 run from given params (an
 imported Hugging Face model), which training can continue from.
 """
-import copy
 import dataclasses
 import datetime
 import fcntl
@@ -80,7 +79,7 @@ def record_launch(workdir: str, step: int, changes: dict[str, tuple]) -> None:
     f.write(json.dumps(entry) + '\n')
 
 
-def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+def write_config(workdir: str, config: config_lib.Config) -> None:
   """config.json, written to a temporary name and renamed: never half-written."""
   path = os.path.join(workdir, CONFIG_FILE)
   with open(path + '.tmp', 'w', encoding='utf-8') as f:
@@ -90,7 +89,8 @@ def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
   """The resolved config a run saved, over today's defaults (runs saved before a field existed,
-  or moved, still load)."""
+  or moved, still load), as a config file gives it (a ConfigDict: config.typed or config.resolve
+  take it)."""
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.exists(path):
     raise WorkdirError(f'{path} not found: is {workdir!r} the workdir of a training run?')
@@ -102,37 +102,37 @@ def save_tokenizer(workdir: str, tokenizer) -> None:
   tokenizer_lib.save(tokenizer, os.path.join(workdir, TOKENIZER_DIR))
 
 
-def load_tokenizer(workdir: str, config: ml_collections.ConfigDict | None = None):
+def load_tokenizer(workdir: str, config: config_lib.Config | None = None):
   """The tokenizer the run trained with. Runs older than WORKDIR/tokenizer/ resolve it from their
   config's data settings, as training did (that reads the data's metadata, not the data)."""
   directory = os.path.join(workdir, TOKENIZER_DIR)
   if os.path.isdir(directory):
     return tokenizer_lib.load(directory)
   from jax_pretrain import data as data_lib  # noqa: PLC0415
-  return data_lib.open_sources(config or load_config(workdir)).tokenizer
+  return data_lib.open_sources(config or config_lib.typed(load_config(workdir))).tokenizer
 
 
 @dataclasses.dataclass
 class Trained:
   """A run's config (resolved for this machine), params (in setup's shardings) and tokenizer."""
-  config: ml_collections.ConfigDict
+  config: config_lib.Config
   params: Any
   tokenizer: Any
   setup: state_lib.Setup
   step: int
 
 
-def _for_devices(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """config (changed in place) for whatever devices the state is built on: data-parallel over all of
-  them, batch splits re-derived, and the attention chosen for them ('auto': the run may have used
-  a kernel that these devices lack)."""
-  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
-  config.train.micro_batch_size = config.train.eval_batch_size = 0
-  config.model.attention = 'auto'
-  return config
+def _for_devices(config: config_lib.Config) -> config_lib.Config:
+  """config for whatever devices the state is built on: data-parallel over all of them, batch
+  splits re-derived, and the attention chosen for them ('auto': the run may have used a kernel
+  that these devices lack)."""
+  return dataclasses.replace(
+      config, mesh=config_lib.MeshConfig(data=-1, fsdp=1, tensor=1),
+      train=dataclasses.replace(config.train, micro_batch_size=0, eval_batch_size=0),
+      model=dataclasses.replace(config.model, attention='auto'))
 
 
-def _setup(config: ml_collections.ConfigDict, devices, vocab_size: int) -> state_lib.Setup:
+def _setup(config: config_lib.Config, devices, vocab_size: int) -> state_lib.Setup:
   resolved, run = config_lib.resolve(config, len(devices), device=devices[0],
                                      tokenizer_vocab_size=vocab_size)
   return state_lib.build(resolved, run, devices)
@@ -144,7 +144,7 @@ def load(workdir: str, step: int | None = None, devices=None) -> Trained:
   The mesh is rebuilt for the devices at hand (data-parallel over all of them), batch splits are
   re-derived, and the attention is chosen for them (a run trained with cuDNN loads on a CPU).
   """
-  config = load_config(workdir)
+  config = config_lib.typed(load_config(workdir))
   tokenizer = load_tokenizer(workdir, config)
   devices = jax.devices() if devices is None else devices
   s = _setup(_for_devices(config), devices, tokenizer.vocab_size)
@@ -162,14 +162,16 @@ def check_new(workdir: str) -> None:
     raise WorkdirError(f'{workdir} already holds checkpoints; give a new workdir.')
 
 
-def create(workdir: str, config: ml_collections.ConfigDict, params, tokenizer) -> Trained:
+def create(workdir: str, config: config_lib.Config | ml_collections.ConfigDict, params,
+           tokenizer) -> Trained:
   """A new run at step 0 with these params (host numpy arrays) and a fresh optimizer. Its
   config.json is `config` as given (unresolved: a new run from it resolves it for its own
   devices). The state is built on the CPU and saved from host memory (state_from_host_params):
   an imported model takes one copy of its params in memory, and no accelerator's."""
   check_new(workdir)
+  config = config_lib.typed(config)
   devices = jax.devices('cpu')[:1]
-  s = _setup(_for_devices(copy.deepcopy(config)), devices, tokenizer.vocab_size)
+  s = _setup(_for_devices(config), devices, tokenizer.vocab_size)
   state = state_lib.state_from_host_params(s, params)
   # As few arrays in flight as orbax allows (its limit must hold the largest): the save then adds
   # about the largest array to memory, not the whole state (the largest model 2 GB, not 100%).

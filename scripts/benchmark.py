@@ -44,6 +44,7 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   from jax_pretrain import state as state_lib
 
   devices = jax.devices()
+  config = config_lib.typed(config)
   resolved, run = config_lib.resolve(config, len(devices), device=devices[0])
   t0 = time.perf_counter()
   # micro_batch_size=0: as the trainer does
@@ -72,7 +73,7 @@ def benchmark(config, steps: int, warmup: int) -> dict:
   tokens_per_sec = s.run.tokens_per_step / step_time
   device = s.mesh.devices.flat[0]
   peak = metrics_lib.peak_flops_per_device(device.device_kind, c.train.peak_flops)
-  mfu = metrics_lib.mfu(model_lib.flops_per_token(config_lib.model_config(c), c.data.seq_len),
+  mfu = metrics_lib.mfu(model_lib.flops_per_token(c.model, c.data.seq_len),
                         tokens_per_sec, s.mesh.size, peak)
   in_use = (device.memory_stats() or {}).get('peak_bytes_in_use')
   return {'micro_batch': c.train.micro_batch_size, 'remat': c.model.remat,

@@ -50,7 +50,7 @@ def reference(c, params, B: int, P: int, new_tokens: int, temperature: float):
   import jax
   import jax.numpy as jnp
   S, L, K, H, N = P + new_tokens, c.num_layers, c.num_kv_heads, c.head_dim, c.num_heads
-  cast = lambda x: x.astype(c.dtype) if x.ndim >= 2 else x
+  cast = lambda x: x.astype(c.compute_dtype) if x.ndim >= 2 else x
   w = jax.tree.map(cast, params)
   layers = [jax.tree.map(lambda x, i=i: x[i], w['layers']) for i in range(L)]
   inv_freq = 1.0 / (c.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
@@ -59,13 +59,13 @@ def reference(c, params, B: int, P: int, new_tokens: int, temperature: float):
   def norm(x, scale):
     x = x.astype(jnp.float32)
     return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + c.norm_eps) * scale
-            ).astype(c.dtype)
+            ).astype(c.compute_dtype)
 
   def rope(x, pos_BxT):  # x [B, T, heads, H]
     angle = pos_BxT.astype(jnp.float32)[..., None, None] * inv_freq
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * jnp.cos(angle) - x2 * jnp.sin(angle),
-                            x2 * jnp.cos(angle) + x1 * jnp.sin(angle)], -1).astype(c.dtype)
+                            x2 * jnp.cos(angle) + x1 * jnp.sin(angle)], -1).astype(c.compute_dtype)
 
   def forward(layers, caches, tokens_BxT, pos_BxT):  # logits of the last token, caches
     x = jnp.take(w['embedding'], tokens_BxT, axis=0)
@@ -82,7 +82,7 @@ def reference(c, params, B: int, P: int, new_tokens: int, temperature: float):
       s = jnp.einsum('btkgh,bskh->bkgts', q, k_cache, preferred_element_type=jnp.float32)
       visible = jnp.arange(S)[None, None, :] <= pos_BxT[:, :, None]
       s = jnp.where(visible[:, None, None], s / math.sqrt(H), -jnp.inf)
-      o = jnp.einsum('bkgts,bskh->btkgh', jax.nn.softmax(s, -1).astype(c.dtype), v_cache)
+      o = jnp.einsum('bkgts,bskh->btkgh', jax.nn.softmax(s, -1).astype(c.compute_dtype), v_cache)
       x = x + jnp.einsum('btnh,nhd->btd', o.reshape(*o.shape[:2], N, H), a['wo'])
       h = norm(x, p['mlp_norm']['scale'])
       m = p['mlp']
@@ -99,7 +99,7 @@ def reference(c, params, B: int, P: int, new_tokens: int, temperature: float):
 
   @jax.jit
   def run(layers, prompts_BxP, key):  # the caches live inside: updated in place
-    caches = [(jnp.zeros((B, S, K, H), c.dtype),) * 2 for _ in range(L)]
+    caches = [(jnp.zeros((B, S, K, H), c.compute_dtype),) * 2 for _ in range(L)]
     logits, caches = forward(layers, caches, prompts_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)))
 
     def step(i, state):
@@ -159,13 +159,13 @@ def main():
 
   devices = jax.devices()[:1]
   resolved, _ = config_lib.resolve(cli.config_value(_CONFIG), 1, device=devices[0])
-  c = config_lib.model_config(resolved)
+  c = resolved.model
   params = jax.jit(model_lib.Transformer(c).init)(
       jax.random.key(0), np.zeros((1, 8), np.int32))['params']
   params = jax.tree.map(lambda x: getattr(x, 'value', x), params,
                         is_leaf=lambda x: hasattr(x, 'value'))
   print(f'{jax.devices()[0].device_kind}, jax {jax.__version__}: {c.num_layers} layers × '
-        f'{c.d_model}, {model_lib.count_params(params):,} parameters, {c.dtype.name}; prompts of '
+        f'{c.d_model}, {model_lib.count_params(params):,} parameters, {c.dtype}; prompts of '
         f'{_PROMPT.value} tokens + {_NEW.value} new, temperature {_TEMPERATURE.value}')
   print(f'{"sequences":>9}  {"slots":>5}  {"engine tok/s":>12}  {"reference tok/s":>15}  '
         f'{"engine / reference time":>23}  {"same tokens":>11}')

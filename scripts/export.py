@@ -33,8 +33,9 @@ def main():
   os.makedirs(_OUT.value, exist_ok=True)
   save_file(tensors, os.path.join(_OUT.value, 'model.safetensors'), metadata={'format': 'np'})
   with open(os.path.join(_OUT.value, 'config.json'), 'w', encoding='utf-8') as f:
-    json.dump({'model': run.config.model.to_dict(), 'dtype': _DTYPE.value,
-               'run_config': config_lib.as_dict(run.config)}, f, indent=2)
+    run_config = config_lib.as_dict(run.config)
+    json.dump({'model': run_config['model'], 'dtype': _DTYPE.value, 'run_config': run_config}, f,
+              indent=2)
   n = sum(t.size for t in tensors.values())
   print(f'wrote {len(tensors)} tensors ({n:,} parameters, {_DTYPE.value}) to {_OUT.value}')
 

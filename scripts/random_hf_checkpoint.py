@@ -48,7 +48,7 @@ def main() -> None:
                      **SHAPES[a.shape])
     config = config_lib.preset('default')
     config.model.update(hf.model_fields(hf_config))
-    shapes = hf.expected_tensors(config_lib.model_config(config), hf_config['vocab_size'])
+    shapes = hf.expected_tensors(config_lib.typed(config).model, hf_config['vocab_size'])
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, 'config.json'), 'w', encoding='utf-8') as f:
       json.dump(hf_config, f, indent=2)

@@ -107,8 +107,9 @@ def test_pretraining_resolves_without_any_programs_group_or_their_modules():
   the task and Hugging Face modules they read (a fresh interpreter)."""
   code = ('import sys; from jax_pretrain import config as c; '
           'r, _ = c.resolve(c.preset("default"), 1, backend="cpu"); '
-          'print("grpo" in r, sorted(m for m in sys.modules if m.startswith("jax_pretrain.") and '
-          'm.split(".")[1] in ("grpo", "tasks") or m == "jax_pretrain.data.hub"))')
+          'print(hasattr(r, "grpo"), sorted(m for m in sys.modules if '
+          'm.startswith("jax_pretrain.") and m.split(".")[1] in ("grpo", "tasks") or '
+          'm == "jax_pretrain.data.hub"))')
   out = run_cli('-c', code)
   assert out.split() == ['False', '[]'], out
 

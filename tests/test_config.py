@@ -4,11 +4,14 @@ import os
 import re
 
 from absl import flags
+import jax.numpy as jnp
 from ml_collections import config_flags
 import pytest
 
 from jax_pretrain import config as config_lib
+from jax_pretrain import model as model_lib
 from jax_pretrain.grpo import config as grpo_config
+from jax_pretrain.kernels import attention
 from tests.conftest import ROOT
 
 PRESETS = ('default', 'test', 'tiny', 'small', 'medium', 'medium_large', 'large', 'xlarge')
@@ -134,7 +137,7 @@ def test_cudnn_on_cpu_is_an_error_not_a_fallback():
 
 
 def test_runs_saved_with_optimizer_fields_in_train_still_load():
-  old = config_lib.as_dict(config_lib.preset('test'))
+  old = config_lib.as_dict(config_lib.typed(config_lib.preset('test')))
   old['train'].update(learning_rate=0.123, warmup_steps=3, grad_clip=0.5)  # the old layout
   for name in ('learning_rate', 'warmup_steps', 'grad_clip'):
     old['optim'].pop(name)
@@ -253,14 +256,15 @@ def _changed(value):
 
 
 def test_every_field_declares_its_resume_policy_and_resume_changes_applies_it():
-  saved = config_lib.as_dict(grpo_config.defaults())  # the trainer's groups and a program's
-  fields = {**config_lib.FIELDS, **{f'grpo.{f.name}': f for f in grpo_config.FIELDS}}
+  saved = config_lib.as_dict(config_lib.typed(grpo_config.defaults()))  # the trainer's groups
+  fields = {**config_lib.FIELDS, **{f'grpo.{f.name}': f for f in grpo_config.FIELDS}}  # and grpo's
   assert set(fields) == {f'{g}.{n}' for g in saved for n in saved[g]}
   refused = []
   for name, field in fields.items():
     group, key = name.split('.')
-    new = grpo_config.defaults()
-    new[group][key] = after = _changed(field.default)
+    defaults = grpo_config.defaults()
+    defaults[group][key] = after = _changed(field.default)
+    new = config_lib.typed(defaults)
     reason = field.refusal(field.default, after)
     if reason:
       refused.append(name)
@@ -275,13 +279,34 @@ def test_every_field_declares_its_resume_policy_and_resume_changes_applies_it():
   assert not grad_clip.refusal(1.0, 0.5) and grad_clip.refusal(1.0, 0.0) == config_lib.SHAPE
 
 
-def test_views_are_typed_frozen_copies_of_the_resolved_groups():
+def test_the_resolved_config_is_one_typed_frozen_dataclass_per_group():
   c, _ = config_lib.resolve(config_lib.preset('test'), 8, backend='cpu')
-  optim = config_lib.optim_config(c)
-  assert isinstance(optim, config_lib.OptimConfig) and optim.learning_rate == c.optim.learning_rate
-  assert config_lib.mesh_config(c) == config_lib.MeshConfig(data=8, fsdp=1, tensor=1)
-  assert config_lib.train_config(c).steps == c.train.steps > 0
-  assert config_lib.data_config(c).seq_len == c.data.seq_len
-  assert config_lib.checkpoint_config(c).keep == c.checkpoint.keep
+  assert type(c) is config_lib.Config and isinstance(c.optim, config_lib.OptimConfig)
+  assert c.mesh == config_lib.MeshConfig(data=8, fsdp=1, tensor=1)
+  assert c.train.steps > 0 and c.model.head_dim == 16
+  assert c.model.compute_dtype == jnp.float32 and c.model.remat_policy is None
   with pytest.raises(dataclasses.FrozenInstanceError):
-    optim.learning_rate = 1.0
+    c.optim.learning_rate = 1.0  # type: ignore[misc]
+  # The group dataclasses are the one table: their defaults are defaults()'s, their docs and
+  # resume policies FIELDS'.
+  assert config_lib.defaults().to_dict() == config_lib.as_dict(config_lib.Config())
+  assert config_lib.FIELDS['model.num_layers'].doc == 'transformer blocks'
+  # A program's config is its own Config: the trainer's groups and its group.
+  g, _ = config_lib.resolve(config_lib.preset('grpo'), 8, backend='cpu')
+  assert isinstance(g, grpo_config.GrpoTrainConfig) and g.grpo.num_samples == 16
+  assert grpo_config.of(g) is g
+  with pytest.raises(config_lib.ConfigError, match='grpo group'):
+    grpo_config.of(c)
+
+
+def test_the_model_reads_the_model_group_itself():
+  assert model_lib.ModelConfig is config_lib.ModelConfig
+
+
+def test_the_compute_capability_is_parsed_once_for_every_choice():
+  assert attention.compute_capability(_Device('gpu', 'NVIDIA H100', '9.0')) == (9, 0)
+  assert attention.compute_capability(_Device('gpu', 'NVIDIA H100')) is None
+  assert attention.compute_capability(None) is None
+  assert attention.is_ampere_or_newer('Tesla T4', (7, 5)) is False
+  assert attention.is_ampere_or_newer('Tesla T4', None) is False
+  assert attention.is_ampere_or_newer('NVIDIA H100', None) is True

@@ -23,7 +23,7 @@ from jax_pretrain.data import tokenizer as tokenizer_lib
 @pytest.fixture(scope='module')
 def tiny():
   config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
-  cfg = dataclasses.replace(config_lib.model_config(config), init_std=0.2)
+  cfg = dataclasses.replace(config.model, init_std=0.2)
   params = jax.jit(model_lib.Transformer(cfg).init)(jax.random.key(0),
                                                     jnp.zeros((1, 8), jnp.int32))['params']
   return cfg, meta.unbox(params)

@@ -158,7 +158,7 @@ def test_rollouts_keep_the_log_probabilities_the_training_forward_gives(tmp_path
   from jax_pretrain import workdir as workdir_lib  # noqa: PLC0415
   from tests import tiny_run  # noqa: PLC0415
   run = workdir_lib.load(tiny_run.train_once(tmp_path_factory), devices=jax.devices()[:1])
-  model_config = config_lib.model_config(run.config)
+  model_config = run.config.model
   prompts = [sample_lib.encode_prompt(run.tokenizer, p).tolist() for p in ('The ', 'A list ')]
 
   def sample(seed):

@@ -98,7 +98,7 @@ def make_checkpoint(shape: Shape, directory: str, vocab_size: int):
 def our_logits(workdir: str, tokens_BxT: np.ndarray) -> np.ndarray:
   run = workdir_lib.load(workdir, devices=jax.devices()[:1])
   with jax.default_matmul_precision('float32'):
-    return np.asarray(model_lib.Transformer(config_lib.model_config(run.config)).apply(
+    return np.asarray(model_lib.Transformer(run.config.model).apply(
         {'params': run.params}, tokens_BxT))
 
 
@@ -153,7 +153,7 @@ def test_continued_pretraining_of_a_hugging_face_checkpoint(tmp_path, shape):
                             np.asarray(run.params['embedding']))
 
   # sample and evaluate use the checkpoint's tokenizer: ids past the byte range, bits per byte.
-  new = sample.generate(config_lib.model_config(trained.config), trained.params,
+  new = sample.generate(trained.config.model, trained.params,
                         [tok.encode('The ')], 32, eos_id=tok.eos_id, pad_id=tok.pad_id,
                         vocab_size=tok.vocab_size, sampling=sample.Sampling(temperature=1.0))
   assert max(new[0]) >= 259

@@ -4,6 +4,7 @@ training loss function's, every generation equals sample.generate's, a task comp
 shapes; the command line; lm_eval/* scalars during training. And agreement with lm_eval's own
 Hugging Face backend on the exported model: needs torch and transformers, skipped without them
 (docs/use.md says how to run it)."""
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -66,7 +67,7 @@ def run(tmp_path_factory):
 @pytest.fixture(scope='session')
 def loaded(run):
   trained = workdir_lib.load(run, devices=jax.devices()[:1])
-  return config_lib.model_config(trained.config), trained.params, trained.tokenizer, trained.config
+  return trained.config.model, trained.params, trained.tokenizer, trained.config
 
 
 def _passages(n: int, context: int, continuation: int, start: int) -> list[tuple[str, str]]:
@@ -310,9 +311,8 @@ def test_lm_eval_during_training_warns_for_the_harness_and_raises_ours(loaded, t
                           for w in ('first', 'second', 'third', 'fourth')))
   (tmp_path / f'{task}.yaml').write_text(f'task: {task}\n' + FAULT_TASKS[task].replace(
       'DOCS', str(docs)).replace('MISSING', str(tmp_path / 'missing.jsonl')))
-  config = config.copy_and_resolve_references()
-  config.train.lm_eval_tasks, config.train.lm_eval_include_path = task, str(tmp_path)
-  config.train.lm_eval_limit = 4
+  config = dataclasses.replace(config, train=dataclasses.replace(
+      config.train, lm_eval_tasks=task, lm_eval_include_path=str(tmp_path), lm_eval_limit=4))
   logger = _Logger()
   if patch is not None:
     name, error = patch

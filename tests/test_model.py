@@ -12,7 +12,7 @@ from jax_pretrain import model as model_lib
 
 def small_config(**overrides) -> model_lib.ModelConfig:
   config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
-  return dataclasses.replace(config_lib.model_config(config), **overrides)
+  return dataclasses.replace(config.model, **overrides)
 
 
 def init(cfg, seed=0, T=16):
@@ -41,7 +41,7 @@ def test_logits_shape_and_dtype():
 
 
 def test_bf16_compute_keeps_float32_params_and_logits():
-  cfg = small_config(dtype=jnp.bfloat16)
+  cfg = small_config(dtype='bfloat16')
   model, params = init(cfg)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
   logits = model.apply({'params': params}, random_tokens(1, 2, 16, cfg.vocab_size))

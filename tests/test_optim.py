@@ -21,7 +21,7 @@ def resolved_test_config(**overrides):
 def test_schedule_warmup_middle_and_end():
   c = resolved_test_config(steps=1000, warmup_steps=100, learning_rate=1e-3,
                            min_learning_rate=1e-4)
-  lr = optim.learning_rate_schedule(config_lib.optim_config(c), c.train.steps)
+  lr = optim.learning_rate_schedule(c.optim, c.train.steps)
   assert float(lr(0)) == 0.0
   np.testing.assert_allclose(float(lr(50)), 0.5e-3, rtol=1e-6)  # linear warmup
   np.testing.assert_allclose(float(lr(100)), 1e-3, rtol=1e-6)  # end of warmup: the peak
@@ -43,7 +43,7 @@ def test_weight_decay_mask_skips_norm_scales():
 def test_weight_decay_applies_only_where_masked():
   c = resolved_test_config(learning_rate=0.1, min_learning_rate=0.1, warmup_steps=0, steps=10,
                            weight_decay=0.5, grad_clip=0.0)
-  tx = optim.make_optimizer(config_lib.optim_config(c), c.train.steps)
+  tx = optim.make_optimizer(c.optim, c.train.steps)
   params = {'w': jnp.ones((2, 2)), 'norm': {'scale': jnp.ones((2,))}}
   zero_grads = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zero_grads, tx.init(params), params)

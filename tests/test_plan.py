@@ -173,7 +173,7 @@ def test_a_fitted_layout_is_what_resolving_with_it_gives(fsdp, remat, micro_batc
   c.mesh.fsdp, c.train.micro_batch_size = fsdp, micro_batch
   c.model.remat = 'auto' if remat == 'full' else remat
   expected, expected_run = config_lib.resolve(c, 4, backend='cpu')
-  assert fitted.to_dict() == expected.to_dict() and fitted_run == expected_run
+  assert fitted == expected and fitted_run == expected_run
   assert fitted_run.mesh_shape == (4 // fsdp, fsdp, 1)
 
 
@@ -321,7 +321,7 @@ def test_cpu_plan_of_data_parallel_step_reduces_gradients_once():
   assert r['collective_bytes_per_step']['all-reduce'] == 4 * n + 8  # float32 grads, loss, count
   assert r['fits'] and r['tokens_per_s'] is None  # no roofline for the CPU
   resolved, run = config_lib.resolve(c, num_devices=8, backend='cpu')
-  per_token = model_lib.flops_per_token(config_lib.model_config(resolved), c.data.seq_len)
+  per_token = model_lib.flops_per_token(resolved.model, c.data.seq_len)
   assert r['model_flops_per_step'] == pytest.approx(per_token * run.tokens_per_step / 8)
 
 
@@ -407,7 +407,7 @@ def test_a_fitted_micro_batch_is_what_resolving_with_it_gives(micro_batch, eval_
   fitted, fitted_run = memory.with_micro_batch(c, resolved, run, micro_batch)
   c.train.micro_batch_size = micro_batch
   expected, expected_run = config_lib.resolve(c, 4, backend='cpu')
-  assert fitted.to_dict() == expected.to_dict() and fitted_run == expected_run
+  assert fitted == expected and fitted_run == expected_run
   assert fitted_run.grad_accum_steps == 4 // micro_batch
 
 
@@ -429,7 +429,7 @@ def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta):
   assert g['width'] == 25 and update['tokens_per_step'] == 16 * 25
   # The engine's cache and logits, float32, split over the 2 devices: 4 slots each of the context
   # the rollout reaches (10 + 8 tokens, not data.seq_len).
-  m = config_lib.model_config(config_lib.resolve(_grpo_test_config(), 2, backend='cpu')[0])
+  m = config_lib.resolve(_grpo_test_config(), 2, backend='cpu')[0].model
   cache = 2 * m.num_layers * 4 * 18 * m.num_kv_heads * m.head_dim * 4 + 4 * m.vocab_size * 4
   assert (g['context'], g['slots_per_device']) == (18, 4)
   assert g['engine_cache_gib'] * memory.GIB == cache
@@ -459,7 +459,7 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   s = state_lib.build(resolved, run, jax.devices()[:2])
   params = state_lib.init_state(s).params
   vocabulary = types.SimpleNamespace(vocab_size=resolved.model.vocab_size, pad_id=0)
-  make = lambda p: engine_lib.Engine(config_lib.model_config(resolved), p, vocabulary, slots=8,
+  make = lambda p: engine_lib.Engine(resolved.model, p, vocabulary, slots=8,
                                      context=32, mesh=s.mesh)
   eng, abstract = make(params), make(s.abstract_state.params)
   # What Engine._prefill and Engine._decode pass (the params, cache and logits as the engine

@@ -18,7 +18,7 @@ from jax_pretrain.data.tokenizer import ByteTokenizer
 def model_and_params(**overrides):
   config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
   # A larger init gives peaked next-token distributions: greedy choices are not near-ties.
-  cfg = dataclasses.replace(config_lib.model_config(config), init_std=0.2, **overrides)
+  cfg = dataclasses.replace(config.model, init_std=0.2, **overrides)
   model = model_lib.Transformer(cfg)
   params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params']
   return cfg, model, meta.unbox(params)

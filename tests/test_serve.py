@@ -21,7 +21,6 @@ import jax
 import openai
 import pytest
 
-from jax_pretrain import config as config_lib
 from jax_pretrain import engine
 from jax_pretrain import serve
 from jax_pretrain import workdir as workdir_lib
@@ -242,7 +241,7 @@ def test_client_errors_unknown_model_and_path(client, server):
 
 def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
   trained = workdir_lib.load(run, devices=jax.devices()[:1])
-  eng = engine.Engine(config_lib.model_config(trained.config), trained.params, trained.tokenizer,
+  eng = engine.Engine(trained.config.model, trained.params, trained.tokenizer,
                       slots=8, context=tiny_run.SEQ_LEN, chunk=4)
   eng.warmup()
   # Prompts pad to 16, 32 or 64 tokens, 1, 2, 4 or 8 of them per prefill; decodes cover 1, 2, 4
@@ -267,7 +266,7 @@ def trained(run):
 def _serving(trained, **kw):
   """A server in this process, on a free port (4 slots, chunks of 4): (base URL, its Server, to
   break on purpose). kw: Server's."""
-  eng = engine.Engine(config_lib.model_config(trained.config), trained.params, trained.tokenizer,
+  eng = engine.Engine(trained.config.model, trained.params, trained.tokenizer,
                       slots=4, context=tiny_run.SEQ_LEN, chunk=4)
   srv = serve.Server(eng, NAME, **kw)
   uv = serve.listen(srv, '127.0.0.1', 0)

@@ -80,7 +80,7 @@ def tiny_model(attention='xla'):
   c = config_lib.preset('test')
   c.model.attention = attention
   resolved, _ = config_lib.resolve(c, 1, backend='cpu')
-  model = model_lib.Transformer(config_lib.model_config(resolved))
+  model = model_lib.Transformer(resolved.model)
   params = model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))['params']
   return model, jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, params)
 
@@ -330,7 +330,7 @@ def test_fused_attention_path_passes_the_segment_mask_under_shard_map(monkeypatc
     c = sft_config('unused.jsonl')
     c.model.attention, c.mesh.data, c.mesh.tensor = implementation, 4, 2
     resolved, _ = config_lib.resolve(c, 8, backend='gpu')
-    model = model_lib.Transformer(config_lib.model_config(resolved),
+    model = model_lib.Transformer(resolved.model,
                                   mesh=sharding.make_mesh((4, 1, 2), jax.devices()))
     params = model.init(jax.random.key(1), jnp.zeros((8, 31), jnp.int32))['params']
     params = jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, params)

@@ -206,7 +206,6 @@ def test_a_prompt_longer_than_the_context_is_one_error(tmp_path):
 def test_evaluate_task_prints_the_greedy_accuracy_under_the_reward(tmp_path, tmp_path_factory):
   import jax  # noqa: PLC0415
 
-  from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import sample as sample_lib  # noqa: PLC0415
   from jax_pretrain import workdir as workdir_lib  # noqa: PLC0415
   from tests import tiny_run  # noqa: PLC0415
@@ -216,7 +215,7 @@ def test_evaluate_task_prints_the_greedy_accuracy_under_the_reward(tmp_path, tmp
   prompts = ['The ', 'In the ', 'A ', 'For ', 'This ', 'If ']
   # The model's own greedy continuations, by the other decoder (sample.py): half the items take
   # them as answers (right), half a string the model does not write (wrong).
-  greedy = sample_lib.generate_texts(config_lib.model_config(run.config), run.params,
+  greedy = sample_lib.generate_texts(run.config.model, run.params,
                                      run.tokenizer, prompts, 8, temperature=0)
   rows = [{'prompt': p, 'answer': g[:4] if k % 2 == 0 else 'never'}
           for k, (p, g) in enumerate(zip(prompts, greedy))]

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from collections.abc import Iterator
 import dataclasses
 import os
+from typing import TYPE_CHECKING, Any
 
 from absl import logging
-import ml_collections
 import numpy as np
 
 from jax_pretrain.data import sources as sources_lib
@@ -20,6 +20,9 @@ from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.data import tokens as tokens_lib
 from jax_pretrain.data.errors import DataError
 from jax_pretrain.data.sources import Component
+
+if TYPE_CHECKING:  # (not imported at run time: it imports jax, which data workers need not load)
+  from jax_pretrain.config import Config
 
 Batch = dict[str, np.ndarray]
 
@@ -36,7 +39,7 @@ class Sources:
   """data.train and data.val, parsed once, and the tokenizer that reads them."""
   train: list[sources_lib.Source]
   val: list[sources_lib.Source]  # []: eval data is held out of train
-  tokenizer: object
+  tokenizer: Any  # data.tokenizer's Byte-, SentencePiece-, Hf- or IdTokenizer
   options: sources_lib.ReadOptions
   tokenizer_setting: str = ''  # data.tokenizer, or (SFT) the restore_from run's tokenizer/
 
@@ -67,7 +70,7 @@ def resolve_tokenizer(setting: str, sources: list[sources_lib.Source], model_voc
   return tok
 
 
-def open_sources(config: ml_collections.ConfigDict) -> Sources:
+def open_sources(config: 'Config') -> Sources:
   d = config.data
   if not d.train:
     raise DataError("data.train is empty: name the training data, e.g. --config.data.train="
@@ -77,7 +80,7 @@ def open_sources(config: ml_collections.ConfigDict) -> Sources:
   val = sources_lib.parse(d.val, 'data.val') if d.val else []
   setting = d.tokenizer
   run_tokenizer = os.path.join(config.checkpoint.restore_from, 'tokenizer')
-  if (d.get('format') == 'sft' and not setting and config.checkpoint.restore_from
+  if (d.format == 'sft' and not setting and config.checkpoint.restore_from
       and os.path.isdir(run_tokenizer)):
     setting = run_tokenizer  # fine-tuning text is read with the tokenizer the model learned
   tokenizer = resolve_tokenizer(setting, train + val, config.model.vocab_size)
@@ -116,7 +119,7 @@ def split_components(sources: Sources, val_ratio: float) -> tuple[list[Component
   return train, val
 
 
-def open_batches(config: ml_collections.ConfigDict, sources: Sources, process_index: int = 0,
+def open_batches(config: 'Config', sources: Sources, process_index: int = 0,
           process_count: int = 1, start_batch: int = 0) -> Data:
   """config: resolved (config.resolve); sources: open_sources(config); start_batch: the first
   global batch to draw (a run resumed after step N draws batch N next)."""
@@ -134,21 +137,23 @@ def open_batches(config: ml_collections.ConfigDict, sources: Sources, process_in
 
   train_sources = []
   for k, c in enumerate(train):
+    windows: pipeline.Windows | pipeline.SyntheticWindows
     if c.tokens is None:
       windows = pipeline.SyntheticWindows(tokenizer.vocab_size, tokenizer.pad_id, d.seq_len,
                                           seed=pipeline.source_seed(t.seed, k))
     else:
       windows = pipeline.Windows(c.tokens, d.seq_len)
-    if not len(windows):
-      raise DataError(f'{c.name}: {len(c.tokens)} training tokens make no window of seq_len + 1 '
-                      f'= {d.seq_len + 1} tokens. Add data or lower data.seq_len.')
+      if not len(windows):
+        raise DataError(f'{c.name}: {len(c.tokens)} training tokens make no window of seq_len + '
+                        f'1 = {d.seq_len + 1} tokens. Add data or lower data.seq_len.')
     train_sources.append(windows)
     logging.info('train source %s: weight %.3f, %d windows', c.name, c.weight, len(windows))
-  eval_sources, eval_weights = [], []
+  eval_sources: list[pipeline.Windows | pipeline.SyntheticWindows] = []
+  eval_weights: list[float] = []
   for c in val:
-    windows = None if c.tokens is None else pipeline.Windows(c.tokens, d.seq_len, tokenizer.pad_id)
-    if windows is not None and len(windows):  # a source too small to hold val tokens adds none
-      eval_sources.append(windows)
+    held = None if c.tokens is None else pipeline.Windows(c.tokens, d.seq_len, tokenizer.pad_id)
+    if held is not None and len(held):  # a source too small to hold val tokens adds none
+      eval_sources.append(held)
       eval_weights.append(c.weight)
   if not eval_sources and any(c.tokens is None for c in val):
     # Random tokens are eval data only for a synthetic-only run (a benchmark): they would blur
@@ -160,7 +165,7 @@ def open_batches(config: ml_collections.ConfigDict, sources: Sources, process_in
                eval_weights, process_index, process_count, start_batch)
 
 
-def _data(config: ml_collections.ConfigDict, tokenizer, train_sources: list,
+def _data(config: 'Config', tokenizer, train_sources: list,
           train_weights: list[float], eval_sources: list, eval_weights: list[float],
           process_index: int, process_count: int, start_batch: int) -> Data:
   """The Data of grain random-access sources of rows (windows, or packed SFT rows)."""
@@ -204,7 +209,7 @@ class _First:
     return self.rows[i]
 
 
-def eval_sets(config: ml_collections.ConfigDict, tokenizer, batch_size: int, data: str = '',
+def eval_sets(config: 'Config', tokenizer, batch_size: int, data: str = '',
               split: str = 'val', max_tokens: int = 0) -> list[EvalSet]:
   """A run's eval data, one EvalSet per source: `data` (a source list in data.train's syntax;
   prepared directories read at `split`), or with data '' the run's held-out data as
@@ -236,6 +241,7 @@ def eval_sets(config: ml_collections.ConfigDict, tokenizer, batch_size: int, dat
     components = split_components(open_sources(config), config.data.val_ratio)[1]
   sets = []
   for c in components:
+    windows: pipeline.Windows | pipeline.SyntheticWindows
     if c.tokens is None:
       n = max(1, -(-max_tokens // T)) if max_tokens else 64
       windows = pipeline.SyntheticWindows(tokenizer.vocab_size, pad_id, T, pipeline.EVAL_SEED, n)

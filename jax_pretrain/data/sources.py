@@ -17,6 +17,7 @@ import functools
 import glob
 import json
 import os
+from typing import TYPE_CHECKING
 
 from absl import logging
 import numpy as np
@@ -25,6 +26,9 @@ from jax_pretrain.data import formats
 from jax_pretrain.data import hub
 from jax_pretrain.data import tokens as tokens_lib
 from jax_pretrain.data.errors import DataError
+
+if TYPE_CHECKING:  # (not imported at run time: it imports jax, which data workers need not load)
+  from jax_pretrain.config import DataConfig
 
 _TFDS_ITEM_RECORDS = 2048
 _ON_THE_FLY_WARNING_TOKENS = 200_000_000
@@ -38,7 +42,7 @@ class ReadOptions:
   on_bad_record: str = 'error'
 
   @classmethod
-  def from_config(cls, d) -> 'ReadOptions':
+  def from_config(cls, d: 'DataConfig') -> 'ReadOptions':
     return cls(d.text_field, d.tfds_data_dir, d.on_bad_record)
 
 

@@ -1,10 +1,13 @@
 """The grpo config group: GRPO's fields, their check, and the configs that have them.
 
 The trainer's config (config.defaults()) has no grpo group: `python -m jax_pretrain.grpo` and
-configs/grpo.py add it (defaults(), with_group), and config.resolve checks it (_resolve) because
-this module registers it (config.register). Pretraining never imports this module, nor the tasks
+configs/grpo.py add it (defaults(), with_group); resolved, such a config is a GrpoTrainConfig
+(`of` gives it to GRPO's code), and config.resolve checks the group (_resolve), because this
+module registers it (config.register). Pretraining never imports this module, nor the tasks
 and data.hub modules its check reads.
 """
+import dataclasses
+
 import ml_collections
 
 from jax_pretrain import config as config_lib
@@ -12,43 +15,54 @@ from jax_pretrain.config import SAFE
 from jax_pretrain.config import STREAM
 from jax_pretrain.config import check
 from jax_pretrain.config import choice
+from jax_pretrain.config import field
 
-F = config_lib.Field
 _UPDATES = ("the checkpoint's train state counts optimizer updates, grpo.num_iterations of them a "
             'step, and its learning-rate schedule is stretched by it')
 
-FIELDS = (
-    F('task', '', STREAM, 'required by grpo: the training task, JSONL of {"prompt", "answer"'
-      '[, "choices"]} or hf:NAME[:CONFIG][@SPLIT] (jax_pretrain/tasks.py; --task)'),
-    F('eval_task', '', SAFE, "held-out task: eval/accuracy at step 0, every train.eval_every "
-      "steps and at the end ('': none; --eval_task)"),
-    F('task_format', 'plain', STREAM, "layout of the task files: 'plain' | 'medqa' | 'gsm8k'"),
-    F('task_fields', '', STREAM, "'FIELD=COLUMN,...': the column each of the format's fields is "
-      "read from (e.g. 'prompt=question,answer=label'; '': their own names)"),
-    F('reward', 'exact', SAFE, "'exact' | 'choice' | 'number' | 'module:function' | "
-      "'path.py:function'"),
-    F('num_samples', 16, STREAM, 'completions sampled per prompt (a group); train.batch_size '
-      'counts completions, so batch_size / num_samples prompts a step'),
-    F('max_new_tokens', 64, SAFE, 'tokens generated per completion at most'),
-    F('rollout_slots', 0, SAFE, "completions decoded at once over all devices (the engine's "
-      "KV-cache rows, split over the devices; rounded up to a multiple of them); 0: all of a "
-      "step's (train.batch_size)"),
-    F('temperature', 1.0, SAFE, 'rollout sampling temperature (TRL: 1.0)'),
-    F('stop', '\\n', SAFE, "a completion ends at this text (backslash escapes read; '': only at "
-      'EOS or max_new_tokens); rewards see the text before it'),
-    F('beta', 0.0, SAFE, 'KL penalty (k3) against the initial model; 0: no reference model is '
-      'held (TRL: 0.0)'),
-    F('scale_rewards', 'group', SAFE, "'group': advantages divided by the group's std (+ 1e-4, "
-      "TRL's) | 'none'"),
-    F('use_bias_correction_kl', True, SAFE, "the k3 KL term times the importance ratio, the "
-      "unbiased reverse-KL gradient (TRL's default and name); False: k3 alone (tunix)"),
-    F('num_iterations', 1, _UPDATES, "optimizer updates per rollout batch (TRL's num_iterations, "
-      'μ): the later ones reuse it with the clipped objective; train.steps, warmup_steps and every '
-      'step cadence count rollout batches'),
-)
+
+@dataclasses.dataclass(frozen=True)
+class GrpoConfig:
+  """The grpo group: the task, its rollouts and the objective."""
+  task: str = field('', STREAM, 'required by grpo: the training task, JSONL of {"prompt", '
+      '"answer"[, "choices"]} or hf:NAME[:CONFIG][@SPLIT] (jax_pretrain/tasks.py; --task)')
+  eval_task: str = field('', SAFE, 'held-out task: eval/accuracy at step 0, every train.eval_every '
+      "steps and at the end ('': none; --eval_task)")
+  task_format: str = field('plain', STREAM, "layout of the task files: 'plain' | 'medqa' | 'gsm8k'")
+  task_fields: str = field('', STREAM, "'FIELD=COLUMN,...': the column each of the format's fields "
+      "is read from (e.g. 'prompt=question,answer=label'; '': their own names)")
+  reward: str = field('exact', SAFE, "'exact' | 'choice' | 'number' | 'module:function' | "
+      "'path.py:function'")
+  num_samples: int = field(16, STREAM, 'completions sampled per prompt (a group); train.batch_size '
+      'counts completions, so batch_size / num_samples prompts a step')
+  max_new_tokens: int = field(64, SAFE, 'tokens generated per completion at most')
+  rollout_slots: int = field(0, SAFE, "completions decoded at once over all devices (the engine's "
+      'KV-cache rows, split over the devices; rounded up to a multiple of them); 0: all of a '
+      "step's (train.batch_size)")
+  temperature: float = field(1.0, SAFE, 'rollout sampling temperature (TRL: 1.0)')
+  stop: str = field('\\n', SAFE, "a completion ends at this text (backslash escapes read; '': only "
+      'at EOS or max_new_tokens); rewards see the text before it')
+  beta: float = field(0.0, SAFE, 'KL penalty (k3) against the initial model; 0: no reference model '
+      'is held (TRL: 0.0)')
+  scale_rewards: str = field('group', SAFE, "'group': advantages divided by the group's std (+ "
+      "1e-4, TRL's) | 'none'")
+  use_bias_correction_kl: bool = field(True, SAFE, 'the k3 KL term times the importance ratio, the '
+      "unbiased reverse-KL gradient (TRL's default and name); False: k3 alone (tunix)")
+  num_iterations: int = field(1, _UPDATES, "optimizer updates per rollout batch (TRL's "
+      'num_iterations, μ): the later ones reuse it with the clipped objective; train.steps, '
+      'warmup_steps and every step cadence count rollout batches')
 
 
-def _resolve(g: ml_collections.ConfigDict) -> None:
+@dataclasses.dataclass(frozen=True)
+class GrpoTrainConfig(config_lib.Config):
+  """A GRPO run's config: the trainer's groups and grpo."""
+  grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
+
+
+FIELDS = config_lib.fields(GrpoConfig)
+
+
+def _resolve(g: GrpoConfig) -> None:
   """The grpo group's values on their own (what they need of a run: program.GRPO.check)."""
   check(g.num_samples >= 2, f'grpo.num_samples={g.num_samples}: a group needs at least 2 '
         'completions (advantages compare them).')
@@ -69,8 +83,7 @@ def _resolve(g: ml_collections.ConfigDict) -> None:
   choice(g, 'grpo', 'task_format', tuple(tasks.FORMATS))
 
 
-GROUP = config_lib.register(config_lib.Group('grpo', FIELDS, _resolve))
-GrpoConfig = config_lib.view_class('grpo', FIELDS, 'The resolved grpo group.')
+GROUP = config_lib.register(config_lib.Group('grpo', GrpoTrainConfig, _resolve))
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -83,10 +96,14 @@ def with_group(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return config_lib.from_dict(c.to_dict(), groups=(GROUP,))
 
 
-def grpo_config(config: ml_collections.ConfigDict) -> GrpoConfig:
-  return GrpoConfig.from_config(config.grpo)
+def of(c: config_lib.Config) -> GrpoTrainConfig:
+  """c as a GRPO run's config (with the grpo group); a ConfigError for a config without it."""
+  if not isinstance(c, GrpoTrainConfig):
+    raise config_lib.ConfigError('GRPO needs a config with the grpo group, e.g. '
+                                 '--config=configs/grpo.py:RUN (or :PRESET).')
+  return c
 
 
-def stop_strings(g) -> tuple[str, ...]:
+def stop_strings(g: GrpoConfig) -> tuple[str, ...]:
   """grpo.stop with its backslash escapes read ('\\n' -> a newline); () for ''."""
   return (config_lib.unescape(g.stop),) if g.stop else ()

@@ -1,6 +1,7 @@
 """GRPO's data: the task's items and reward (read before the config is resolved), and the prompts
 of each step."""
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ class Prompts:
 class TaskSources:
   """What GRPO reads before the config is resolved: the init run's tokenizer, the task's items
   (train and held-out) and the reward."""
-  tokenizer: object
+  tokenizer: Any  # the run's (data.tokenizer's kinds)
   items: list
   eval_items: list
   reward: tasks.Reward
@@ -61,7 +62,7 @@ class TaskSources:
 @dataclasses.dataclass
 class TaskData:
   """GRPO's data: the prompts of each step (`train`), and the rows' width in tokens."""
-  tokenizer: object
+  tokenizer: Any  # the run's (data.tokenizer's kinds)
   train: Prompts
   sources: TaskSources
   width: int  # tokens per row of the update (update_width)

@@ -53,10 +53,10 @@ The EOS that ends a completion is one of its trained tokens, so that a policy le
 """
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import state as state_lib
+from jax_pretrain.grpo import config as grpo_config
 
 ADVANTAGE_EPS = 1e-4  # TRL's (grpo_trainer.py: advantages / (std_rewards + 1e-4)); tunix: 1e-6
 EPSILON = 0.2  # TRL's epsilon (and epsilon_high): the clip range of the importance ratio
@@ -88,6 +88,7 @@ def token_terms(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: ja
   per_token_BxT = -jnp.minimum(unclipped_BxT, clipped_BxT)
   kl_BxT = None
   if beta:
+    assert ref_logp_BxT is not None  # (beta > 0 scores against the reference model)
     delta_BxT = ref_logp_BxT - logp_BxT
     kl_BxT = jnp.exp(delta_BxT) - delta_BxT - 1.0
     if bias_correction_kl:
@@ -143,7 +144,7 @@ def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_k
   return loss_fn
 
 
-def check_batch(c: ml_collections.ConfigDict) -> None:
+def check_batch(c: grpo_config.GrpoTrainConfig) -> None:
   """A step's completions (train.batch_size) make whole groups (grpo.num_samples each)."""
   if c.train.batch_size % c.grpo.num_samples:
     raise config_lib.ConfigError(
@@ -154,25 +155,26 @@ def check_batch(c: ml_collections.ConfigDict) -> None:
 def update_loss_fn(s: state_lib.Setup):
   """The update's loss for the resolved config (make_loss_fn with its beta, temperature and KL
   correction)."""
-  g = s.config.grpo
+  g = grpo_config.of(s.config).grpo
   return make_loss_fn(s.model, g.beta, g.temperature, g.use_bias_correction_kl)
 
 
 def update_batch(s: state_lib.Setup, width: int) -> dict:
   """The update's batch, abstract (ShapeDtypeStructs in the batch sharding): batch_size rows of
   `width` tokens (make_loss_fn says what each array holds)."""
-  B, T = s.config.train.batch_size, width - 1
+  c = grpo_config.of(s.config)
+  B, T = c.train.batch_size, width - 1
   row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=s.batch_sharding)
   batch = {'tokens': row((B, T + 1), jnp.int32), 'mask': row((B, T), jnp.float32),
            'advantages': row((B, T), jnp.float32), 'rollout_logp': row((B, T), jnp.float32)}
-  if s.config.grpo.beta:
+  if c.grpo.beta:
     batch['ref_logp'] = row((B, T), jnp.float32)
-  if s.config.grpo.num_iterations > 1:
+  if c.grpo.num_iterations > 1:
     batch['old_logp'] = row((B, T), jnp.float32)
   return batch
 
 
-def update_width(c: ml_collections.ConfigDict, longest_prompt: int) -> int:
+def update_width(c: grpo_config.GrpoTrainConfig, longest_prompt: int) -> int:
   """Tokens per row of the update: room for the longest prompt + grpo.max_new_tokens, such that
   the model's inputs (all but the last token) are a multiple of 8 long (cuDNN's fused attention
   trains on no odd length), and at most data.seq_len of them."""
@@ -180,13 +182,13 @@ def update_width(c: ml_collections.ConfigDict, longest_prompt: int) -> int:
   return min(inputs, c.data.seq_len) + 1
 
 
-def rollout_slots(c: ml_collections.ConfigDict) -> int:
+def rollout_slots(c: grpo_config.GrpoTrainConfig) -> int:
   """Completions the engine decodes at once over all devices (its KV cache's rows):
   grpo.rollout_slots, or all of a step's."""
   return c.grpo.rollout_slots or c.train.batch_size
 
 
-def engine_context(c: ml_collections.ConfigDict, longest_prompt: int) -> int:
+def engine_context(c: grpo_config.GrpoTrainConfig, longest_prompt: int) -> int:
   """Tokens per row of the engine's cache: the longest prompt + grpo.max_new_tokens (what a
   completion can reach), not data.seq_len."""
   return longest_prompt + c.grpo.max_new_tokens

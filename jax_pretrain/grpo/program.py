@@ -25,7 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from jax_pretrain import checkpoint as checkpoint_lib
@@ -60,7 +59,7 @@ class GRPOLogger(train_lib.StepLogger):
 
   def __init__(self, s, writer, start_step: int):
     super().__init__(s, writer, start_step)
-    self._beta = s.config.grpo.beta
+    self._beta = grpo_config.of(s.config).grpo.beta
     self._last = dict.fromkeys(COUNTERS, 0.0)
 
   def report(self, step: int, m: dict, step_time: float) -> tuple[dict, str]:
@@ -96,8 +95,9 @@ class GRPO(train_lib.Program[TaskSources, TaskData, 'Step']):
   """GRPO on train.py's setup and loop: the task's prompts are the data, the step samples, scores
   and updates (see the module docstring)."""
 
-  def open_sources(self, config: ml_collections.ConfigDict) -> TaskSources:
-    g, run = config.grpo, config.checkpoint.restore_from
+  def open_sources(self, config: config_lib.Config) -> TaskSources:
+    c = grpo_config.of(config)
+    g, run = c.grpo, c.checkpoint.restore_from
     if not run:
       raise UserError('GRPO fine-tunes a trained run: give it with --init=RUN (or '
                       '--config=configs/grpo.py:RUN).')
@@ -110,44 +110,46 @@ class GRPO(train_lib.Program[TaskSources, TaskData, 'Step']):
     return TaskSources(workdir_lib.load_tokenizer(run), load(g.task),
                        load(g.eval_task) if g.eval_task else [], tasks.reward_fn(g.reward))
 
-  def check(self, resolved: ml_collections.ConfigDict, sources: TaskSources) -> None:
-    objective.check_batch(resolved)
+  def check(self, resolved: config_lib.Config, sources: TaskSources) -> None:
+    c = grpo_config.of(resolved)
+    objective.check_batch(c)
     for items in (sources.items, sources.eval_items):
-      tasks.check_lengths(items, sources.encode, resolved.data.seq_len,
-                          resolved.grpo.max_new_tokens)
+      tasks.check_lengths(items, sources.encode, c.data.seq_len, c.grpo.max_new_tokens)
 
-  def updates_per_step(self, resolved: ml_collections.ConfigDict) -> int:
-    return resolved.grpo.num_iterations
+  def updates_per_step(self, resolved: config_lib.Config) -> int:
+    return grpo_config.of(resolved).grpo.num_iterations
 
   def abstract_batch(self, s: state_lib.Setup, sources: TaskSources) -> dict:
     """The update's rows: the longest training prompt + grpo.max_new_tokens."""
-    return objective.update_batch(s, _width(s.config, sources))
+    return objective.update_batch(s, _width(grpo_config.of(s.config), sources))
 
   def loss_fn(self, s: state_lib.Setup):
     return objective.update_loss_fn(s)
 
-  def alongside(self, resolved: ml_collections.ConfigDict, sources: TaskSources,
+  def alongside(self, resolved: config_lib.Config, sources: TaskSources,
                 num_devices: int) -> float:
     """The engine's cache stays allocated beside the update (kept between rollouts)."""
-    return engine_lib.cache_bytes(
-        config_lib.model_config(resolved), objective.rollout_slots(resolved),
-        objective.engine_context(resolved, sources.longest()), num_devices)
+    c = grpo_config.of(resolved)
+    return engine_lib.cache_bytes(c.model, objective.rollout_slots(c),
+                                  objective.engine_context(c, sources.longest()), num_devices)
 
-  def open_data(self, resolved: ml_collections.ConfigDict, sources: TaskSources,
+  def open_data(self, resolved: config_lib.Config, sources: TaskSources,
                 step: int) -> TaskData:
-    prompts = Prompts(sources.items, resolved.train.batch_size // resolved.grpo.num_samples,
-                      resolved.train.seed, step)
-    return TaskData(sources.tokenizer, prompts, sources, _width(resolved, sources),
-                    objective.engine_context(resolved, sources.longest()))
+    c = grpo_config.of(resolved)
+    prompts = Prompts(sources.items, c.train.batch_size // c.grpo.num_samples, c.train.seed,
+                      step)
+    return TaskData(sources.tokenizer, prompts, sources, _width(c, sources),
+                    objective.engine_context(c, sources.longest()))
 
   def make_step(self, s: state_lib.Setup, data: TaskData, update) -> 'Step':
-    c, g = s.config, s.config.grpo
+    c = grpo_config.of(s.config)
+    g = c.grpo
     B = c.train.batch_size
     # The initial model with beta > 0, in the policy's shardings; the scoring pass scores each
     # batch with it once, and with num_iterations > 1 with the params that sampled it (logp_old).
     ref = _reference_params(s, c.checkpoint.restore_from) if g.beta else None
     score = _scorer(s, g.temperature) if g.beta or g.num_iterations > 1 else None
-    eng = engine_lib.Engine(config_lib.model_config(c), None, data.tokenizer,
+    eng = engine_lib.Engine(c.model, None, data.tokenizer,
                             slots=objective.rollout_slots(c), context=data.context,
                             chunk=ROLLOUT_CHUNK, mesh=s.mesh)
     multihost.log(
@@ -174,7 +176,7 @@ class GRPO(train_lib.Program[TaskSources, TaskData, 'Step']):
     return hooks + train_lib.checkpoint_hooks(ctx)
 
 
-def _width(c: ml_collections.ConfigDict, sources: TaskSources) -> int:
+def _width(c: grpo_config.GrpoTrainConfig, sources: TaskSources) -> int:
   """Tokens per row of the update (objective.update_width of the longest training prompt)."""
   return objective.update_width(c, sources.longest(eval_items=False))
 
@@ -224,7 +226,7 @@ class Step:
   def __init__(self, s: state_lib.Setup, data: TaskData, update, eng, ref, score):
     self.s, self.data, self.update, self.engine = s, data, update, eng
     self.ref, self.score = ref, score  # (the reference params or None; _scorer's or None)
-    self.g = grpo_config.grpo_config(s.config)
+    self.g = grpo_config.of(s.config).grpo
     self.stop = grpo_config.stop_strings(self.g)
     # This process's totals; GRPOLogger reports their growth between logged steps.
     self.counters = dict.fromkeys(COUNTERS, 0.0)
@@ -277,7 +279,7 @@ def task_eval_hooks(ctx: train_lib.Context[TaskData, 'Step'], eng) -> list[loop_
   """eval/accuracy (greedy, the task's reward) on the held-out task: before the first step of a
   new run (logged as step 0), every train.eval_every steps and at the end."""
   from jax_pretrain import evaluate  # noqa: PLC0415  (evaluate's task accuracy, the one way)
-  g, sources = ctx.config.grpo, ctx.data.sources
+  g, sources = grpo_config.of(ctx.config).grpo, ctx.data.sources
 
   def accuracy(step: int, params) -> dict:
     t0 = time.perf_counter()

@@ -31,17 +31,38 @@ AUTO = 'auto'
 PRE_AMPERE = ('V100', 'P100', 'T4', 'TITAN V', 'Quadro', 'RTX 20')
 
 
-def choose(backend: str, device_kind: str, compute_capability: str | None, dtype: str,
+def compute_capability(device) -> tuple[int, int] | None:
+  """The (major, minor) compute capability an NVIDIA device states (jax's
+  Device.compute_capability, e.g. '9.0'), parsed here only; None where it states none (a
+  compile-only device, another backend, no device)."""
+  stated = getattr(device, 'compute_capability', None)
+  if stated is None:
+    return None
+  major, minor = str(stated).split('.')[:2]
+  return int(major), int(minor)
+
+
+def capability_text(capability: tuple[int, int] | None) -> str:
+  """'9.0', as jax states it; 'unknown' for None."""
+  return 'unknown' if capability is None else '.'.join(map(str, capability))
+
+
+def is_ampere_or_newer(device_kind: str, capability: tuple[int, int] | None) -> bool:
+  """An NVIDIA GPU of compute capability >= 8.0 (bfloat16, cuDNN's fused attention); one that
+  states no capability (compile-only) is judged by its name."""
+  if capability is not None:
+    return capability >= (8, 0)
+  return not any(name in device_kind for name in PRE_AMPERE)
+
+
+def choose(backend: str, device_kind: str, capability: tuple[int, int] | None, dtype: str,
            head_dim: int) -> tuple[str, str]:
-  """What model.attention='auto' means on this device: (implementation, the reason, to print)."""
+  """What model.attention='auto' means on this device: (implementation, the reason, to print).
+  capability: compute_capability(device)."""
   nvidia = device_kind.startswith(('NVIDIA', 'Tesla', 'Quadro'))
   if backend != 'gpu' or not nvidia:
     return 'xla', f'no NVIDIA GPU ({device_kind or backend})'
-  if compute_capability is not None:
-    ampere = tuple(int(x) for x in compute_capability.split('.')[:2]) >= (8, 0)
-  else:
-    ampere = not any(name in device_kind for name in PRE_AMPERE)
-  if not ampere:
+  if not is_ampere_or_newer(device_kind, capability):
     return 'xla', f'{device_kind} predates Ampere; cuDNN fused attention needs sm_80+'
   if dtype not in ('bfloat16', 'float16'):
     return 'xla', f'cuDNN fused attention needs bf16 or fp16, model.dtype is {dtype}'
@@ -113,16 +134,17 @@ def _sharded(attend, mesh: Mesh | None, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *mask_B
   # Inside the train step's shard_map over 'data', the kernel is mapped over the other axes too,
   # even of size 1: cuDNN's custom partitioning fails in a partly manual region.
   manual = sharding.manual_axes()
+  where: Mesh | jax.sharding.AbstractMesh | None = mesh
   if manual:
-    mesh = jax.sharding.get_abstract_mesh()
-    local = manual >= set(mesh.axis_names)  # the engine's shard_map: whole rows and heads here
+    where = jax.sharding.get_abstract_mesh()
+    local = manual >= set(where.axis_names)  # the engine's shard_map: whole rows and heads here
   else:
-    local = mesh is None or mesh.size == 1
-  if local:
+    local = where is None or where.size == 1
+  if local or where is None:
     return attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *mask_Bx1xTxT)
   q_spec = sharding.logical_to_spec(('batch', 'length', 'act_heads', None))
   kv_spec = sharding.logical_to_spec(('batch', 'length', 'act_kv_heads', None))
   mask_specs = (sharding.logical_to_spec(('batch', None, None, None)),) * len(mask_Bx1xTxT)
-  return jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + mask_specs,
-                       out_specs=q_spec, axis_names=set(mesh.axis_names) - manual,
+  return jax.shard_map(attend, mesh=where, in_specs=(q_spec, kv_spec, kv_spec) + mask_specs,
+                       out_specs=q_spec, axis_names=set(where.axis_names) - manual,
                        check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *mask_Bx1xTxT)
