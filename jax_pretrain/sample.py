@@ -104,7 +104,9 @@ def main():
 
 
 if __name__ == '__main__':
-  # Flags only when run as a program: pretrain.py imports this module for its end-of-run sample.
+  # Flags only when run as a program: other modules import this one (pretrain.py for its end-of-run
+  # sample; lm_eval, serve, evaluate --task, grpo), and lm_eval and evaluate define flags of the
+  # same names (--seed, --max_new_tokens).
   cli.define_run_flags()
   flags.DEFINE_multi_string('prompt', [], 'Prompt; repeat the flag for a batch of prompts (none: '
                             'one empty prompt, i.e. the start of a document).')

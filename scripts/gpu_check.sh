@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything a session with an H100 must measure, in one command (about 13 minutes on one H100),
-# printed as Markdown ready for BENCHMARKS.md:
+# Everything a session with an H100 must measure, in one command (about 7 minutes on one H100:
+# 27 + 98 + 68 + 228 s, measured 2026-11-25), printed as Markdown ready for BENCHMARKS.md:
 #   1. attention (scripts/benchmark_attention.py, B8 T2048 16 heads × 128, bf16, causal): cuDNN and
 #      our Pallas kernel against XLA on the GPU (relative error of the output and of the three
 #      gradients), and forward / backward / forward+backward TFLOP/s of all three;

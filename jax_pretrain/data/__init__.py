@@ -5,9 +5,9 @@
 
 `open_batches` returns a `Data` with
   tokenizer      encode/decode, vocab_size, bos_id, eos_id, pad_id
-  train          an endless iterator of {'tokens': int32 [local_batch, seq_len + 1]} with
-                 starting at a given global batch, so a resumed run draws exactly what an
-                 uninterrupted one would
+  train          an endless iterator of {'tokens': int32 [local_batch, seq_len + 1]} (SFT rows
+                 also 'weights' and 'segments') starting at a given global batch, so a resumed
+                 run draws exactly what an uninterrupted one would
   eval_batches() a fresh pass over the fixed held-out set, the same batches every call; rows past
                  the end of the data are filled with pad_id (the loss ignores them)
 Each process gets only its own rows: local_batch = batch_size // process_count.
@@ -20,8 +20,10 @@ Sources (config.data.train / .val, see docs/data.md): prepared directories (scri
 recommended for real runs), token files (.npy/.bin), raw text (.jsonl/.txt, also gzip or zstd
 compressed, .parquet, tfds:NAME, hf:NAME, hf:// Parquet, embedded) tokenized here on the fly, and
 synthetic random tokens. Modules: loader (this API), sources (source lists and their kinds),
-formats (file formats), hub (Hugging Face datasets), tokenizer, tokens (token files and streams),
-prepare (text -> token files), pipeline (grain), corpus (the embedded text).
+formats (file formats), hub (Hugging Face datasets), tokenizer, tokenizer_json (a tokenizer as
+Hugging Face's tokenizer.json), tokens (token files and streams), prepare (text -> token files),
+sft (fine-tuning examples, packed), pipeline (grain), prefetch (Prefetcher), corpus (the
+embedded text), errors (DataError).
 """
 from jax_pretrain.data.errors import DataError
 from jax_pretrain.data.loader import Data

@@ -99,8 +99,10 @@ def train_dataset(sources: list, weights: list[float], batch_size: int, seed: in
 class LockedIterator:
   """A grain iterator whose next/get_state/set_state are serialized by one lock.
 
-  The trainer draws batches in a background thread and may read the state from another; grain's
-  multiprocess iterator is not thread-safe (concurrent calls reorder batches).
+  The trainer draws batches in a background thread (data.Prefetcher) and closes the iterator from
+  the main one; it never reads or sets the iterator's state (the data position is the step:
+  start_batch). grain's multiprocess iterator is not thread-safe (concurrent calls reorder
+  batches).
   """
 
   def __init__(self, it: grain.DatasetIterator):

@@ -3,8 +3,8 @@
 The trainer's config (config.defaults()) has no grpo group: `python -m jax_pretrain.grpo` and
 configs/grpo.py add it (defaults(), with_group); resolved, such a config is a GrpoTrainConfig
 (`of` gives it to GRPO's code), and config.resolve checks the group (_resolve), because this
-module registers it (config.register). Pretraining never imports this module, nor the tasks
-and data.hub modules its check reads.
+module registers it (config.register). Resolving a pretraining config imports neither this
+module nor the tasks and data.hub modules its check reads (tests/test_architecture.py).
 """
 import dataclasses
 

@@ -4,9 +4,11 @@
 'cudnn'  jax.nn.dot_product_attention(implementation='cudnn'), the fused cuDNN kernel (GPU only).
 'pallas' our own flash-attention kernel (jax_pretrain/kernels/flash_attention.py).
 'auto'   (the default) resolved once, at start-up, by `choose`: cuDNN on an NVIDIA GPU where it
-         supports the dtype and head_dim, else XLA. On an H100 at the xlarge shape cuDNN ran
-         430 / 333 TFLOP/s forward / forward+backward against XLA's 39 / 55, and training ran
-         ~45k against ~23k tokens/s.
+         supports the dtype and head_dim, else XLA. On one H100 (scripts/gpu_check.sh,
+         BENCHMARKS.md: B8 T2048 16 heads × 128) cuDNN ran 250 / 291 TFLOP/s forward /
+         forward+backward against XLA's 35 / 51, and xlarge trained at 45,182 against 22,423
+         tokens/s (the project brief, measured by others at the xlarge shape: 430 / 333 against
+         39 / 55 TFLOP/s, ~45k against ~23k tokens/s).
 
 The fused kernels are custom calls that GSPMD cannot split, so on a mesh they run under shard_map:
 each device attends over its own batch rows and heads, which needs no communication.
