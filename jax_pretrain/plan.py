@@ -1,8 +1,8 @@
 """Compiles the real train step for a GPU this machine does not have, and says what it would do.
 
   python -m jax_pretrain.plan --config=configs/xlarge.py [--config.x=y ...] \\
-      --target=h100|a100-80|a100-40|cpu [--num_devices=8] [--json] \\
-      [--grpo [--grpo_prompt_tokens=N]]
+      --target=h100|a100-80|a100-40|v100|rtx-a6000|cpu [--num_devices=8] [--json] \\
+      [--memory_gib=24] [--grpo [--grpo_prompt_tokens=N]]
 
 For a GPU target, XLA's GPU compiler (in jax's CUDA plugin: pip install -r requirements-gpu.txt;
 no GPU needed) compiles the trainer's own step (memory.compile_step: state.build,

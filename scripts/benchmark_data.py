@@ -7,7 +7,9 @@
 
 Without --data it writes a 3-source mixture of random token files (--tokens in all) to a temporary
 directory, so the numbers measure the pipeline (memory-mapped reads, shuffling, mixing, batching),
-not the disk. Batches are drawn exactly as the trainer draws them: next(it) then it.get_state().
+not the disk. Batches are drawn with next(it), as the trainer draws them, each followed by
+it.get_state() (which the trainer no longer calls: the data position is the step), so the figure
+errs on the slow side.
 """
 import argparse
 import json
