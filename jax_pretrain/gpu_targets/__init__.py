@@ -8,7 +8,7 @@ Their device memory and HBM bandwidth feed the plan.
 
 The roofline's speeds are not in those files. Where each number comes from:
   h100      bf16 matmul 794 TFLOP/s and cuDNN attention 430 forward / 333 forward+backward TFLOP/s:
-            given in the project brief (measured by others on one H100 SXM, plain JAX at the
+            given in the project brief (measured on one H100 SXM, plain JAX at the
             xlarge shape; this project's own H100 measurements: BENCHMARKS.md); peak
             989 TFLOP/s dense bf16 (NVIDIA H100 SXM datasheet, for MFU). NVLink 4: 900 GB/s per
             GPU both ways together, 450 GB/s each way; network: one 400 Gb/s NIC per GPU (DGX H100,

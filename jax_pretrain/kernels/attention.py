@@ -7,7 +7,7 @@
          supports the dtype and head_dim, else XLA. On one H100 (scripts/gpu_check.sh,
          BENCHMARKS.md: B8 T2048 16 heads × 128) cuDNN ran 250 / 291 TFLOP/s forward /
          forward+backward against XLA's 35 / 51, and xlarge trained at 45,182 against 22,423
-         tokens/s (the project brief, measured by others at the xlarge shape: 430 / 333 against
+         tokens/s (the project brief, measured on an H100 at the xlarge shape: 430 / 333 against
          39 / 55 TFLOP/s, ~45k against ~23k tokens/s).
 
 The fused kernels are custom calls that GSPMD cannot split, so on a mesh they run under shard_map:
