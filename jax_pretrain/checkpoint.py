@@ -144,8 +144,11 @@ _TENSORSTORE_TRANSIENT = re.compile(r'^(UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED): 
 def _read_error(error: BaseException) -> BaseException:
   """The error under orbax's wrapper of a failed array read (a bare Exception, 'Encountered error
   while reading array index: ...', raised from tensorstore's)."""
-  while type(error) is Exception and (error.__cause__ or error.__context__) is not None:
-    error = error.__cause__ or error.__context__
+  while type(error) is Exception:
+    inner = error.__cause__ or error.__context__
+    if inner is None:
+      break
+    error = inner
   return error
 
 
@@ -428,10 +431,10 @@ class Checkpointer:
       except Exception as e:  # noqa: BLE001  (sorted by _kind; the rest stops the run below)
         error, kind = e, _kind(e)
       kind = _KINDS[-int(multihost.minimum(-_KINDS.index(kind)))]
-      if error is None and kind != _OK:
-        error = RuntimeError('failed on another process (see its log)')
       if kind == _OK:
         return result, None
+      if error is None:
+        error = RuntimeError('failed on another process (see its log)')
       if kind == _DAMAGED:
         return None, error
       if kind == _TRANSIENT and tries <= len(RETRY_DELAYS):

@@ -185,8 +185,8 @@ def filter_logits(logits_BxV: jax.Array, temperature, top_k, top_p, cuts: bool =
     return jnp.maximum(kth_Bx1, jnp.take_along_axis(sorted_BxV, n_kept_Bx1 - 1, axis=-1))
 
   # The sort is the costly part of a decoding step on the CPU: skipped when nothing is cut.
-  cuts = jnp.any((top_k_Bx1 > 0) & (top_k_Bx1 < V)) | jnp.any(top_p_Bx1 < 1.0)
-  threshold_Bx1 = jax.lax.cond(cuts, threshold,
+  any_cut = jnp.any((top_k_Bx1 > 0) & (top_k_Bx1 < V)) | jnp.any(top_p_Bx1 < 1.0)
+  threshold_Bx1 = jax.lax.cond(any_cut, threshold,
                                lambda: jnp.full((logits_BxV.shape[0], 1), -jnp.inf))
   return jnp.where(logits_BxV < threshold_Bx1, -jnp.inf, logits_BxV)
 
@@ -492,7 +492,7 @@ class Engine:
     busy = [g for g, seq in enumerate(self._busy) if seq is not None]
     if not busy:
       return bool(self._waiting)
-    seqs = [self._busy[g] for g in busy]
+    seqs = [self._held(g) for g in busy]
     steps = max(min(self.chunk, seq.max_new_tokens - len(seq.tokens)) for seq in seqs)
     rows = bucket(max(g % self.local_slots for g in busy) + 1, self.local_slots)
     live = live_bucket(max(len(s.prompt) + len(s.tokens) for s in seqs) + steps, self.context)
@@ -511,6 +511,12 @@ class Engine:
     """token_logprobs with the engine's params (on its devices)."""
     return token_logprobs(self.model, self.params, multihost.global_array(np.asarray(tokens_BxT1),
                                                         self._replicated), top_n=top_n)
+
+  def _held(self, g: int) -> Sequence:
+    """The sequence in slot g, which the caller knows is busy."""
+    seq = self._busy[g]
+    assert seq is not None, f'slot {g} is free'
+    return seq
 
   def _row(self, g: int, rows: int) -> int:
     """The row of slot g in a decode call of each device's first `rows` slots."""
@@ -534,7 +540,7 @@ class Engine:
             admitted.append(g)
     by_length = collections.defaultdict(list)
     for g in admitted:
-      by_length[bucket(len(self._busy[g].prompt), self.context, MIN_BUCKET)].append(g)
+      by_length[bucket(len(self._held(g).prompt), self.context, MIN_BUCKET)].append(g)
     for P_, slots in sorted(by_length.items()):
       per_device = [[g for g in slots if g // self.local_slots == d] for d in range(self.devices)]
       most = self._most_rows(P_)
@@ -563,9 +569,8 @@ class Engine:
     """The cache and last logits as _state places them, abstract (ShapeDtypeStructs with their
     sharding): nothing is allocated."""
     c = self.model.config
-    shape = (self.slots, self.context, c.num_kv_heads, c.head_dim)
-    layer = jax.ShapeDtypeStruct(shape, c.compute_dtype, sharding=self._rows)
-    return (model_lib.KVCache((layer,) * c.num_layers, (layer,) * c.num_layers),
+    cache = jax.eval_shape(lambda: model_lib.KVCache.zeros(c, self.slots, self.context))
+    return (self._abstract(cache, self._rows),
             jax.ShapeDtypeStruct((self.slots, c.vocab_size), jnp.float32, sharding=self._rows))
 
   def largest_prefill(self, prompt_tokens: int) -> tuple[int, int]:
@@ -606,7 +611,7 @@ class Engine:
     slots_N = np.full(self.devices * N, self.local_slots, np.int32)
     for d, slots in enumerate(group):
       for r, g in enumerate(slots):
-        prompt, q = self._busy[g].prompt, d * N + r
+        prompt, q = self._held(g).prompt, d * N + r
         prompts_NxP[q, :len(prompt)], lengths_N[q], slots_N[q] = prompt, len(prompt), g % (
             self.local_slots)
     return prompts_NxP, lengths_N, slots_N
@@ -625,7 +630,7 @@ class Engine:
     seeds, temperature, top_p = (np.zeros(n, np.uint32), np.zeros(n, np.float32),
                                  np.ones(n, np.float32))
     for g in busy:
-      seq, q = self._busy[g], self._row(g, rows)
+      seq, q = self._held(g), self._row(g, rows)
       positions[q] = len(seq.prompt) + len(seq.tokens)
       seeds[q], streams[q], counts[q] = seq.seed % 2**32, seq.stream, len(seq.tokens)
       temperature[q], top_k[q], top_p[q] = seq.temperature, seq.top_k, seq.top_p
@@ -715,7 +720,7 @@ def _mesh_of(params) -> Mesh:
   """The devices the params are on, as a mesh (a named sharding's own; else one device)."""
   leaves = jax.tree.leaves(params)
   where = getattr(leaves[0], 'sharding', None) if leaves else None
-  if isinstance(where, NamedSharding):
+  if isinstance(where, NamedSharding) and isinstance(where.mesh, Mesh):  # (placed: not abstract)
     return where.mesh
   device = next(iter(where.device_set)) if where is not None else jax.devices()[0]
   return Mesh(np.array([device]), ('slots',))

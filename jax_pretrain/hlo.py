@@ -90,7 +90,9 @@ def _parse_instruction(line: str) -> Instruction | None:
 
 def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
   """{computation name: its instructions}, and the entry computation's name."""
-  computations, entry, current = {}, None, None
+  computations: dict[str, list[Instruction]] = {}
+  entry: str | None = None
+  current: list[Instruction] | None = None
   for line in text.splitlines():
     if current is None:
       m = _COMPUTATION.match(line)
@@ -125,6 +127,15 @@ def shape_dims(shape: str) -> list[int]:
   return [int(d) for d in m.group(2).split(',') if d] if m else []
 
 
+def _attr(pattern: str, instruction: Instruction) -> str:
+  """The first group of pattern in an attribute that every instruction of its kind has (a
+  compare's direction, a custom call's target)."""
+  m = re.search(pattern, instruction.attrs)
+  if m is None:
+    raise ValueError(f'{instruction.name}: no {pattern!r} in {instruction.attrs!r}')
+  return m.group(1)
+
+
 def trip_count(instruction: Instruction, computations, by_name) -> int | None:
   """A while loop's trip count: XLA's known_trip_count; else, for a loop XLA rotated or peeled
   (the collective pipeliner does), the one integer constant its condition compares the induction
@@ -132,14 +143,14 @@ def trip_count(instruction: Instruction, computations, by_name) -> int | None:
   m = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction.attrs)
   if m:
     return int(m.group(1))
-  compares = []
+  compares: list[int | str] = []  # the condition's s32 constants and compare directions
 
   def scan(name):
     for i in computations.get(name, []):
       if i.opcode == 'constant' and i.shape.startswith('s32[]'):
         compares.append(int(i.args))
       elif i.opcode == 'compare':
-        compares.append(re.search(r'direction=(\w+)', i.attrs).group(1))
+        compares.append(_attr(r'direction=(\w+)', i))
       for c in i.called('calls'):
         scan(c)
   for cond in instruction.called('condition'):
@@ -221,7 +232,9 @@ class Stats:
   kernels: list[Kernel] = dataclasses.field(default_factory=list)
   collectives: dict[str, Collective] = dataclasses.field(
       default_factory=lambda: {k: Collective(k) for k in COLLECTIVES})
-  uncounted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  # {custom-call target: times run}
+  uncounted: collections.defaultdict[str, float] = dataclasses.field(
+      default_factory=lambda: collections.defaultdict(float))
   unknown_trip_counts: int = 0
 
 
@@ -259,12 +272,12 @@ def _attention_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
 
 
 def _is_backward(instruction: Instruction) -> bool:
-  return 'Backward' in re.search(r'custom_call_target="([^"]*)"', instruction.attrs).group(1)
+  return 'Backward' in _attr(r'custom_call_target="([^"]*)"', instruction)
 
 
 def _custom_call_cost(instruction: Instruction, shapes) -> tuple[str, float] | None:
-  target = re.search(r'custom_call_target="([^"]*)"', instruction.attrs)
-  target = target.group(1) if target else ''
+  m = re.search(r'custom_call_target="([^"]*)"', instruction.attrs)
+  target = m.group(1) if m else ''
   if target.startswith('__cublas'):
     return 'matmul', _gemm_flops(instruction, shapes)
   if target.startswith('__cudnn$fmha'):

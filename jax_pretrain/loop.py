@@ -254,7 +254,10 @@ class Profiler:
       self.active = True
 
   def stop(self, info: StepInfo) -> None:
-    if self.active and (info.step >= self.steps[1] or info.last):
+    if not self.active:
+      return
+    assert self.steps is not None  # start() activates only with steps
+    if info.step >= self.steps[1] or info.last:
       jax.block_until_ready(info.state)
       jax.profiler.stop_trace()
       self.active = False

@@ -269,11 +269,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def _from_lost_peer(error: BaseException) -> bool:
   """Whether an error may come from a peer that went away (a failed collective)."""
   seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if _PEER_ERROR.search(f'{type(error).__name__}: {error}'):
+  e: BaseException | None = error
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if _PEER_ERROR.search(f'{type(e).__name__}: {e}'):
       return True
-    error = error.__cause__ or error.__context__
+    e = e.__cause__ or e.__context__
   return False
 
 

@@ -46,7 +46,7 @@ import secrets
 import sys
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 import uuid
 
 from absl import logging
@@ -64,11 +64,16 @@ from jax_pretrain import sample as sample_lib
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.errors import UserError
 
+if TYPE_CHECKING:
+  from typing_extensions import TypeIs  # typing's from Python 3.13
+
 MAX_STOP = 4  # stop strings per request, as OpenAI
 MAX_N = 128  # choices per request
 MAX_SEQUENCES = 256  # prompts × n per request (--max_sequences_per_request)
 API_KEY_ENV = 'JAX_PRETRAIN_API_KEY'  # the key when --api_key is not given
 POLL_S = 1.0  # a request waiting on the engine looks at its sequences this often, update or not
+# A prompt's logprob of each token after the first, and [(id, logprob) of its top alternatives].
+PromptLogprobs = tuple[list[float], list[list[tuple[int, float]]]]
 INTERNAL = 'The server had an error while processing your request (it is in the server\'s log).'
 
 
@@ -94,6 +99,12 @@ class CompletionRequest(pydantic.BaseModel):
   best_of: int | None = None
   suffix: str | None = None
   user: str | None = None
+
+
+def _is_ids(prompt: list[str] | list[int] | list[list[int]]) -> 'TypeIs[list[int]]':
+  """Whether a list prompt is one prompt of token ids (strict validation made its items all of one
+  type: the first says which)."""
+  return bool(prompt) and isinstance(prompt[0], int)
 
 
 class APIError(Exception):
@@ -173,9 +184,13 @@ class Server:
 
   def prompts(self, r: CompletionRequest) -> list[tuple[str, list[int]]]:
     """(text, token ids) of each prompt of the request."""
-    p = r.prompt
-    if isinstance(p, str) or (p and isinstance(p[0], int)):
-      p = [p]
+    p: list[str] | list[list[int]]
+    if isinstance(r.prompt, str):
+      p = [r.prompt]
+    elif _is_ids(r.prompt):
+      p = [r.prompt]
+    else:
+      p = r.prompt
     if not p:
       raise APIError('prompt must not be empty', 'prompt')
     if len(p) * r.n > self.max_sequences:  # before encoding any of them
@@ -244,7 +259,7 @@ class Server:
         ids, max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=seed,
         stream=j, stop=_stops(r), alternatives=r.logprobs is not None, on_update=on_update)
         for _, ids in prompts for j in range(r.n)]
-    prompt_logprobs = [None] * len(prompts)
+    prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
     if r.echo and r.logprobs is not None:
       prompt_logprobs = [await asyncio.to_thread(self._prompt_logprobs, ids) for _, ids in prompts]
     choices = [_Choice(i, prompts[i // r.n], prompt_logprobs[i // r.n], r)
@@ -307,7 +322,7 @@ class Server:
     finally:
       _cancel(sequences)
 
-  def _prompt_logprobs(self, ids: list[int]):
+  def _prompt_logprobs(self, ids: list[int]) -> PromptLogprobs:
     """(logprob, top alternatives) of each prompt token after the first, by one scoring pass."""
     T = engine_lib.bucket(len(ids), self.engine.context, engine_lib.MIN_BUCKET)
     tokens_1xT1 = np.full((1, T + 1), self.tokenizer.pad_id, np.int32)
@@ -362,7 +377,8 @@ class _Choice:
     if self.logprobs is None:
       return None
     ids, logprobs, tops = seq.tokens, seq.logprobs, seq.top_logprobs
-    out = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
+    out: dict[str, list] = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [],
+                            'text_offset': []}
 
     def add(token, logprob, top, offset):
       out['tokens'].append(tokenizer.decode([token]))

@@ -90,7 +90,7 @@ def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> t
     raise ValueError(f'mesh: {named} uses {math.prod(sizes)} devices but {num_devices} are '
                      f'present; set the sizes so their product is {num_devices} '
                      '(or set one axis to -1).')
-  return tuple(sizes)
+  return sizes[0], sizes[1], sizes[2]
 
 
 def make_mesh(shape: tuple[int, int, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -15,6 +15,7 @@ Rewards are registered by name (`REWARDS`: exact, choice, number) or given as a 
 a task or a reward is a TaskError naming the file and line (FILE:LINE), the dataset and row
 (hf:NAME@SPLIT:ROW, rows counted from 1), or the function.
 """
+from collections.abc import Sequence
 import dataclasses
 import importlib
 import importlib.util
@@ -133,6 +134,8 @@ def reward_fn(spec: str) -> Reward:
       if not os.path.isfile(where):
         raise FileNotFoundError(f'no such file {where}')
       module_spec = importlib.util.spec_from_file_location('_jax_pretrain_reward', where)
+      if module_spec is None or module_spec.loader is None:
+        raise ImportError(f'no loader for {where}')
       module = importlib.util.module_from_spec(module_spec)
       module_spec.loader.exec_module(module)
     else:
@@ -174,6 +177,7 @@ def _medqa(record: dict) -> tuple[str, str, tuple[str, ...]]:
   """MedQA-USMLE 4 options (as lm-eval's medqa_4options): question, options A-D, answer letter
   (or the answer's text)."""
   options = record['options']
+  letters: Sequence[str]
   if isinstance(options, dict):
     letters = sorted(options)
     choices = tuple(str(options[k]) for k in letters)

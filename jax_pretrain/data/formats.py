@@ -139,7 +139,7 @@ class Jsonl(TextFormat):
 
   @classmethod
   def work_items(cls, path: str, field: str) -> list[WorkItem]:
-    items = []
+    items: list[WorkItem] = []
     with open(path, 'rb') as f:
       start, line = 0, 1
       while True:
@@ -176,7 +176,7 @@ def _jsonl_records(lines, item: WorkItem) -> Iterator[Record]:
 
 def _json_text(raw: bytes, field: str) -> tuple[str | None, str | None]:
   line, error = decode_utf8(raw)
-  if error:
+  if line is None:
     return None, error
   try:
     obj = json.loads(line)

@@ -40,6 +40,7 @@ class Windows:
     start = int(i) * self.seq_len
     window_T1 = self.stream.read(start, min(start + self.seq_len + 1, len(self.stream)))
     if len(window_T1) < self.seq_len + 1:
+      assert self.pad_id is not None  # without a pad id the last window is whole (__init__)
       window_T1 = np.pad(window_T1, (0, self.seq_len + 1 - len(window_T1)),
                          constant_values=self.pad_id)
     return window_T1

@@ -121,12 +121,13 @@ def template_directories(tokenizer_setting: str, tokenizer) -> list[str]:
   return out
 
 
-def _string(obj: dict, key: str) -> tuple[str | None, str | None]:
+def _string_error(obj: dict, key: str) -> str | None:
+  """What is wrong with obj[key] as a string; None: nothing."""
   if key not in obj:
-    return None, f'no "{key}" field'
+    return f'no "{key}" field'
   if not isinstance(obj[key], str):
-    return None, f'"{key}" is {type(obj[key]).__name__}, not a string'
-  return obj[key], None
+    return f'"{key}" is {type(obj[key]).__name__}, not a string'
+  return None
 
 
 def example_pieces(line: str, template: ChatTemplate | None,
@@ -154,13 +155,15 @@ def example_pieces(line: str, template: ChatTemplate | None,
               for text, is_completion in template.pieces(messages)], None
     except ValueError as e:
       return None, str(e)
-  prompt, error = _string(obj, 'prompt')
+  error = _string_error(obj, 'prompt')
   if error:
     return None, error + (' (an SFT example is {"prompt", "completion"} or {"messages"})'
                           if 'completion' not in obj else '')
-  completion, error = _string(obj, 'completion')
+  error = _string_error(obj, 'completion')
   if error:
     return None, error
+  prompt: str = obj['prompt']
+  completion: str = obj['completion']
   if not completion:
     return None, '"completion" is empty'
   return [(prompt, False, True), (completion, True, False)], None
@@ -210,7 +213,7 @@ def read_examples(source: sources_lib.Source, tokenizer, options: sources_lib.Re
     raise DataError(f"{source.text}: data.format='sft' reads JSONL files (.jsonl, .jsonl.gz, "
                     '.jsonl.zst) of {"prompt", "completion"} or {"messages"} examples.')
   ids, targets, skipped, records = [], [], 0, 0
-  for path, fmt in source.files:
+  for path, fmt in source.text_files:
     if os.path.getsize(path) == 0:
       raise DataError(f'{path}: empty file.')
     for item in fmt.work_items(path, formats.WHOLE_LINE):
@@ -219,6 +222,7 @@ def read_examples(source: sources_lib.Source, tokenizer, options: sources_lib.Re
         where = formats.location(item, n)
         pieces = None
         if error is None:
+          assert line is not None  # a record has its text or its error (formats.Record)
           pieces, error = example_pieces(line, template, where)
         if pieces is not None:
           x, t = encode_pieces(pieces, tokenizer)

@@ -64,10 +64,14 @@ class TokenizerRecord:
 
 class Source:
   """One entry of a source list. Subclasses are the kinds; see the module docstring."""
-  is_text = False  # can be planned into work items and read as text
 
   def __init__(self, text: str, weight: float = 1.0, field: str = ''):
     self.text, self.weight, self.field = text, weight, field  # text: as written, sans weight
+
+  @property
+  def is_text(self) -> bool:
+    """Whether it can be planned into work items and read as text."""
+    return False
 
   @staticmethod
   def claims(body: str) -> bool:
@@ -93,24 +97,32 @@ class Source:
 
 class TextSource(Source):
   """A source of documents' text, tokenized on the fly for training (or by prepare_data.py)."""
-  is_text = True
+
+  @property
+  def is_text(self) -> bool:
+    return True
 
   def components(self, split: str, tokenizer, options: ReadOptions) -> list[Component]:
-    stats, parts = FileStats(), []
-    for item in self.work_items(options):
-      encoded = encode(item, tokenizer, options.on_bad_record)
-      stats.add(encoded)
-      parts.append(encoded.tokens.astype(tokens_lib.token_dtype(tokenizer.vocab_size)))
-    stats.check()
-    for line in stats.skip_report():
-      logging.warning('%s', line)
-    total = stats.total()
-    if total.tokens > _ON_THE_FLY_WARNING_TOKENS:
-      logging.warning('%s: tokenized %d tokens on the fly; prepare large data once with '
-                      'scripts/prepare_data.py instead.', self.text, total.tokens)
-    logging.info('%s: %d documents, %d tokens', self.text, total.documents, total.tokens)
-    return [Component(self.text, self.weight, tokens_lib.TokenStream([np.concatenate(parts)],
-                                                                     self.text))]
+    return _text_components(self, tokenizer, options)
+
+
+def _text_components(source: Source, tokenizer, options: ReadOptions) -> list[Component]:
+  """A text source's one component: its work items' text, tokenized here."""
+  stats, parts = FileStats(), []
+  for item in source.work_items(options):
+    encoded = encode(item, tokenizer, options.on_bad_record)
+    stats.add(encoded)
+    parts.append(encoded.tokens.astype(tokens_lib.token_dtype(tokenizer.vocab_size)))
+  stats.check()
+  for line in stats.skip_report():
+    logging.warning('%s', line)
+  total = stats.total()
+  if total.tokens > _ON_THE_FLY_WARNING_TOKENS:
+    logging.warning('%s: tokenized %d tokens on the fly; prepare large data once with '
+                    'scripts/prepare_data.py instead.', source.text, total.tokens)
+  logging.info('%s: %d documents, %d tokens', source.text, total.documents, total.tokens)
+  return [Component(source.text, source.weight, tokens_lib.TokenStream([np.concatenate(parts)],
+                                                                       source.text))]
 
 
 KINDS: list[type[Source]] = []  # tried in order; Files takes whatever none of them claims
@@ -318,6 +330,11 @@ class Files(Source):
   def is_text(self) -> bool:
     return issubclass(self.files[0][1], formats.TextFormat)
 
+  @property
+  def text_files(self) -> list[tuple[str, type[formats.TextFormat]]]:
+    """files, when they are text (is_text); else []."""
+    return [(path, fmt) for path, fmt in self.files if issubclass(fmt, formats.TextFormat)]
+
   def tokenizer_records(self) -> list[TokenizerRecord]:
     if self.is_text:
       return []
@@ -326,7 +343,7 @@ class Files(Source):
 
   def components(self, split: str, tokenizer, options: ReadOptions) -> list[Component]:
     if self.is_text:
-      return TextSource.components(self, split, tokenizer, options)
+      return _text_components(self, tokenizer, options)
     stream, files = tokens_lib.open_stream([path for path, _ in self.files], self.text)
     for f in files:
       tokens_lib.check_ids(f, tokenizer.vocab_size)
@@ -336,8 +353,8 @@ class Files(Source):
     if not self.is_text:
       return super().work_items(options)
     field = self.field or options.text_field
-    items = []
-    for path, fmt in self.files:
+    items: list[formats.WorkItem] = []
+    for path, fmt in self.text_files:
       if os.path.getsize(path) == 0:
         raise DataError(f'{path}: empty file.')
       items.extend(fmt.work_items(path, field))
@@ -359,8 +376,8 @@ def parse(sources: str, what: str = 'data.train') -> list[Source]:
       continue
     body, weight = item, 1.0
     head, sep, tail = item.rpartition(':')
-    if sep and _as_weight(tail) is not None:
-      body, weight = head, _as_weight(tail)
+    if sep and (tail_weight := _as_weight(tail)) is not None:
+      body, weight = head, tail_weight
     if not weight > 0:
       raise DataError(f'{what}: source {item!r} has weight {weight}; weights must be positive.')
     body, _, field = body.partition('#')

@@ -35,8 +35,9 @@ class ByteTokenizer:
     return data.decode('utf-8', errors='replace')
 
 
-def _with_appended_specials(num_pieces: int, ids: list[int]) -> tuple[list[int], int]:
-  """Special ids a model lacks (-1) get fresh ids after its pieces; returns (ids, vocab_size)."""
+def _with_appended_specials(num_pieces: int, ids: list[int | None]) -> tuple[list[int], int]:
+  """Special ids a model lacks (-1 or None) get fresh ids after its pieces; returns (ids,
+  vocab_size)."""
   out, next_id = [], num_pieces
   for i in ids:
     if i is None or i < 0:
@@ -147,12 +148,13 @@ class HfTokenizer:
 
   def _special_ids_from_config(self) -> tuple[int, int, int]:
     tokens = hf_special_tokens(os.path.dirname(os.path.abspath(self.path)))
-    ids = {}
+    ids: dict[str, int] = {}
     for key, text in tokens.items():
-      ids[key] = self._tok.token_to_id(text)
-      if ids[key] is None:
+      token_id = self._tok.token_to_id(text)
+      if token_id is None:
         raise DataError(f'{self.path}: the {key} {text!r} of {HF_CONFIG_FILE} is not in its '
                         'vocabulary.')
+      ids[key] = token_id
     if 'eos_token' not in ids:
       raise DataError(f'{self.path}: no eos_token: put a {HF_CONFIG_FILE} beside it that names '
                       'one, e.g. {"eos_token": "<|endoftext|>"} (documents are separated by it).')

@@ -55,10 +55,12 @@ def _sentencepiece_tokenizer(tokenizer):
   (dummy prefix) and, where the model says so, whitespace stripped and collapsed."""
   from sentencepiece import sentencepiece_model_pb2  # noqa: PLC0415
   decoders, models, normalizers = tokenizers.decoders, tokenizers.models, tokenizers.normalizers
-  proto = sentencepiece_model_pb2.ModelProto()
+  # (protobuf builds ModelProto at import; sentencepiece's py.typed package does not declare it)
+  proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]
   with open(tokenizer.path, 'rb') as f:
     proto.ParseFromString(f.read())
   trainer, spec = proto.trainer_spec, proto.normalizer_spec
+  model: tokenizers.models.Model
   if trainer.model_type == trainer.UNIGRAM:
     model = models.Unigram([(p.piece, p.score) for p in proto.pieces], trainer.unk_id,
                            byte_fallback=trainer.byte_fallback)
@@ -78,7 +80,8 @@ def _sentencepiece_tokenizer(tokenizer):
                           for p in proto.pieces if p.type == p.CONTROL])
   tok.add_tokens([tokenizers.AddedToken(p.piece, normalized=False)
                   for p in proto.pieces if p.type == p.USER_DEFINED])
-  steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+  steps: list[tokenizers.normalizers.Normalizer] = (
+      [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else [])
   if spec.remove_extra_whitespaces:
     steps += [normalizers.Strip(), normalizers.Replace(tokenizers.Regex(' {2,}'), ' ')]
   steps.append(normalizers.Replace(' ', '▁'))

@@ -57,7 +57,10 @@ def open_file(path: str) -> TokenFile:
   info = read_sidecar(path)
   if os.path.getsize(path) == 0:
     raise DataError(f'{path}: empty file.')
-  tokens = formats.find(path).open(path, info)
+  fmt = formats.find(path)
+  if not issubclass(fmt, formats.TokenFormat):
+    raise DataError(f'{path}: a text file, not token ids.')
+  tokens = fmt.open(path, info)
   if len(tokens) == 0:
     raise DataError(f'{path}: empty file (no tokens).')
   if 'num_tokens' in info and info['num_tokens'] != len(tokens):
@@ -117,7 +120,8 @@ class TokenStream:
     return TokenStream(parts, self.name)
 
   def __getstate__(self):
-    parts = []
+    # ('file', name, dtype, offset, length) or ('array', the tokens)
+    parts: list[tuple[str, str, str, int, int] | tuple[str, np.ndarray]] = []
     for p in self._parts:
       if isinstance(p, np.memmap) and p.filename:
         root = p  # the mapping itself; views of it share its file
@@ -130,7 +134,7 @@ class TokenStream:
     return {'name': self.name, 'parts': parts}
 
   def __setstate__(self, state):
-    parts = []
+    parts: list[np.ndarray] = []
     for kind, *rest in state['parts']:
       if kind == 'file':
         filename, dtype, offset, length = rest
@@ -138,7 +142,7 @@ class TokenStream:
                                shape=(length,)))
       else:
         parts.append(rest[0])
-    self.__init__(parts, state['name'])
+    TokenStream.__init__(self, parts, state['name'])
 
 
 def open_stream(paths: list[str], name: str) -> tuple[TokenStream, list[TokenFile]]:

@@ -59,6 +59,8 @@ class Target:
   fp8_matmul_flops: float | None = None  # FP8 matmul FLOP/s (None: the card has no FP8 GEMMs)
 
   def config_text(self) -> str:
+    if self.file is None:
+      raise ValueError(f'target {self.name}: no GpuTargetConfigProto file (the CPU).')
     with open(os.path.join(_DIR, self.file), encoding='utf-8') as f:
       return f.read()
 
@@ -83,7 +85,10 @@ class Target:
   def device_kind(self) -> str:
     if self.file is None:
       return 'cpu'
-    return re.search(r'device_description_str:\s*"([^"]*)"', self.config_text()).group(1)
+    m = re.search(r'device_description_str:\s*"([^"]*)"', self.config_text())
+    if m is None:
+      raise ValueError(f'{self.file}: no device_description_str.')
+    return m.group(1)
 
 
 def _scaled(name: str, file: str, peak: float, link: float, network: float) -> Target:
@@ -123,7 +128,7 @@ class Roofline:
 def roofline(stats, target: Target) -> Roofline | None:
   """A compiled program's time at the target's speeds (the module docstring), from its
   hlo.Stats; None for a target without them (the CPU)."""
-  if target.matmul_flops is None:
+  if target.matmul_flops is None or target.cudnn_attention_flops is None:
     return None
   forward, both = target.cudnn_attention_flops
   # The backward kernel alone, from forward and forward+backward (2.5× and 3.5× forward's FLOPs).

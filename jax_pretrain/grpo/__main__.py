@@ -16,7 +16,7 @@ def _init_into_config(argv: list[str]) -> list[str]:
   """--init=RUN is --config=FILE:RUN (the config file takes the run's model and seq_len): the
   --config value is rewritten before flags are parsed. The last --init counts, as absl's; `--init
   RUN` and `--config FILE` are read as `--init=RUN` and `--config=FILE`."""
-  joined = []
+  joined: list[str] = []
   for a in argv:
     if joined and joined[-1] in ('--init', '--config'):
       joined[-1] = f'{joined[-1]}={a}'

@@ -32,13 +32,17 @@ Pallas' Triton backend.
 import dataclasses
 import functools
 import math
+import types
 
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-try:  # the Triton backend's compiler params; absent from some jaxlib builds
+# The Triton backend's compiler params (CompilerParams; TritonCompilerParams in older jax);
+# absent from some jaxlib builds.
+plgpu: types.ModuleType | None
+try:
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
   plgpu = None
@@ -241,6 +245,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     dk_KxH, dv_KxH = carry
     # One flat loop over (q block, head in group): a single long loop pipelines better than
     # nested ones; consecutive heads read neighbouring memory.
+    g: int | jax.Array
     if group == 1:
       i, g = t, 0
     else:
