@@ -33,11 +33,13 @@ from tests.test_hf import random_params
 EPS, BETA = 0.2, 0.04
 
 
-def _reference(logp, old, adv, mask, ref, eps=EPS, beta=BETA, corrected=True):
+def _reference(logp, old, adv, mask, ref, eps=EPS, beta=BETA, corrected=True, eps_high=None):
   """float64: loss and d loss / d logp of grpo's docstring formula (corrected: the k3 term times
-  the ratio, use_bias_correction_kl)."""
+  the ratio, use_bias_correction_kl; the ratio clipped to [1 - eps, 1 + eps_high], eps_high None:
+  eps)."""
+  eps_high = eps if eps_high is None else eps_high
   ratio = np.exp(logp - old)
-  unclipped, clipped = ratio * adv[:, None], np.clip(ratio, 1 - eps, 1 + eps) * adv[:, None]
+  unclipped, clipped = ratio * adv[:, None], np.clip(ratio, 1 - eps, 1 + eps_high) * adv[:, None]
   k3 = np.exp(ref - logp) - (ref - logp) - 1
   kl = k3 * ratio if corrected else k3
   per_token = -np.minimum(unclipped, clipped) + beta * kl
@@ -73,21 +75,27 @@ def test_group_advantages_are_the_group_centred_rewards_over_their_std():
                              rewards - mean)
 
 
-@pytest.mark.parametrize('corrected', [True, False])
-def test_objective_and_its_gradient_equal_the_float64_reference_with_clipped_ratios(corrected):
+@pytest.mark.parametrize('corrected, eps_high', [(True, 0.0), (False, 0.0), (True, 0.4)])
+def test_objective_and_its_gradient_equal_the_float64_reference_with_clipped_ratios(corrected,
+                                                                                    eps_high):
   logp, old, adv, mask, ref = _batch(np.random.default_rng(0))
-  want_loss, want_grad, want_clipped = _reference(logp, old, adv, mask, ref, corrected=corrected)
+  want_loss, want_grad, want_clipped = _reference(logp, old, adv, mask, ref, corrected=corrected,
+                                                  eps_high=eps_high or None)
   assert 0.2 < want_clipped < 0.8  # the batch exercises both branches
+  if eps_high:  # clip-higher (DAPO) changes what is clipped, so the loss
+    symmetric_loss, _, symmetric_clipped = _reference(logp, old, adv, mask, ref)
+    assert symmetric_clipped > want_clipped and abs(symmetric_loss - want_loss) > 1e-4
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   fn = lambda lp: objective.objective(lp, f32(old), f32(adv), f32(mask), f32(ref), epsilon=EPS,
-                                 beta=BETA, bias_correction_kl=corrected)
+                                 epsilon_high=eps_high, beta=BETA, bias_correction_kl=corrected)
   (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(f32(logp))
   np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7)
   np.testing.assert_allclose(float(metrics['clip_fraction']), want_clipped, rtol=1e-6)
   assert float(metrics['kl']) > 0
   # The correction changes the loss here (ratios are not 1) and the gradient always.
-  other_loss, other_grad, _ = _reference(logp, old, adv, mask, ref, corrected=not corrected)
+  other_loss, other_grad, _ = _reference(logp, old, adv, mask, ref, corrected=not corrected,
+                                         eps_high=eps_high or None)
   assert abs(other_loss - want_loss) > 1e-4 and np.abs(other_grad - want_grad).max() > 1e-4
   # beta 0: no KL term (and no reference needed).
   loss0, _ = objective.objective(f32(logp), f32(old), f32(adv), f32(mask), None, epsilon=EPS)
@@ -143,8 +151,8 @@ def test_one_update_raises_better_than_average_completions_and_lowers_worse_ones
   before = np.asarray(_completion_logp(model, params, tokens, mask).sum(1))
   old = engine.token_logprobs(model, params, tokens)[0]  # on-policy: ratio 1
   logp_of = lambda p: engine.token_logprobs(model, p, tokens)[0]
-  grads = jax.grad(lambda p: objective.objective(logp_of(p), old, adv, jnp.asarray(mask))[0])(
-      params)
+  grads = jax.grad(lambda p: objective.objective(logp_of(p), old, adv, jnp.asarray(mask),
+                                                 epsilon=EPS)[0])(params)
   updates, _ = optax.sgd(0.5).update(grads, optax.sgd(0.5).init(params))
   after = np.asarray(_completion_logp(model, optax.apply_updates(params, updates), tokens,
                                       mask).sum(1))
@@ -276,6 +284,31 @@ def _step_batch(model, params, rng, temperature, B=8, T=11):
   return batch, logp, at_one, adv
 
 
+def test_the_update_clips_the_ratio_to_the_configs_epsilon_and_epsilon_high(tiny):
+  """update_loss_fn (the loss the program compiles) takes grpo.epsilon and grpo.epsilon_high:
+  off-policy (a reused rollout batch), its loss and clipped share are the float64 formula's with
+  that range, and clip-higher clips fewer tokens than the symmetric default."""
+  model, params = tiny
+  rng = np.random.default_rng(7)
+  batch, logp, _, adv = _step_batch(model, params, rng, 1.0)
+  del batch['ref_logp']  # beta 0
+  batch['old_logp'] = (logp + rng.uniform(-0.5, 0.5, logp.shape)).astype(np.float32)
+  old, mask = batch['old_logp'].astype(np.float64), batch['mask'].astype(np.float64)
+  clipped = {}
+  for eps, eps_high in [(0.2, 0.0), (0.2, 0.4), (0.05, 0.0)]:
+    c = grpo_config.with_group(config_lib.preset('test'))
+    c.model.dtype, c.model.attention = 'float32', 'xla'
+    c.grpo.task, c.grpo.epsilon, c.grpo.epsilon_high = 'train.jsonl', eps, eps_high
+    loss_fn = objective.update_loss_fn(build_setup(c, jax.devices()[:1]))
+    loss_sum, (weight, sums) = loss_fn(params, batch)
+    want_loss, _, want_clipped = _reference(logp, old, adv, mask, logp, eps=eps, beta=0,
+                                            eps_high=eps_high or None)
+    np.testing.assert_allclose(float(loss_sum / weight), want_loss, rtol=1e-5)
+    clipped[eps, eps_high] = float(sums['clip_fraction'] / weight)
+    np.testing.assert_allclose(clipped[eps, eps_high], want_clipped, rtol=1e-6)
+  assert clipped[0.2, 0.4] < clipped[0.2, 0.0] < clipped[0.05, 0.0], clipped
+
+
 @pytest.mark.parametrize('temperature, off_policy, corrected', [
     (1.0, False, True), (0.7, False, True), (1.0, True, True), (0.7, True, False)])
 def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(
@@ -295,7 +328,7 @@ def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(
   mask = batch['mask'].astype(np.float64)
   ref = batch['ref_logp'].astype(np.float64)
   loss_fn = objective.make_loss_fn(model, beta=BETA, temperature=temperature,
-                              bias_correction_kl=corrected)
+                              bias_correction_kl=corrected, epsilon=EPS)
   (loss_sum, (weight, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
   want_loss, want_dlogp, clipped = _reference(logp, old, adv, mask, ref, corrected=corrected)
   assert (0.1 < clipped < 0.9) if off_policy else clipped == 0
@@ -378,8 +411,9 @@ def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temper
         {k: torch.from_numpy(v) for k, v in hf.to_hf(ref_params, c).items()}, strict=False)
   a = trainer.args
   assert (a.loss_type, a.epsilon, a.epsilon_high, a.scale_rewards, a.use_bias_correction_kl,
-          a.importance_sampling_level) == ('dapo', objective.EPSILON, None, g.scale_rewards,
+          a.importance_sampling_level) == ('dapo', g.epsilon, None, g.scale_rewards,
                                            g.use_bias_correction_kl, 'token')
+  assert g.epsilon_high == 0  # ours for TRL's None: epsilon
   trainer.model.train()
   inputs = trainer._generate_and_score_completions([{'prompt': 'ab'[b // G]} for b in range(P * G)])  # noqa: SLF001
   ids = torch.cat([inputs['prompt_ids'], inputs['completion_ids']], 1)
@@ -418,7 +452,8 @@ def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temper
       np.testing.assert_allclose(np.asarray(logp)[:, T - C:] * completion,
                                  inputs['old_per_token_logps'].numpy() - shift, atol=1e-5)
       batch['old_logp'] = logp.at[:, T - C:].add(shift)
-    loss_fn = objective.make_loss_fn(model, beta, temperature)
+    loss_fn = objective.make_loss_fn(model, beta, temperature, epsilon=g.epsilon,
+                                     epsilon_high=g.epsilon_high)
     (loss_sum, (weight, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
   np.testing.assert_allclose(np.asarray(logp)[:, T - C:] * completion, theirs_logp, atol=1e-5)
   np.testing.assert_allclose(float(loss_sum / weight), loss.item(), rtol=1e-5, atol=1e-6)
@@ -523,6 +558,19 @@ def test_num_iterations_reuses_each_rollout_batch_clips_and_resumes_exactly(toy,
   np.testing.assert_allclose([want[s]['train/lr'] for s in range(1, steps + 1)],
                              [lr / 8, lr * 5 / 8, lr, lr], rtol=1e-6)
   assert all(want[s]['train/clip_fraction'] > 0 for s in range(2, steps + 1)), want
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('epsilon', 0.0, r'grpo.epsilon=0.0 must be in \(0, 1\)'),
+    ('epsilon', 1.5, r'grpo.epsilon=1.5 must be in \(0, 1\)'),
+    ('epsilon_high', -0.1, r'grpo.epsilon_high=-0.1 must be >= 0'),
+])
+def test_a_clip_range_out_of_bounds_is_refused_at_resolve(field, value, message):
+  c = grpo_config.defaults()
+  c.grpo.task, c.train.steps = 'train.jsonl', 10
+  setattr(c.grpo, field, value)
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.resolve(c, num_devices=1, backend='cpu')
 
 
 @pytest.mark.parametrize('extra, message', [

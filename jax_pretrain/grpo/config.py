@@ -46,6 +46,10 @@ class GrpoConfig:
       'is held (TRL: 0.0)')
   scale_rewards: str = field('group', SAFE, "'group': advantages divided by the group's std (+ "
       "1e-4, TRL's) | 'none'")
+  epsilon: float = field(0.2, SAFE, 'the importance ratio is clipped to [1 - epsilon, 1 + '
+      'epsilon_high] (TRL: 0.2); acts only where a rollout batch is reused (num_iterations > 1)')
+  epsilon_high: float = field(0.0, SAFE, "the clip range's upper side; 0: epsilon (TRL's None; "
+      "DAPO's clip-higher: 0.28)")
   use_bias_correction_kl: bool = field(True, SAFE, 'the k3 KL term times the importance ratio, the '
       "unbiased reverse-KL gradient (TRL's default and name); False: k3 alone (tunix)")
   num_iterations: int = field(1, _UPDATES, "optimizer updates per rollout batch (TRL's "
@@ -70,6 +74,9 @@ def _resolve(g: GrpoConfig) -> None:
   check(g.temperature > 0, f'grpo.temperature={g.temperature} must be positive (rollouts '
         'sample).')
   check(g.beta >= 0, f'grpo.beta={g.beta} must be >= 0.')
+  check(0 < g.epsilon < 1, f'grpo.epsilon={g.epsilon} must be in (0, 1) (the ratio is clipped '
+        'to [1 - epsilon, 1 + epsilon_high]).')
+  check(g.epsilon_high >= 0, f'grpo.epsilon_high={g.epsilon_high} must be >= 0 (0: epsilon).')
   check(g.rollout_slots >= 0, f'grpo.rollout_slots={g.rollout_slots} must be >= 0 (0: all).')
   check(g.num_iterations >= 1, f'grpo.num_iterations={g.num_iterations} must be >= 1 (optimizer '
         'updates per rollout batch).')

@@ -24,7 +24,7 @@ held; with beta > 0 the initial params are held in the policy's shardings and sc
 once). Token-level aggregation (DAPO, TRL's default loss_type 'dapo'): the sum of loss_t over
 every completion token of the batch divided by their count (TRL's num_items_in_batch, the
 generation batch's completion tokens over all processes), so long completions weigh by their
-tokens. Defaults (TRL's GRPOConfig): beta 0.0, epsilon 0.2 (epsilon_high = epsilon),
+tokens. Defaults (TRL's GRPOConfig): beta 0.0, epsilon 0.2 (epsilon_high 0: = epsilon),
 scale_rewards 'group', temperature 1.0, num_iterations 1, use_bias_correction_kl True; the guide's
 learning rate 1e-5 and 16 samples (configs/grpo.py).
 
@@ -59,7 +59,6 @@ from jax_pretrain import state as state_lib
 from jax_pretrain.grpo import config as grpo_config
 
 ADVANTAGE_EPS = 1e-4  # TRL's (grpo_trainer.py: advantages / (std_rewards + 1e-4)); tunix: 1e-6
-EPSILON = 0.2  # TRL's epsilon (and epsilon_high): the clip range of the importance ratio
 
 
 def group_advantages(rewards_PxG: jax.Array, scale: str = 'group') -> jax.Array:
@@ -73,14 +72,13 @@ def group_advantages(rewards_PxG: jax.Array, scale: str = 'group') -> jax.Array:
 
 
 def token_terms(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array,
-                ref_logp_BxT: jax.Array | None = None, *, epsilon: float = EPSILON,
-                epsilon_high: float | None = None, beta: float = 0.0,
-                bias_correction_kl: bool = True):
+                ref_logp_BxT: jax.Array | None = None, *, epsilon: float,
+                epsilon_high: float = 0.0, beta: float = 0.0, bias_correction_kl: bool = True):
   """Per token: (loss_t of the formula above, whether the clipped branch is the smaller one, and
   the KL term that beta multiplies, or None when beta is 0). advantages_BxT: each token's
   completion's advantage. The KL term is k3 × ratio with bias_correction_kl (TRL's default), k3
-  alone without: like TRL's `kl` metric, it is the term the loss holds."""
-  epsilon_high = epsilon if epsilon_high is None else epsilon_high
+  alone without: like TRL's `kl` metric, it is the term the loss holds. epsilon_high 0: epsilon."""
+  epsilon_high = epsilon_high or epsilon
   a_BxT = advantages_BxT.astype(jnp.float32)
   ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
   unclipped_BxT = ratio_BxT * a_BxT
@@ -99,8 +97,8 @@ def token_terms(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: ja
 
 def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Array,
               mask_BxT: jax.Array, ref_logp_BxT: jax.Array | None = None, *,
-              epsilon: float = EPSILON, epsilon_high: float | None = None,
-              beta: float = 0.0, bias_correction_kl: bool = True) -> tuple[jax.Array, dict]:
+              epsilon: float, epsilon_high: float = 0.0, beta: float = 0.0,
+              bias_correction_kl: bool = True) -> tuple[jax.Array, dict]:
   """(loss, metrics) of the formula above: B completions (rows), T token positions; mask_BxT 1 at
   completion tokens (prompt and padding 0). logp_BxT is differentiated; the rest are constants."""
   mask_BxT = mask_BxT.astype(jnp.float32)
@@ -115,7 +113,8 @@ def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Ar
   return jnp.sum(per_token_BxT * mask_BxT) / tokens, metrics
 
 
-def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_kl: bool = True):
+def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_kl: bool = True,
+                 *, epsilon: float, epsilon_high: float = 0.0):
   """The train step's loss (state.make_train_step's loss_fn): (params, batch) -> (the per-token
   loss summed over completion tokens, (their count, {clip_fraction, logp_mismatch[, kl]} sums)).
 
@@ -135,7 +134,8 @@ def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_k
     mask_BxT = batch['mask']
     per_token_BxT, clipped_BxT, kl_BxT = token_terms(
         logp_BxT, batch.get('old_logp', held_BxT), batch['advantages'], batch.get('ref_logp'),
-        beta=beta, bias_correction_kl=bias_correction_kl)
+        epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
+        bias_correction_kl=bias_correction_kl)
     sums = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT),
             'logp_mismatch': jnp.sum(jnp.abs(at_one_BxT - batch['rollout_logp']) * mask_BxT)}
     if kl_BxT is not None:
@@ -153,10 +153,11 @@ def check_batch(c: grpo_config.GrpoTrainConfig) -> None:
 
 
 def update_loss_fn(s: state_lib.Setup):
-  """The update's loss for the resolved config (make_loss_fn with its beta, temperature and KL
-  correction)."""
+  """The update's loss for the resolved config (make_loss_fn with its beta, temperature, KL
+  correction and clip range)."""
   g = grpo_config.of(s.config).grpo
-  return make_loss_fn(s.model, g.beta, g.temperature, g.use_bias_correction_kl)
+  return make_loss_fn(s.model, g.beta, g.temperature, g.use_bias_correction_kl,
+                      epsilon=g.epsilon, epsilon_high=g.epsilon_high)
 
 
 def update_batch(s: state_lib.Setup, width: int) -> dict:
