@@ -37,8 +37,10 @@ programs of a GRPO step (jax_pretrain/grpo/) instead, for --grpo_prompt_tokens-t
                beside the least it could read (the weights once a step, the live cache once).
 Each program's memory counts what stays on the device beside its own buffers while it runs: the
 engine's cache (kept between rollouts) during the update, the train state during the rollout,
-and with grpo.beta > 0 the reference params (a copy of the params in their shardings; the
-reference's scoring call is not compiled here).
+and with grpo.beta > 0 the reference params (a copy of the params in their shardings).
+  scoring      with grpo.beta > 0 (logp_ref) and with grpo.num_iterations > 1 (logp_old), a
+               forward of the update's rows without gradient (grpo.objective.scorer), once each
+               a step; the step's time counts them and num_iterations updates.
 """
 import dataclasses
 import os
@@ -306,6 +308,17 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   update_report = report(s, update, t, update_s, fitted,
                          tokens_per_step=B * width, seq_len=width,
                          alongside={'engine cache': cache, **reference})
+  # The scoring pass (a forward of the batch without gradient): once with beta > 0 (logp_ref) and
+  # once with num_iterations > 1 (logp_old), beside the train state and the engine's cache.
+  scorings = int(g.beta > 0) + int(g.num_iterations > 1)
+  score_report = None
+  if scorings:
+    t0 = time.perf_counter()
+    score = objective.scorer(s, g.temperature).lower(
+        s.abstract_state.params, objective.update_batch(s, width)).compile()
+    score_report = call_report(score, t, {'train state': memory.device_bytes(s.abstract_state),
+                                          'engine cache': cache, **reference},
+                               B * width, time.perf_counter() - t0)
 
   # The rollout: the train state stays beside the engine's calls (its params copy is theirs).
   during_rollout = {'train state': memory.device_bytes(s.abstract_state), **reference}
@@ -333,6 +346,11 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
                  + prefill_calls * prefill_report['call_s'])
   else:
     rollout_s = None
+  # The whole step: the rollout, its scoring passes and num_iterations updates.
+  step_s = None
+  if rollout_s is not None and update_report['step_s'] is not None:
+    step_s = (rollout_s + scorings * (score_report['call_s'] if score_report else 0.0)
+              + g.num_iterations * update_report['step_s'])
   # Bytes per generated token, per device: the compiled decode's against the least a step must
   # read (the bf16 weights once, and each row's live keys and values once).
   weights = memory.device_bytes(eng.params)
@@ -346,6 +364,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
       'grpo': {'num_samples': g.num_samples, 'prompts_per_step': B // g.num_samples,
                'completions_per_step': B, 'prompt_tokens': prompt_tokens,
                'max_new_tokens': g.max_new_tokens, 'width': width, 'beta': g.beta,
+               'num_iterations': g.num_iterations,
                'rollout_slots': eng.slots, 'devices': eng.devices,
                'slots_per_device': eng.local_slots, 'context': context, 'chunk': eng.chunk,
                'params_gib': params / memory.GIB, 'engine_params_gib': weights / memory.GIB,
@@ -355,10 +374,14 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
       'prefill': {'rows': rows, 'length': length, **prefill_report},
       'decode': {'rows': eng.local_slots, 'steps': eng.chunk, **longest},
       'decode_by_live': list(decode_reports.values()),
+      'score': score_report and {'calls_per_step': scorings, **score_report},
       'rollout': {'decode_calls': decode_calls, 'prefill_calls': prefill_calls,
                   'rollout_s': rollout_s, 'update_s': update_report['step_s'],
-                  'generation_share': (rollout_s / (rollout_s + update_report['step_s'])
-                                       if rollout_s is not None else None),
+                  'updates_per_step': g.num_iterations,
+                  'scoring_s': scorings * score_report['call_s'] if score_report and
+                  score_report['call_s'] is not None else 0.0,
+                  'step_s': step_s,
+                  'generation_share': rollout_s / step_s if step_s else None,
                   'bytes_per_token': compiled_bytes / tokens,
                   'ideal_bytes_per_token': ideal_bytes / tokens},
   }
@@ -420,7 +443,8 @@ def format_grpo_report(r: dict) -> str:
   lines[at:at] = [
       f'grpo         {g["prompts_per_step"]} prompts × {g["num_samples"]} completions a step, '
       f'prompts of at most {g["prompt_tokens"]:,} tokens + {g["max_new_tokens"]:,} new, beta '
-      f'{g["beta"]}',
+      f'{g["beta"]}' + (f', {g["num_iterations"]} updates a rollout batch'
+                        if g['num_iterations'] > 1 else ''),
       f'update       the train step with grpo\'s loss on {g["completions_per_step"]} rows of '
       f'{g["width"]:,} tokens:']
 
@@ -449,12 +473,21 @@ def format_grpo_report(r: dict) -> str:
                f'{_gb(ro["bytes_per_token"])}; the least it could: '
                f'{_gb(ro["ideal_bytes_per_token"])} (bf16 weights once a step, each row\'s live '
                f'keys and values once): {ro["bytes_per_token"] / ro["ideal_bytes_per_token"]:.2f}×')
-  if ro['rollout_s'] is not None:
+  if r['score']:
+    sc = r['score']
+    lines.append(call('scoring', sc, f'a forward of the {g["completions_per_step"]} rows, '
+                      f'{sc["calls_per_step"]} a step (' + ' and '.join(
+                          (['logp_ref'] if g['beta'] else []) +
+                          (['logp_old'] if g['num_iterations'] > 1 else [])) + ')'))
+  if ro['step_s'] is not None:
+    updates = (f'{ro["updates_per_step"]} × {ro["update_s"]:.2f} s of updates'
+               if ro['updates_per_step'] > 1 else f'{ro["update_s"]:.2f} s of update')
+    scoring = f' + {ro["scoring_s"]:.2f} s of scoring' if r['score'] else ''
     lines.append(
         f'step         at most {ro["decode_calls"]} decode and {ro["prefill_calls"]} prefill '
         f'calls (every completion to {g["max_new_tokens"]:,} tokens): {ro["rollout_s"]:.2f} s of '
-        f'rollout + {ro["update_s"]:.2f} s of update, generating {ro["generation_share"]:.0%}: '
-        'roofline, compiled, not measured')
+        f'rollout{scoring} + {updates} = {ro["step_s"]:.2f} s, generating '
+        f'{ro["generation_share"]:.0%}: roofline, compiled, not measured')
   return '\n'.join(lines)
 
 

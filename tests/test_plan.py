@@ -411,18 +411,19 @@ def test_a_fitted_micro_batch_is_what_resolving_with_it_gives(micro_batch, eval_
   assert fitted_run.grad_accum_steps == 4 // micro_batch
 
 
-def _grpo_test_config(beta: float = 0.0):
+def _grpo_test_config(beta: float = 0.0, num_iterations: int = 1):
   c = grpo_config.with_group(config_lib.preset('test'))
   c.mesh.data = 2
   c.train.batch_size = 16  # 4 prompts × 4 completions
   c.grpo.num_samples, c.grpo.max_new_tokens, c.grpo.rollout_slots = 4, 8, 8
-  c.grpo.beta = beta
+  c.grpo.beta, c.grpo.num_iterations = beta, num_iterations
   return c
 
 
-@pytest.mark.parametrize('beta', [0.0, 0.04])
-def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta):
-  r = plan.grpo_plan(_grpo_test_config(beta), target='cpu', num_devices=2, prompt_tokens=10)
+@pytest.mark.parametrize('beta, num_iterations', [(0.0, 1), (0.04, 1), (0.04, 2)])
+def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta, num_iterations):
+  r = plan.grpo_plan(_grpo_test_config(beta, num_iterations), target='cpu', num_devices=2,
+                     prompt_tokens=10)
   g, update, prefill, decode = r['grpo'], r['update'], r['prefill'], r['decode']
   # 10 + 8 tokens, of which the model's inputs are all but the last: 17, rounded up to 24 (cuDNN
   # trains on no odd length), and the last target.
@@ -448,6 +449,15 @@ def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta):
   # 16 completions in waves of 8 slots, 8 new tokens in one call (of up to 16 steps).
   assert (r['rollout']['decode_calls'], r['rollout']['prefill_calls']) == (2, 2)
   assert update['fits'] and r['rollout']['rollout_s'] is None
+  # The scoring passes: logp_ref with beta > 0, logp_old with num_iterations > 1, each a forward
+  # of the 16 rows beside the train state and the engine's cache.
+  scorings = int(beta > 0) + int(num_iterations > 1)
+  assert r['rollout']['updates_per_step'] == num_iterations
+  if not scorings:
+    assert r['score'] is None
+  else:
+    assert r['score']['calls_per_step'] == scorings and r['score']['fits']
+    assert set(r['score']['alongside_gib']) == {'train state', 'engine cache', *reference}
 
 
 def test_the_engines_lowered_calls_are_the_ones_it_runs():

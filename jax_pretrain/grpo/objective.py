@@ -144,6 +144,25 @@ def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_k
   return loss_fn
 
 
+def scorer(s: state_lib.Setup, temperature: float):
+  """score(params, batch) -> float32 [B, T]: each target's log-probability at the sampling
+  temperature, jitted for params in the policy's shardings, micro-batch by micro-batch as the
+  train step goes (no gradient, so no more memory than its forward). It scores the reference
+  model's logp_ref and, with num_iterations > 1, the sampling policy's logp_old."""
+  A = s.run.grad_accum_steps
+
+  def score(params, batch):
+    def one(tokens_MxT1):
+      return state_lib.target_logprobs(s.model, params, {'tokens': tokens_MxT1},
+                                       (temperature,))[0]
+    tokens_BxT1 = batch['tokens']
+    B, T1 = tokens_BxT1.shape
+    logp_AxMxT = jax.lax.map(one, tokens_BxT1.reshape(B // A, A, T1).swapaxes(0, 1))
+    return logp_AxMxT.swapaxes(0, 1).reshape(B, T1 - 1)
+  return jax.jit(score, in_shardings=(s.state_shardings.params, s.batch_sharding),
+                 out_shardings=s.batch_sharding)
+
+
 def check_batch(c: grpo_config.GrpoTrainConfig) -> None:
   """A step's completions (train.batch_size) make whole groups (grpo.num_samples each)."""
   if c.train.batch_size % c.grpo.num_samples:

@@ -148,7 +148,7 @@ class GRPO(train_lib.Program[TaskSources, TaskData, 'Step']):
     # The initial model with beta > 0, in the policy's shardings; the scoring pass scores each
     # batch with it once, and with num_iterations > 1 with the params that sampled it (logp_old).
     ref = _reference_params(s, c.checkpoint.restore_from) if g.beta else None
-    score = _scorer(s, g.temperature) if g.beta or g.num_iterations > 1 else None
+    score = objective.scorer(s, g.temperature) if g.beta or g.num_iterations > 1 else None
     eng = engine_lib.Engine(c.model, None, data.tokenizer,
                             slots=objective.rollout_slots(c), context=data.context,
                             chunk=ROLLOUT_CHUNK, mesh=s.mesh)
@@ -190,25 +190,6 @@ def _reference_params(s: state_lib.Setup, run: str):
     checkpointer.close()
 
 
-def _scorer(s: state_lib.Setup, temperature: float):
-  """score(params, batch) -> float32 [B, T]: each target's log-probability at the sampling
-  temperature, jitted for params in the policy's shardings, micro-batch by micro-batch as the
-  train step goes (no gradient, so no more memory than its forward). It scores the reference
-  model's logp_ref and, with num_iterations > 1, the sampling policy's logp_old."""
-  A = s.run.grad_accum_steps
-
-  def score(params, batch):
-    def one(tokens_MxT1):
-      return state_lib.target_logprobs(s.model, params, {'tokens': tokens_MxT1},
-                                       (temperature,))[0]
-    tokens_BxT1 = batch['tokens']
-    B, T1 = tokens_BxT1.shape
-    logp_AxMxT = jax.lax.map(one, tokens_BxT1.reshape(B // A, A, T1).swapaxes(0, 1))
-    return logp_AxMxT.swapaxes(0, 1).reshape(B, T1 - 1)
-  return jax.jit(score, in_shardings=(s.state_shardings.params, s.batch_sharding),
-                 out_shardings=s.batch_sharding)
-
-
 def combine_updates(updates: list[dict]) -> dict:
   """A step's metrics from its updates' (in order): the means, but LAST_UPDATE's the last's and
   FIRST_UPDATE's the first's (see the module docstring). One update: its metrics, as they are."""
@@ -225,7 +206,7 @@ class Step:
 
   def __init__(self, s: state_lib.Setup, data: TaskData, update, eng, ref, score):
     self.s, self.data, self.update, self.engine = s, data, update, eng
-    self.ref, self.score = ref, score  # (the reference params or None; _scorer's or None)
+    self.ref, self.score = ref, score  # (the reference params or None; objective.scorer's or None)
     self.g = grpo_config.of(s.config).grpo
     self.stop = grpo_config.stop_strings(self.g)
     # This process's totals; GRPOLogger reports their growth between logged steps.
