@@ -25,6 +25,7 @@ import logging as pylogging
 import os
 import re
 import shutil
+import sys
 import time
 
 from absl import logging
@@ -243,6 +244,30 @@ class _OrbaxFailureTracebacks(pylogging.Filter):
 _ORBAX_FILTER = _OrbaxFailureTracebacks()
 
 
+class _AbandonedReads:
+  """sys.unraisablehook once a checkpoint read has failed: orbax abandons that checkpoint's
+  other reads, and Python reports each as an exception it could not raise ('Exception ignored
+  in: <coroutine ...>' with a page of tensorstore's spec, asyncio's 'Event loop is closed'), some
+  at exit, after the one line that said what happened. Those are dropped; any other goes to the
+  hook as before. (The defaults hold what __call__ needs at exit, when module globals and
+  builtins may be gone.)"""
+
+  def __init__(self, previous):
+    self.previous = previous
+
+  def __call__(self, u, getattr=getattr, isinstance=isinstance, str=str, sep=os.sep):
+    where = getattr(getattr(u.object, 'cr_code', None), 'co_filename', '') or ''
+    if f'{sep}orbax{sep}' in where or (isinstance(u.exc_value, RuntimeError)
+                                       and str(u.exc_value) == 'Event loop is closed'):
+      return
+    self.previous(u)
+
+
+def _quiet_abandoned_reads() -> None:
+  if not isinstance(sys.unraisablehook, _AbandonedReads):
+    sys.unraisablehook = _AbandonedReads(sys.unraisablehook)
+
+
 class Checkpointer:
   """Saves and restores the train state and config under workdir/checkpoints."""
 
@@ -430,6 +455,7 @@ class Checkpointer:
         raise
       except Exception as e:  # noqa: BLE001  (sorted by _kind; the rest stops the run below)
         error, kind = e, _kind(e)
+        _quiet_abandoned_reads()
       kind = _KINDS[-int(multihost.minimum(-_KINDS.index(kind)))]
       if kind == _OK:
         return result, None

@@ -8,6 +8,8 @@ import glob
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,8 @@ import pytest
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import pretrain
+from tests.conftest import ROOT
+from tests.conftest import subprocess_env
 
 STEPS = (1, 2)
 
@@ -145,6 +149,39 @@ def test_damaged_files_set_the_step_aside_and_the_previous_one_is_used(workdir, 
   [warning] = [r.getMessage() for r in caplog.records if 'is damaged' in r.getMessage()]
   assert '/checkpoints/2 is damaged (' in warning and 'trying the previous one' in warning
   assert len(warning) < 1000  # the cause, not tensorstore's whole spec
+
+
+# In a fresh process, so that what Python prints at exit is seen: a directory, a DAMAGE index.
+# Three workdirs damaged alike, restored one after the other: the tracebacks come from a race
+# (not every failed read leaves one), three restores make one likely.
+_RESTORE_DAMAGED = """
+import pathlib, sys
+from tests import test_checkpoint_faults as t
+find, how, _, _ = t.DAMAGE[int(sys.argv[2])]
+for n in range(3):
+  workdir = pathlib.Path(sys.argv[1]) / str(n)
+  checkpointer = t.checkpoint_lib.Checkpointer(workdir, async_save=False)
+  for step in t.STEPS:
+    checkpointer.save(step, t._state(step), {'step': step})
+  checkpointer.close()
+  step_dir = str(workdir / 'checkpoints' / '2')
+  find(step_dir) if how == 'altered' else t._damage(find(step_dir), how)
+  assert t.restore(workdir)[1] is not None
+"""
+
+
+# The two damages after which orbax's abandoned reads print tracebacks (at exit: an exception in a
+# coroutine, with a page of tensorstore's spec; asyncio's 'Event loop is closed').
+@pytest.mark.parametrize('case', [i for i, (find, how, _, _) in enumerate(DAMAGE)
+                                  if (find, how) in ((_largest_data_file, 'truncate'),
+                                                     (_btree_file, 'delete'))])
+def test_a_damaged_step_set_aside_is_one_warning_line_and_nothing_else(tmp_path, case):
+  out = subprocess.run([sys.executable, '-c', _RESTORE_DAMAGED, str(tmp_path), str(case)],
+                       cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 3 and all('checkpoints/2 is damaged' in line for line in lines), \
+      out.stderr[-3000:]
 
 
 def test_every_checkpoint_damaged_stops_naming_them_and_never_starts_over(workdir, capsys):
