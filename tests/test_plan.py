@@ -543,6 +543,23 @@ def test_xlarge_grpo_on_8_gpus_splits_the_rollout_over_them_and_fits(target):
 
 
 @requires_plugin
+def test_the_grpo_step_counts_its_scoring_passes_and_every_update():
+  """xlarge on 8 H100s with beta > 0 and num_iterations 2: the step is the rollout, two scoring
+  passes (logp_ref, logp_old) and two updates, each compiled; the scoring fits beside the train
+  state, the engine's cache and the reference params."""
+  c = grpo_config.with_group(config_lib.preset('xlarge'))
+  c.train.batch_size, c.grpo.num_samples, c.grpo.max_new_tokens = 128, 16, 512
+  c.grpo.beta, c.grpo.num_iterations = 0.04, 2
+  r = plan.grpo_plan(c, target='h100', num_devices=8, prompt_tokens=512)
+  score, ro = r['score'], r['rollout']
+  assert score['calls_per_step'] == 2 and score['fits']
+  assert set(score['alongside_gib']) == {'train state', 'engine cache', 'reference params'}
+  assert 0 < score['call_s'] < ro['update_s']  # a forward, no backward
+  assert ro['step_s'] == pytest.approx(ro['rollout_s'] + 2 * score['call_s'] + 2 * ro['update_s'])
+  assert ro['generation_share'] == pytest.approx(ro['rollout_s'] / ro['step_s'])
+
+
+@requires_plugin
 def test_the_grpo_update_is_fitted_as_it_will_run_not_as_pretraining():
   """The micro-batch fit compiles the program's own update (GRPO's loss on its rows of prompt +
   new tokens, the engine's cache beside it), not the pretraining step at data.seq_len: with rows
