@@ -245,12 +245,13 @@ _ORBAX_FILTER = _OrbaxFailureTracebacks()
 
 
 class _AbandonedReads:
-  """sys.unraisablehook once a checkpoint read has failed: orbax abandons that checkpoint's
-  other reads, and Python reports each as an exception it could not raise ('Exception ignored
-  in: <coroutine ...>' with a page of tensorstore's spec, asyncio's 'Event loop is closed'), some
-  at exit, after the one line that said what happened. Those are dropped; any other goes to the
-  hook as before. (The defaults hold what __call__ needs at exit, when module globals and
-  builtins may be gone.)"""
+  """sys.unraisablehook from the first checkpoint read on: when a read fails, orbax abandons the
+  checkpoint's other reads, and Python reports each as an exception it could not raise
+  ('Exception ignored in: <coroutine ...>' with a page of tensorstore's spec, asyncio's 'Event
+  loop is closed'), some at exit, after the one line that said what happened. Those two kinds are
+  dropped for the rest of the process; any other goes to the hook as before.
+  (The defaults hold what __call__ needs at exit, when module globals and builtins may be
+  gone.)"""
 
   def __init__(self, previous):
     self.previous = previous
@@ -263,9 +264,37 @@ class _AbandonedReads:
     self.previous(u)
 
 
+class _AbandonedTasks(pylogging.Filter):
+  """The other way an abandoned read is reported: asyncio's logger, 'Task exception was never
+  retrieved' with the traceback of tensorstore's error (its spec, a page). Dropped."""
+
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not ('exception was never retrieved' in str(record.msg)
+                and 'tensorstore' in str(error))
+
+
+class _ClosedLoop:
+  """sys.excepthook: a callback of tensorstore's thread into the event loop of an abandoned read,
+  closed meanwhile, is printed as a bare 'Event loop is closed' traceback. Dropped; any other goes
+  to the hook as before."""
+
+  def __init__(self, previous):
+    self.previous = previous
+
+  def __call__(self, kind, value, tb, isinstance=isinstance, str=str):
+    if isinstance(value, RuntimeError) and str(value) == 'Event loop is closed':
+      return
+    self.previous(kind, value, tb)
+
+
 def _quiet_abandoned_reads() -> None:
+  """A failed read's abandoned siblings stay quiet (_AbandonedReads, _AbandonedTasks, _ClosedLoop):
+  installed once, before the first read (some report while the failure is being raised)."""
   if not isinstance(sys.unraisablehook, _AbandonedReads):
     sys.unraisablehook = _AbandonedReads(sys.unraisablehook)
+    sys.excepthook = _ClosedLoop(sys.excepthook)
+    pylogging.getLogger('asyncio').addFilter(_AbandonedTasks())
 
 
 class Checkpointer:
@@ -445,6 +474,7 @@ class Checkpointer:
     not fit the config) passes through.
     """
     where = os.path.join(self.directory, str(step))
+    _quiet_abandoned_reads()
     tries = 0
     while True:
       tries += 1
@@ -455,7 +485,6 @@ class Checkpointer:
         raise
       except Exception as e:  # noqa: BLE001  (sorted by _kind; the rest stops the run below)
         error, kind = e, _kind(e)
-        _quiet_abandoned_reads()
       kind = _KINDS[-int(multihost.minimum(-_KINDS.index(kind)))]
       if kind == _OK:
         return result, None

@@ -243,8 +243,10 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   `target`, for prompts of at most prompt_tokens tokens (0: data.seq_len - grpo.max_new_tokens):
   {'grpo': the step's shapes and what each device holds, 'update': `report`'s dict of the
   update, 'prefill' and 'decode': `call_report`'s dicts of the engine's largest prefill and its
-  decode call at the longest live context, 'decode_by_live': each live bucket's, 'rollout': the
-  calls a step makes at most, their roofline time and bytes per generated token}. hlo_path: the
+  decode call at the longest live context, 'decode_by_live': each live bucket's, 'score': the
+  scoring pass's with the calls a step makes (None without one), 'rollout': the calls a step
+  makes at most, their roofline time (the step's: the rollout, the scoring passes and
+  num_iterations updates) and bytes per generated token}. hlo_path: the
   update's HLO text.
 
   Raises PlanError (no CUDA plugin, too few CPU devices, prompts that leave no room, an update
@@ -309,16 +311,20 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
                          tokens_per_step=B * width, seq_len=width,
                          alongside={'engine cache': cache, **reference})
   # The scoring pass (a forward of the batch without gradient): once with beta > 0 (logp_ref) and
-  # once with num_iterations > 1 (logp_old), beside the train state and the engine's cache.
+  # once with num_iterations > 1 (logp_old), beside the engine's cache and the state but the params
+  # it scores (its argument): the train state with the reference's, the rest of it with the
+  # policy's (and the reference params, if held): the same total either way.
   scorings = int(g.beta > 0) + int(g.num_iterations > 1)
   score_report = None
   if scorings:
     t0 = time.perf_counter()
     score = objective.scorer(s, g.temperature).lower(
         s.abstract_state.params, objective.update_batch(s, width)).compile()
-    score_report = call_report(score, t, {'train state': memory.device_bytes(s.abstract_state),
-                                          'engine cache': cache, **reference},
-                               B * width, time.perf_counter() - t0)
+    state_bytes = memory.device_bytes(s.abstract_state)
+    beside = ({'train state': state_bytes} if g.beta else
+              {'train state less params': state_bytes - params})
+    score_report = call_report(score, t, {**beside, 'engine cache': cache}, B * width,
+                               time.perf_counter() - t0)
 
   # The rollout: the train state stays beside the engine's calls (its params copy is theirs).
   during_rollout = {'train state': memory.device_bytes(s.abstract_state), **reference}
@@ -378,8 +384,9 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
       'rollout': {'decode_calls': decode_calls, 'prefill_calls': prefill_calls,
                   'rollout_s': rollout_s, 'update_s': update_report['step_s'],
                   'updates_per_step': g.num_iterations,
-                  'scoring_s': scorings * score_report['call_s'] if score_report and
-                  score_report['call_s'] is not None else 0.0,
+                  'scoring_s': (0.0 if score_report is None else None
+                                if score_report['call_s'] is None
+                                else scorings * score_report['call_s']),
                   'step_s': step_s,
                   'generation_share': rollout_s / step_s if step_s else None,
                   'bytes_per_token': compiled_bytes / tokens,

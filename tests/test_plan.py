@@ -420,7 +420,7 @@ def _grpo_test_config(beta: float = 0.0, num_iterations: int = 1):
   return c
 
 
-@pytest.mark.parametrize('beta, num_iterations', [(0.0, 1), (0.04, 1), (0.04, 2)])
+@pytest.mark.parametrize('beta, num_iterations', [(0.0, 1), (0.04, 1), (0.0, 2), (0.04, 2)])
 def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta, num_iterations):
   r = plan.grpo_plan(_grpo_test_config(beta, num_iterations), target='cpu', num_devices=2,
                      prompt_tokens=10)
@@ -450,14 +450,21 @@ def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta, num_itera
   assert (r['rollout']['decode_calls'], r['rollout']['prefill_calls']) == (2, 2)
   assert update['fits'] and r['rollout']['rollout_s'] is None
   # The scoring passes: logp_ref with beta > 0, logp_old with num_iterations > 1, each a forward
-  # of the 16 rows beside the train state and the engine's cache.
+  # of the 16 rows; the params it scores are its argument, and beside it the engine's cache and
+  # the rest: the train state (beta > 0: it scores the reference) or the train state less the
+  # params (one copy of each params counted).
   scorings = int(beta > 0) + int(num_iterations > 1)
   assert r['rollout']['updates_per_step'] == num_iterations
   if not scorings:
-    assert r['score'] is None
+    assert r['score'] is None and r['rollout']['scoring_s'] == 0.0
   else:
-    assert r['score']['calls_per_step'] == scorings and r['score']['fits']
-    assert set(r['score']['alongside_gib']) == {'train state', 'engine cache', *reference}
+    score, state = r['score'], prefill['alongside_gib']['train state']
+    assert score['calls_per_step'] == scorings and score['fits']
+    assert score['argument_gib'] >= g['params_gib']
+    assert score['alongside_gib'] == pytest.approx(
+        {'train state': state, 'engine cache': g['engine_cache_gib']} if beta else
+        {'train state less params': state - g['params_gib'], 'engine cache': g['engine_cache_gib']})
+    assert r['rollout']['scoring_s'] is None  # no roofline for the CPU
 
 
 def test_the_engines_lowered_calls_are_the_ones_it_runs():
@@ -545,15 +552,15 @@ def test_xlarge_grpo_on_8_gpus_splits_the_rollout_over_them_and_fits(target):
 @requires_plugin
 def test_the_grpo_step_counts_its_scoring_passes_and_every_update():
   """xlarge on 8 H100s with beta > 0 and num_iterations 2: the step is the rollout, two scoring
-  passes (logp_ref, logp_old) and two updates, each compiled; the scoring fits beside the train
-  state, the engine's cache and the reference params."""
+  passes (logp_ref, logp_old) and two updates, each compiled; the scoring (of params it takes as
+  its argument) fits beside the train state and the engine's cache."""
   c = grpo_config.with_group(config_lib.preset('xlarge'))
   c.train.batch_size, c.grpo.num_samples, c.grpo.max_new_tokens = 128, 16, 512
   c.grpo.beta, c.grpo.num_iterations = 0.04, 2
   r = plan.grpo_plan(c, target='h100', num_devices=8, prompt_tokens=512)
   score, ro = r['score'], r['rollout']
   assert score['calls_per_step'] == 2 and score['fits']
-  assert set(score['alongside_gib']) == {'train state', 'engine cache', 'reference params'}
+  assert set(score['alongside_gib']) == {'train state', 'engine cache'}  # it scores the reference
   assert 0 < score['call_s'] < ro['update_s']  # a forward, no backward
   assert ro['step_s'] == pytest.approx(ro['rollout_s'] + 2 * score['call_s'] + 2 * ro['update_s'])
   assert ro['generation_share'] == pytest.approx(ro['rollout_s'] / ro['step_s'])
