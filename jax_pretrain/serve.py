@@ -343,37 +343,42 @@ class _Choice:
   def __init__(self, index: int, prompt: tuple[str, list[int]], prompt_logprobs, r):
     self.index, (self.prompt_text, self.prompt_ids) = index, prompt
     self.prompt_logprobs, self.echo, self.logprobs = prompt_logprobs, r.echo, r.logprobs
-    self.started, self.sent_text, self.sent_tokens = False, 0, 0
-    self.sent_chars = 0  # the length of the text of the tokens sent: seq.tokens[:sent_tokens]
+    self.started, self.sent_text = False, 0
+    # With logprobs: the tokens sent, seq.tokens[:sent_tokens], and the length of their text.
+    self.sent_tokens, self.sent_chars = 0, 0
 
   def final(self, seq: engine_lib.Sequence, tokenizer) -> dict:
+    ends = list(_text_ends(tokenizer, seq.tokens, 0, 0)) if self.logprobs is not None else []
     return {'index': self.index, 'text': (self.prompt_text if self.echo else '') + seq.text,
-            'logprobs': self._logprobs(tokenizer, seq, 0, 0, len(seq.tokens), self.echo),
+            'logprobs': self._logprobs(tokenizer, seq, 0, ends, self.echo),
             'finish_reason': seq.finish_reason}
 
   def delta(self, update: '_Update', tokenizer) -> dict:
     """What was not sent yet: the echoed prompt first, then the text that is final so far and
-    the tokens it covers; finish_reason at the end."""
+    (with logprobs) the tokens it covers; finish_reason at the end."""
     seq, text = update.seq, update.text
-    tokens = seq.tokens[:update.n_tokens]
-    end, chars = self.sent_tokens, self.sent_chars
-    for n, length in _text_ends(tokenizer, tokens, self.sent_tokens, self.sent_chars):
-      if not update.finish and length > len(text):
-        break
-      end, chars = n, length
+    ends: list[tuple[int, int]] = []  # (n, the text length of tokens[:n]) of the tokens covered
+    if self.logprobs is not None:
+      for n, length in _text_ends(tokenizer, seq.tokens[:update.n_tokens], self.sent_tokens,
+                                  self.sent_chars):
+        if not update.finish and length > len(text):
+          break
+        ends.append((n, length))
     echo = self.echo and not self.started
     out = {'index': self.index,
            'text': (self.prompt_text if echo else '') + text[self.sent_text:],
-           'logprobs': self._logprobs(tokenizer, seq, self.sent_tokens, self.sent_chars, end,
-                                      echo),
+           'logprobs': self._logprobs(tokenizer, seq, self.sent_chars, ends, echo),
            'finish_reason': update.finish}
-    self.started, self.sent_text, self.sent_tokens, self.sent_chars = True, len(text), end, chars
+    self.started, self.sent_text = True, len(text)
+    if ends:
+      self.sent_tokens, self.sent_chars = ends[-1]
     return out
 
-  def _logprobs(self, tokenizer, seq, start: int, start_chars: int, end: int,
+  def _logprobs(self, tokenizer, seq, start_chars: int, ends: list[tuple[int, int]],
                 with_prompt: bool) -> dict | None:
-    """OpenAI's logprobs object for new tokens [start, end) (the text of tokens[:start] is
-    start_chars long), after the prompt's when asked."""
+    """OpenAI's logprobs object for the new tokens that ends covers ((n, the text length of
+    tokens[:n]) for each, _text_ends'; the text before the first is start_chars long), after the
+    prompt's when asked."""
     if self.logprobs is None:
       return None
     ids, logprobs, tops = seq.tokens, seq.logprobs, seq.top_logprobs
@@ -396,9 +401,8 @@ class _Choice:
         offset = after
     base = len(self.prompt_text) if self.echo else 0
     offset = start_chars
-    for (k, _), (_, after) in zip(enumerate(ids[start:end], start),
-                                  _text_ends(tokenizer, ids[:end], start, start_chars)):
-      add(ids[k], logprobs[k], tops[k], base + offset)
+    for n, after in ends:
+      add(ids[n - 1], logprobs[n - 1], tops[n - 1], base + offset)
       offset = after
     return out
 
