@@ -409,8 +409,18 @@ class Checkpointer:
     because a config could not be read."""
     return self._newest('reading the config of', self.saved_config)
 
-  def _saved_digests(self, step: int) -> dict | None:
-    if 'digests' not in (self._manager.item_metadata(step) or {}):
+  def _state_metadata(self, step: int, abstract, key: str | None = None):
+    """The step's items' metadata, after checking that its state (or state[key]) has the shapes
+    of `abstract`; DamagedCheckpoint without a state directory."""
+    metadata = self._manager.item_metadata(step)
+    if 'state' not in metadata:
+      raise DamagedCheckpoint('its state directory is missing')
+    check_shapes(metadata['state'] if key is None else metadata['state'][key], abstract,
+                 f'checkpoint {os.path.join(self.directory, str(step))}')
+    return metadata
+
+  def _saved_digests(self, step: int, metadata) -> dict | None:
+    if 'digests' not in (metadata or {}):
       return None  # written before digests existed
     return dict(self._manager.restore(step, args=ocp.args.Composite(
         digests=ocp.args.JsonRestore()))['digests'])
@@ -425,14 +435,10 @@ class Checkpointer:
     starting over, every checkpoint kept as it is.
     """
     def restore(step: int):
-      metadata = self._manager.item_metadata(step)
-      if 'state' not in metadata:
-        raise DamagedCheckpoint('its state directory is missing')
-      check_shapes(metadata['state'], abstract_state,
-                   f'checkpoint {os.path.join(self.directory, str(step))}')
+      metadata = self._state_metadata(step, abstract_state)
       state = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state)))['state']
-      _verify(state, self._saved_digests(step))
+      _verify(state, self._saved_digests(step, metadata))
       return state
     return self._newest('restoring', restore)
 
@@ -540,13 +546,11 @@ class Checkpointer:
                                 abstract)
 
     def read():
-      metadata = self._manager.item_metadata(step)  # (damaged or unreadable: as the arrays)
-      if 'state' not in metadata:
-        raise DamagedCheckpoint('its state directory is missing')
-      check_shapes(metadata['state']['params'], abstract_params, where)
+      # (metadata damaged or unreadable: as the arrays)
+      metadata = self._state_metadata(step, abstract_params, key='params')
       params = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
           abstract, restore_args=restore_args, partial_restore=True)))['state']['params']
-      _verify(params, self._saved_digests(step), prefix='params/')
+      _verify(params, self._saved_digests(step, metadata), prefix='params/')
       return params
     try:
       params, damage = self._read(step, 'reading the params of', read)
