@@ -37,6 +37,7 @@ import numpy as np
 from jax_pretrain import cli
 from jax_pretrain import config as config_lib
 from jax_pretrain import engine as engine_lib
+from jax_pretrain import errors
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
@@ -257,13 +258,7 @@ def harness_failed(error: BaseException) -> bool:
   passing through our code again (JaxLM's methods, which the harness calls), nor chained to an
   exception that did.
   """
-  chain: list[BaseException] = []
-  seen: set[int] = set()
-  e: BaseException | None = error
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    chain.append(e)
-    e = e.__cause__ or e.__context__
+  chain = list(errors.chain(error))
   if any(isinstance(e, TaskError) for e in chain):
     return True
   modules = _modules(chain[0])  # the whole way down from our call

@@ -67,6 +67,8 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from jax_pretrain import errors
+
 DEFAULT_HEARTBEAT_TIMEOUT = 60  # seconds without a heartbeat after which a process is lost
 EXIT_LOST_PEER = 1
 
@@ -268,14 +270,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 def _from_lost_peer(error: BaseException) -> bool:
   """Whether an error may come from a peer that went away (a failed collective)."""
-  seen = set()
-  e: BaseException | None = error
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    if _PEER_ERROR.search(f'{type(e).__name__}: {e}'):
-      return True
-    e = e.__cause__ or e.__context__
-  return False
+  return any(_PEER_ERROR.search(f'{type(e).__name__}: {e}') for e in errors.chain(error))
 
 
 @contextlib.contextmanager
