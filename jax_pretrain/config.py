@@ -622,6 +622,12 @@ def unescape(text: str) -> str:
   return text.encode('latin-1', 'backslashreplace').decode('unicode_escape')
 
 
+def stop_strings(text: str) -> tuple[str, ...]:
+  """A stop-string setting (grpo.stop, evaluate --stop) as the engine takes it: its escapes read
+  ('\\n' -> a newline); () for ''."""
+  return (unescape(text),) if text else ()
+
+
 def profile_steps(t: TrainConfig) -> tuple[int, int] | None:
   """train.profile_steps 'START:STOP' -> (START, STOP), the steps traced, both included; '' ->
   None. Raises ConfigError on anything else."""

@@ -131,7 +131,7 @@ def main_task(f) -> None:
                       f.max_new_tokens)
   eng = engine_lib.Engine(run.config.model, run.params, run.tokenizer,
                           slots=16, context=context)
-  stop = (config_lib.unescape(f.stop),) if f.stop else ()
+  stop = config_lib.stop_strings(f.stop)
   scored = task_rewards(eng, items, reward, f.max_new_tokens, stop)
   rewards = [r for _, r in scored]
   accuracy, mean = tasks.accuracy(rewards), sum(rewards) / len(rewards)

@@ -152,8 +152,7 @@ def layout_candidates(dp: int, d_model: int, fsdp: int, remat: str, fsdp_auto: b
   it does; with remat_auto: the resolve's choice, then 'full' (only the layers' inputs kept)."""
   fsdps = [fsdp]
   if fsdp_auto:
-    fsdps = sorted({f for f in [*(2**i for i in range(dp.bit_length())), dp]
-                    if f >= fsdp and dp % f == 0 and d_model % f == 0})
+    fsdps = [f for f in micro_batch_candidates(dp) if f >= fsdp and d_model % f == 0]
   remats = [remat] + (['full'] if remat_auto and remat != 'full' else [])
   return [(f, r) for f in fsdps for r in remats]
 

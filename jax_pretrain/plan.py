@@ -254,7 +254,6 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   """
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import engine as engine_lib  # noqa: PLC0415
-  from jax_pretrain import state as state_lib  # noqa: PLC0415
   from jax_pretrain.grpo import config as grpo_config  # noqa: PLC0415
   from jax_pretrain.grpo import objective  # noqa: PLC0415
   from jax_pretrain.grpo import rollout  # noqa: PLC0415
@@ -275,35 +274,32 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
     raise PlanError(f'--grpo_prompt_tokens={prompt_tokens} with grpo.max_new_tokens='
                     f'{g.max_new_tokens} do not fit data.seq_len={T}.')
   context = objective.engine_context(resolved, prompt_tokens)
-  model_config = resolved.model
-  cache = engine_lib.cache_bytes(model_config, objective.rollout_slots(resolved), context,
-                                 len(devices))
+  cache = objective.engine_cache_bytes(resolved, prompt_tokens, len(devices))
   # As train.train chooses it for GRPO (grpo.program.GRPO's update): the update's own rows and
   # loss, with room left for the engine's cache.
   width = objective.update_width(resolved, prompt_tokens)
-  resolved, run, fitted = memory.fit_micro_batch(
-      config, resolved, run, devices, t, alongside=cache,
-      batch=lambda s: objective.update_batch(s, width), loss=objective.update_loss_fn)
-  s = state_lib.build(resolved, run, devices)
-  eng = engine_lib.Engine(model_config, s.abstract_state.params,
-                          _Vocabulary(resolved.model.vocab_size),
-                          slots=objective.rollout_slots(resolved), context=context,
-                          chunk=rollout.ROLLOUT_CHUNK, mesh=s.mesh)
-  params = memory.device_bytes(s.abstract_state.params)
-  reference = {'reference params': params} if g.beta else {}
-
-  t0 = time.perf_counter()
-  step = state_lib.jit_train_step(s, -1, objective.update_loss_fn(s))
+  update_batch = lambda s: objective.update_batch(s, width)
   try:
-    lowered = step.lower(s.abstract_state, objective.update_batch(s, width))
+    resolved, run, fitted = memory.fit_micro_batch(
+        config, resolved, run, devices, t, alongside=cache, batch=update_batch,
+        loss=objective.update_loss_fn)
+    t0 = time.perf_counter()
+    s, update = memory.compile_step(resolved, run, devices, batch=update_batch,
+                                    loss=objective.update_loss_fn)
   except NotImplementedError as e:
     if resolved.model.attention != 'cudnn':
       raise
     raise PlanError(f"the GRPO update does not compile with model.attention='cudnn' (rows of "
                     f'{width} tokens: {width - 1} inputs): {e}; --config.model.attention=xla '
                     'plans it.') from None
-  update = lowered.compile()
   update_s = time.perf_counter() - t0
+  eng = engine_lib.Engine(resolved.model, s.abstract_state.params,
+                          _Vocabulary(resolved.model.vocab_size),
+                          slots=objective.rollout_slots(resolved), context=context,
+                          chunk=rollout.ROLLOUT_CHUNK, mesh=s.mesh)
+  params = memory.device_bytes(s.abstract_state.params)
+  state_bytes = memory.device_bytes(s.abstract_state)
+  reference = {'reference params': params} if g.beta else {}
   if hlo_path:
     with open(hlo_path, 'w', encoding='utf-8') as f:
       f.write(update.as_text())
@@ -319,15 +315,14 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   if scorings:
     t0 = time.perf_counter()
     score = objective.scorer(s, g.temperature).lower(
-        s.abstract_state.params, objective.update_batch(s, width)).compile()
-    state_bytes = memory.device_bytes(s.abstract_state)
+        s.abstract_state.params, update_batch(s)).compile()
     beside = ({'train state': state_bytes} if g.beta else
               {'train state less params': state_bytes - params})
     score_report = call_report(score, t, {**beside, 'engine cache': cache}, B * width,
                                time.perf_counter() - t0)
 
   # The rollout: the train state stays beside the engine's calls (its params copy is theirs).
-  during_rollout = {'train state': memory.device_bytes(s.abstract_state), **reference}
+  during_rollout = {'train state': state_bytes, **reference}
   rows, length = eng.largest_prefill(prompt_tokens)
   t0 = time.perf_counter()
   prefill = eng.lower_prefill(rows, length).compile()
@@ -353,14 +348,15 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   else:
     rollout_s = None
   # The whole step: the rollout, its scoring passes and num_iterations updates.
+  scoring_s = (0.0 if score_report is None else None if score_report['call_s'] is None
+               else scorings * score_report['call_s'])
   step_s = None
-  if rollout_s is not None and update_report['step_s'] is not None:
-    step_s = (rollout_s + scorings * (score_report['call_s'] if score_report else 0.0)
-              + g.num_iterations * update_report['step_s'])
+  if rollout_s is not None and scoring_s is not None and update_report['step_s'] is not None:
+    step_s = rollout_s + scoring_s + g.num_iterations * update_report['step_s']
   # Bytes per generated token, per device: the compiled decode's against the least a step must
   # read (the bf16 weights once, and each row's live keys and values once).
   weights = memory.device_bytes(eng.params)
-  kv_token = engine_lib.cache_bytes(model_config, 1, 1, 1) - model_config.vocab_size * 4
+  kv_token = engine_lib.cache_bytes(resolved.model, 1, 1, 1) - resolved.model.vocab_size * 4
   tokens = eng.local_slots * g.max_new_tokens  # a wave's, per device
   compiled_bytes = sum(d['calls_per_wave'] * d['hbm_bytes_per_call']
                        for d in decode_reports.values())
@@ -384,9 +380,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
       'rollout': {'decode_calls': decode_calls, 'prefill_calls': prefill_calls,
                   'rollout_s': rollout_s, 'update_s': update_report['step_s'],
                   'updates_per_step': g.num_iterations,
-                  'scoring_s': (0.0 if score_report is None else None
-                                if score_report['call_s'] is None
-                                else scorings * score_report['call_s']),
+                  'scoring_s': scoring_s,
                   'step_s': step_s,
                   'generation_share': rollout_s / step_s if step_s else None,
                   'bytes_per_token': compiled_bytes / tokens,

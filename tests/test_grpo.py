@@ -631,6 +631,7 @@ def test_stop_strings_read_escapes_and_keep_other_characters():
   assert config_lib.unescape('\\n') == '\n' and config_lib.unescape('é→\\t') == 'é→\t'
   with pytest.raises(ValueError):
     config_lib.unescape('a\\')
+  assert config_lib.stop_strings('\\n') == ('\n',) and config_lib.stop_strings('') == ()
 
 
 def _free_port() -> int:

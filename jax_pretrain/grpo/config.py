@@ -110,7 +110,3 @@ def of(c: config_lib.Config) -> GrpoTrainConfig:
                                  '--config=configs/grpo.py:RUN (or :PRESET).')
   return c
 
-
-def stop_strings(g: GrpoConfig) -> tuple[str, ...]:
-  """grpo.stop with its backslash escapes read ('\\n' -> a newline); () for ''."""
-  return (config_lib.unescape(g.stop),) if g.stop else ()

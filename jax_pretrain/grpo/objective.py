@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_pretrain import config as config_lib
+from jax_pretrain import engine as engine_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain.grpo import config as grpo_config
 
@@ -95,22 +96,31 @@ def token_terms(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: ja
   return per_token_BxT, clipped_BxT < unclipped_BxT, kl_BxT
 
 
+def masked_sums(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array,
+                mask_BxT: jax.Array, ref_logp_BxT: jax.Array | None = None,
+                **terms) -> tuple[jax.Array, jax.Array, dict]:
+  """(loss_t summed over the completion tokens (mask_BxT 1), their count, {clip_fraction[, kl]}
+  summed over them); terms: token_terms' keywords."""
+  per_token_BxT, clipped_BxT, kl_BxT = token_terms(logp_BxT, old_logp_BxT, advantages_BxT,
+                                                   ref_logp_BxT, **terms)
+  sums = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT)}
+  if kl_BxT is not None:
+    sums['kl'] = jnp.sum(kl_BxT * mask_BxT)
+  return jnp.sum(per_token_BxT * mask_BxT), jnp.sum(mask_BxT), sums
+
+
 def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Array,
               mask_BxT: jax.Array, ref_logp_BxT: jax.Array | None = None, *,
               epsilon: float, epsilon_high: float = 0.0, beta: float = 0.0,
               bias_correction_kl: bool = True) -> tuple[jax.Array, dict]:
   """(loss, metrics) of the formula above: B completions (rows), T token positions; mask_BxT 1 at
   completion tokens (prompt and padding 0). logp_BxT is differentiated; the rest are constants."""
-  mask_BxT = mask_BxT.astype(jnp.float32)
   a_BxT = jnp.broadcast_to(advantages_B.astype(jnp.float32)[:, None], logp_BxT.shape)
-  per_token_BxT, clipped_BxT, kl_BxT = token_terms(
-      logp_BxT, old_logp_BxT, a_BxT, ref_logp_BxT, epsilon=epsilon, epsilon_high=epsilon_high,
-      beta=beta, bias_correction_kl=bias_correction_kl)
-  tokens = jnp.maximum(jnp.sum(mask_BxT), 1.0)
-  metrics = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT) / tokens}
-  if kl_BxT is not None:
-    metrics['kl'] = jnp.sum(kl_BxT * mask_BxT) / tokens
-  return jnp.sum(per_token_BxT * mask_BxT) / tokens, metrics
+  loss_sum, count, sums = masked_sums(
+      logp_BxT, old_logp_BxT, a_BxT, mask_BxT.astype(jnp.float32), ref_logp_BxT, epsilon=epsilon,
+      epsilon_high=epsilon_high, beta=beta, bias_correction_kl=bias_correction_kl)
+  tokens = jnp.maximum(count, 1.0)
+  return loss_sum / tokens, {k: v / tokens for k, v in sums.items()}
 
 
 def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_kl: bool = True,
@@ -132,15 +142,12 @@ def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_k
     held_BxT = jax.lax.stop_gradient(logp_BxT)
     at_one_BxT = jax.lax.stop_gradient(untempered[0]) if untempered else held_BxT
     mask_BxT = batch['mask']
-    per_token_BxT, clipped_BxT, kl_BxT = token_terms(
-        logp_BxT, batch.get('old_logp', held_BxT), batch['advantages'], batch.get('ref_logp'),
-        epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
+    loss_sum, count, sums = masked_sums(
+        logp_BxT, batch.get('old_logp', held_BxT), batch['advantages'], mask_BxT,
+        batch.get('ref_logp'), epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
         bias_correction_kl=bias_correction_kl)
-    sums = {'clip_fraction': jnp.sum(clipped_BxT * mask_BxT),
-            'logp_mismatch': jnp.sum(jnp.abs(at_one_BxT - batch['rollout_logp']) * mask_BxT)}
-    if kl_BxT is not None:
-      sums['kl'] = jnp.sum(kl_BxT * mask_BxT)
-    return jnp.sum(per_token_BxT * mask_BxT), (jnp.sum(mask_BxT), sums)
+    sums['logp_mismatch'] = jnp.sum(jnp.abs(at_one_BxT - batch['rollout_logp']) * mask_BxT)
+    return loss_sum, (count, sums)
   return loss_fn
 
 
@@ -212,5 +219,12 @@ def engine_context(c: grpo_config.GrpoTrainConfig, longest_prompt: int) -> int:
   """Tokens per row of the engine's cache: the longest prompt + grpo.max_new_tokens (what a
   completion can reach), not data.seq_len."""
   return longest_prompt + c.grpo.max_new_tokens
+
+
+def engine_cache_bytes(c: grpo_config.GrpoTrainConfig, longest_prompt: int,
+                       num_devices: int) -> float:
+  """Bytes a device holds of the engine's cache (kept between rollouts, so beside the update)."""
+  return engine_lib.cache_bytes(c.model, rollout_slots(c), engine_context(c, longest_prompt),
+                                num_devices)
 
 

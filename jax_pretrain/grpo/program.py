@@ -129,9 +129,7 @@ class GRPO(train_lib.Program[TaskSources, TaskData, 'Step']):
   def alongside(self, resolved: config_lib.Config, sources: TaskSources,
                 num_devices: int) -> float:
     """The engine's cache stays allocated beside the update (kept between rollouts)."""
-    c = grpo_config.of(resolved)
-    return engine_lib.cache_bytes(c.model, objective.rollout_slots(c),
-                                  objective.engine_context(c, sources.longest()), num_devices)
+    return objective.engine_cache_bytes(grpo_config.of(resolved), sources.longest(), num_devices)
 
   def open_data(self, resolved: config_lib.Config, sources: TaskSources,
                 step: int) -> TaskData:
@@ -208,7 +206,7 @@ class Step:
     self.s, self.data, self.update, self.engine = s, data, update, eng
     self.ref, self.score = ref, score  # (the reference params or None; objective.scorer's or None)
     self.g = grpo_config.of(s.config).grpo
-    self.stop = grpo_config.stop_strings(self.g)
+    self.stop = config_lib.stop_strings(self.g.stop)
     # This process's totals; GRPOLogger reports their growth between logged steps.
     self.counters = dict.fromkeys(COUNTERS, 0.0)
 
@@ -234,10 +232,13 @@ class Step:
         'tokens': r.tokens_BxT1, 'mask': r.mask_BxT, 'rollout_logp': r.logp_BxT,
         'advantages': np.broadcast_to(advantages_B[:, None], r.mask_BxT.shape).copy()}.items()}
     t2 = time.perf_counter()  # (scoring the rewards is neither generating nor updating)
+    # The scorer reads the tokens alone: one compiled program for both passes (the batch they
+    # are added to changes its structure).
+    tokens = {'tokens': batch['tokens']}
     if self.ref is not None:
-      batch['ref_logp'] = self.score(self.ref, batch)
+      batch['ref_logp'] = self.score(self.ref, tokens)
     if g.num_iterations > 1:  # logp_old: the params that sampled, before the first update
-      batch['old_logp'] = self.score(state.params, batch)
+      batch['old_logp'] = self.score(state.params, tokens)
     updates = []
     for _ in range(g.num_iterations):
       state, metrics = self.update(state, batch)
@@ -267,7 +268,7 @@ def task_eval_hooks(ctx: train_lib.Context[TaskData, 'Step'], eng) -> list[loop_
     eng.set_params(params)
     rewards = [r for _, r in evaluate.task_rewards(eng, sources.eval_items, sources.reward,
                                                    g.max_new_tokens,
-                                                   grpo_config.stop_strings(g))]
+                                                   config_lib.stop_strings(g.stop))]
     eng.set_params(None)  # (as after a rollout: the update needs the memory)
     scalars = {'eval/accuracy': tasks.accuracy(rewards), 'eval/reward': float(np.mean(rewards))}
     ctx.logger.write(step, scalars)
