@@ -60,7 +60,7 @@ def resolve_tokenizer(setting: str, sources: list[sources_lib.Source], model_voc
     tok = tokenizer_lib.IdTokenizer(v - 1, eos_id=v - 2, bos_id=v - 3)  # pad: v - 1
   for d in declared:
     identity = d.record.get('tokenizer')
-    if identity and identity != tok.identity:
+    if identity and identity not in (tok.identity, getattr(tok, 'former_identity', None)):
       raise DataError(f'{d.where}: was tokenized with {identity}, but the tokenizer is '
                       f'{tok.identity} ({tok.path or "from the data"}). Use one tokenizer for '
                       'all sources (data.tokenizer, or re-run prepare_data.py).')

@@ -36,10 +36,15 @@ class ByteTokenizer:
 
 
 def _with_appended_specials(num_pieces: int, ids: list[int | None]) -> tuple[list[int], int]:
-  """Special ids a model lacks (-1 or None) get fresh ids after its pieces; returns (ids,
-  vocab_size)."""
+  """[bos, eos, pad] with the ids a model lacks (-1 or None) appended after its pieces; returns
+  (ids, vocab_size). A pad equal to BOS or EOS (GPT-2-derived tokenizer_config.json files name EOS
+  as pad) is treated as missing: the loss ignores pad targets and sampling never draws pad, so a
+  shared id would make EOS untrainable and unreachable. BOS may equal EOS."""
+  bos, eos, pad = ids
+  if pad is not None and pad >= 0 and pad in (bos, eos):
+    pad = None
   out, next_id = [], num_pieces
-  for i in ids:
+  for i in (bos, eos, pad):
     if i is None or i < 0:
       i, next_id = next_id, next_id + 1
     out.append(int(i))
@@ -117,8 +122,9 @@ class HfTokenizer:
   encode() applies the file's own post-processor, as AutoTokenizer does by default and as the
   model was trained: Llama 3's prepends <|begin_of_text|>, so a document is BOS text EOS. BOS,
   EOS and pad are the tokens that tokenizer_config.json (or special_tokens_map.json) beside the
-  file names, or ids given by a record; a missing BOS is EOS, and a missing pad is appended after
-  the vocabulary (as for sentencepiece), so pad never collides with a real token.
+  file names, or ids given by a record; a missing BOS is EOS, and a missing pad (or one that is
+  EOS or BOS) is appended after the vocabulary (as for sentencepiece), so pad never collides with
+  a real token.
   """
   file_name = 'tokenizer.json'  # its name where a record keeps it (tokenizer.save)
 
@@ -143,8 +149,14 @@ class HfTokenizer:
       special_ids = self._special_ids_from_config()
     (self.bos_id, self.eos_id, self.pad_id), self.vocab_size = _with_appended_specials(
         self.num_pieces, list(special_ids))
-    digest = hashlib.sha256(data + json.dumps([self.bos_id, self.eos_id, self.pad_id]).encode())
-    self.identity = 'tokenizers:' + digest.hexdigest()[:16]
+
+    def identity(ids) -> str:
+      return 'tokenizers:' + hashlib.sha256(data + json.dumps(list(ids)).encode()).hexdigest()[:16]
+    self.identity = identity([self.bos_id, self.eos_id, self.pad_id])
+    # Before pad got an id of its own where the files name EOS (or BOS) as pad, this tokenizer
+    # had the shared id: data prepared and runs saved then recorded that identity; they still load.
+    self.former_identity = (identity(special_ids) if special_ids[2] in special_ids[:2]
+                            else self.identity)
 
   def _special_ids_from_config(self) -> tuple[int, int, int]:
     tokens = hf_special_tokens(os.path.dirname(os.path.abspath(self.path)))
@@ -287,7 +299,7 @@ def from_record(rec: dict, directory: str, where: str):
     # A tokenizer.json's special ids are the record's (its tokenizer_config.json is not kept).
     tok = (HfTokenizer(path, (rec['bos_id'], rec['eos_id'], rec['pad_id'])) if kind is HfTokenizer
            else SentencePieceTokenizer(path))
-    if tok.identity != identity:
+    if identity not in (tok.identity, getattr(tok, 'former_identity', None)):
       raise DataError(f'{where}: records tokenizer {identity}, but {path} is {tok.identity}.')
     return tok
   if identity.startswith('ids:'):  # ids:N:eos=E (N excludes appended specials)
