@@ -17,6 +17,7 @@ and the numbers that disagree. Everything downstream reads that `Config` (the mo
 ModelConfig: model.Transformer) and never re-derives.
 """
 import dataclasses
+import importlib
 import importlib.util
 import json
 import math
@@ -292,10 +293,13 @@ class Group:
   """A program's own config group (e.g. grpo's, jax_pretrain/grpo/config.py): `config`, the
   program's Config (a subclass of Config with the group as its field `name`), and `resolve`, the
   check of the group's resolved values. A config has the group only where the program's config
-  adds it (defaults(group)); resolve checks it there."""
+  adds it (defaults(group)); resolve checks it there. `config_file` and `program` say where the
+  group comes from (an override of its fields on another config names them)."""
   name: str
   config: type[Config]
   resolve: Callable[[Any], None]
+  config_file: str = ''  # e.g. 'configs/grpo.py:PRESET'
+  program: str = ''  # e.g. 'python -m jax_pretrain.grpo'
 
   @property
   def cls(self) -> type:
@@ -310,6 +314,15 @@ def register(group: Group) -> Group:
   """Makes a program's group known to from_dict, resolve and resume_changes."""
   _PROGRAM_GROUPS[group.name] = group
   return group
+
+
+def program_group(name: str) -> Group | None:
+  """The program group of this name, its module (jax_pretrain/NAME/config.py, which registers
+  it) loaded if it was not; None when no program has such a group."""
+  module = os.path.join(os.path.dirname(os.path.abspath(__file__)), name, 'config.py')
+  if name not in _PROGRAM_GROUPS and name.isidentifier() and os.path.isfile(module):
+    importlib.import_module(f'jax_pretrain.{name}.config')
+  return _PROGRAM_GROUPS.get(name)
 
 
 def defaults(*groups: Group) -> ml_collections.ConfigDict:
