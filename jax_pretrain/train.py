@@ -334,7 +334,7 @@ def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, p
   program.check(resolved, sources)
   with _claim(workdir):
     ck = resolved.checkpoint
-    stop = signals.StopSignal(check_every=resolved.train.log_every)
+    stop = signals.StopSignal()
     checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
                                                async_save=ck.async_save)
     aborted = False
