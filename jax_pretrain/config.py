@@ -262,6 +262,10 @@ class CheckpointConfig:
   keep_best: int = field(3, SAFE, 'and also the best this many by eval loss (0: none)')
   async_save: bool = field(True, SAFE, 'write in the background while training continues')
   save_final: bool = field(True, SAFE, 'save the state at the end of training')
+  start_over: bool = field(False, SAFE, 'train from step 0 in a workdir whose history '
+      '(metrics.jsonl, config_history.jsonl, tensorboard/) records steps but that holds no '
+      'checkpoint; its metrics so far move to metrics.discarded.jsonl (False: such a workdir stops '
+      'the run, as its checkpoints may be missing)')
 
 
 @dataclasses.dataclass(frozen=True)

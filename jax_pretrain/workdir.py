@@ -26,6 +26,7 @@ import ml_collections
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
+from jax_pretrain import metrics as metrics_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.errors import UserError
@@ -77,6 +78,28 @@ def record_launch(workdir: str, step: int, changes: dict[str, tuple]) -> None:
            'changes': {k: list(v) for k, v in changes.items()}}
   with open(os.path.join(workdir, HISTORY_FILE), 'a', encoding='utf-8') as f:
     f.write(json.dumps(entry) + '\n')
+
+
+def check_history(workdir: str, checkpoints: str) -> None:
+  """Refuses to train from step 0 in a workdir whose history records training (scalars of a step
+  > 0, a launch that resumed from one) while `checkpoints` holds none: they were moved or
+  deleted, their volume is not mounted, or the run was killed before its first save. Starting
+  over would mix two runs in one history, in silence; checkpoint.start_over=True asks for it."""
+  found = metrics_lib.last_logged_step(workdir)
+  path = os.path.join(workdir, HISTORY_FILE)
+  if found is None and os.path.isfile(path):
+    with open(path, encoding='utf-8') as f:
+      resumed = max((json.loads(line).get('start_step', 0) for line in f if line.strip()),
+                    default=0)
+    found = (resumed, path) if resumed > 0 else None
+  if found is not None:
+    step, where = found
+    raise WorkdirError(
+        f'{where} records training to step {step}, but {checkpoints} holds no checkpoint (moved '
+        'or deleted? a volume not mounted? killed before its first save?). Put the checkpoints '
+        'back and run the same command to resume; or, to train from step 0 in this workdir on '
+        'purpose, add --config.checkpoint.start_over=True (the metrics so far move to '
+        'metrics.discarded.jsonl), or give a new --workdir.')
 
 
 def write_config(workdir: str, config: config_lib.Config) -> None:
