@@ -335,6 +335,8 @@ def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, p
   program.check(resolved, sources)
   with _on_main(workdir, workdir_lib.claim, workdir) or contextlib.nullcontext():
     ck = resolved.checkpoint
+    if not ck.start_over:  # a history without checkpoints: no silent restart (before any write)
+      _on_main(workdir, workdir_lib.check_history, workdir)
     stop = signals.StopSignal()
     checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
                                                async_save=ck.async_save)
@@ -342,8 +344,6 @@ def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, p
     lp = None
     try:
       saved = _saved_config(checkpointer)
-      if saved is None and not ck.start_over:  # a history and no checkpoint: no silent restart
-        _on_main(workdir, workdir_lib.check_history, workdir, checkpointer.directory)
       # Refuses a change that does not fit the checkpoint, before any work.
       changes = config_lib.resume_changes(saved, resolved) if saved else {}
       # train.micro_batch_size=0 on a GPU: a few compiles choose it (and the FSDP and remat where

@@ -80,11 +80,16 @@ def record_launch(workdir: str, step: int, changes: dict[str, tuple]) -> None:
     f.write(json.dumps(entry) + '\n')
 
 
-def check_history(workdir: str, checkpoints: str) -> None:
+def check_history(workdir: str) -> None:
   """Refuses to train from step 0 in a workdir whose history records training (scalars of a step
-  > 0, a launch that resumed from one) while `checkpoints` holds none: they were moved or
-  deleted, their volume is not mounted, or the run was killed before its first save. Starting
-  over would mix two runs in one history, in silence; checkpoint.start_over=True asks for it."""
+  > 0, a launch that resumed from one) while WORKDIR/checkpoints holds no step, complete or set
+  aside: they were moved or deleted, their volume is not mounted, or the run was killed before
+  its first save. Starting over would mix two runs in one history, in silence;
+  checkpoint.start_over=True asks for it. Reads the directory only: nothing is created."""
+  checkpoints = os.path.join(workdir, checkpoint_lib.DIRECTORY)
+  names = os.listdir(checkpoints) if os.path.isdir(checkpoints) else []
+  if any(name.removesuffix(checkpoint_lib.DAMAGED_SUFFIX).isdigit() for name in names):
+    return  # (restored, or each found damaged: checkpoint.Checkpointer says)
   found = metrics_lib.last_logged_step(workdir)
   path = os.path.join(workdir, HISTORY_FILE)
   if found is None and os.path.isfile(path):

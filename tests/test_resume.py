@@ -141,6 +141,7 @@ def test_a_workdir_whose_checkpoints_are_gone_stops_and_writes_nothing_until_tol
     assert str(e.value) == f'{tmp_path}/{record} records training to step {step}{advice}'
     assert (tmp_path / 'config_history.jsonl').read_text() == history  # nothing appended
     assert not (tmp_path / 'metrics.discarded.jsonl').exists()
+    assert not (tmp_path / 'checkpoints').exists()  # (nothing to trip a `mv` putting them back)
     if record != 'config_history.jsonl':
       shutil.move(tmp_path / record, tmp_path / f'moved.{record}')  # the next record alone
   assert not (tmp_path / 'metrics.jsonl').exists() and not (tmp_path / 'tensorboard').exists()
