@@ -420,7 +420,7 @@ class Checkpointer:
 
   def _state_metadata(self, step: int, abstract, key: str | None = None):
     """The step's items' metadata, after checking that its state (or state[key]) has the shapes
-    of `abstract`; DamagedCheckpoint without a state directory."""
+    of `abstract`; FileNotFoundError without a state directory."""
     metadata = self._manager.item_metadata(step)
     if 'state' not in metadata:
       raise FileNotFoundError('its state directory is missing')
@@ -520,7 +520,8 @@ class Checkpointer:
         continue
       if kind in (_MISSING, _DAMAGED):
         return None, error
-      tries += kind == _TRANSIENT
+      if kind == _TRANSIENT:
+        tries += 1
       if kind == _TRANSIENT and tries <= len(RETRY_DELAYS):
         delay = RETRY_DELAYS[tries - 1]
         logging.warning('%s checkpoint %s: %s; trying again in %g s (try %d of %d).', what, where,

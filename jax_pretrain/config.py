@@ -17,7 +17,6 @@ and the numbers that disagree. Everything downstream reads that `Config` (the mo
 ModelConfig: model.Transformer) and never re-derives.
 """
 import dataclasses
-import importlib
 import importlib.util
 import json
 import math

@@ -189,9 +189,9 @@ class MetricWriter:
       self._jsonl.close()
 
 
-def _rows(path: str):
-  """(line, row) of each line of a metrics.jsonl that reads (a line cut short by a crash does
-  not)."""
+def jsonl_rows(path: str):
+  """(line, row) of each line of a JSONL file (metrics.jsonl, config_history.jsonl) that reads
+  (a line cut short by a crash does not)."""
   with open(path, encoding='utf-8') as f:
     for line in f:
       try:
@@ -206,7 +206,7 @@ def _truncate_jsonl(path: str, discarded: str, start_step: int) -> None:
     return
   kept: dict[int, dict] = {}
   later = []
-  for line, row in _rows(path):
+  for line, row in jsonl_rows(path):
     if row.get('step', 0) <= start_step:
       kept[row['step']] = {**kept.get(row['step'], {}), **row}
     else:
@@ -224,8 +224,9 @@ def last_logged_step(workdir: str) -> tuple[int, str] | None:
   workdir: metrics.jsonl, or TensorBoard's event files when metrics.jsonl holds no step > 0
   (they are read only then: they are the slower to read); None when neither holds one."""
   path = os.path.join(workdir, JSONL)
-  step = max((row.get('step', 0) for _, row in _rows(path)), default=0) if os.path.isfile(
-      path) else 0
+  step = 0
+  if os.path.isfile(path):
+    step = max((row.get('step', 0) for _, row in jsonl_rows(path)), default=0)
   if step > 0:
     return step, path
   directory = os.path.join(workdir, TENSORBOARD)
@@ -236,8 +237,9 @@ def last_logged_step(workdir: str) -> tuple[int, str] | None:
   except ImportError:  # (then nothing wrote event files here either)
     return None
   for name in os.listdir(directory):
-    loader = event_file_loader.EventFileLoader(os.path.join(directory, name))
-    step = max([step, *(e.step for e in loader.Load() if e.WhichOneof('what') == 'summary')])
+    if os.path.isfile(os.path.join(directory, name)):
+      events = event_file_loader.EventFileLoader(os.path.join(directory, name)).Load()
+      step = max([step, *(e.step for e in events if e.WhichOneof('what') == 'summary')])
   return (step, directory) if step > 0 else None
 
 

@@ -8,6 +8,8 @@ evaluation, export and import read.
   WORKDIR/checkpoints/   orbax checkpoints (checkpoint.py)
   WORKDIR/metrics.jsonl, WORKDIR/tensorboard/   scalars (metrics.py)
 
+`check_history(workdir)` refuses training from step 0 where the history above records training
+but `checkpoints/` holds no step (moved, not mounted): no run restarts in silence.
 `load(workdir)` gives a `Trained` run: config, params of its latest (or a given) checkpoint, and
 tokenizer, on this machine's devices. `create(...)` writes a step-0 run from given params (an
 imported Hugging Face model), which training can continue from.
@@ -93,9 +95,8 @@ def check_history(workdir: str) -> None:
   found = metrics_lib.last_logged_step(workdir)
   path = os.path.join(workdir, HISTORY_FILE)
   if found is None and os.path.isfile(path):
-    with open(path, encoding='utf-8') as f:
-      resumed = max((json.loads(line).get('start_step', 0) for line in f if line.strip()),
-                    default=0)
+    resumed = max((row.get('start_step', 0) for _, row in metrics_lib.jsonl_rows(path)),
+                  default=0)
     found = (resumed, path) if resumed > 0 else None
   if found is not None:
     step, where = found
