@@ -12,8 +12,10 @@ What can go wrong, and what happens:
   removed. Before each save the free space is compared with the state's size.
 - A complete-looking checkpoint whose files are damaged (missing, truncated, undecodable: see
   `_kind`), or whose arrays do not match the digests computed on the device when it was saved, is
-  moved to STEP.damaged and the previous one is used. When every checkpoint is damaged the run stops
-  rather than start over from step 0.
+  moved to STEP.damaged and the previous one is used. A file not found is first read again once
+  after the step's directories were listed again (a network file system's client may have cached
+  an old listing). When every checkpoint is damaged the run stops rather than start over from
+  step 0.
 - Any other failure to read a checkpoint (an I/O error, a device out of memory, an orbax error)
   says nothing about the files: the run stops naming the step and the cause, and no checkpoint is
   moved. Transient I/O errors (EIO, a stale NFS handle, a timeout) are first tried again
@@ -132,12 +134,13 @@ def _size(num_bytes: float) -> str:
 
 # What a failed read says about the checkpoint, from least to most serious: when processes differ,
 # the most serious one is what they all do.
-_OK, _DAMAGED, _TRANSIENT, _OTHER = 'ok', 'damaged', 'transient', 'other'
-_KINDS = (_OK, _DAMAGED, _TRANSIENT, _OTHER)
+_OK, _MISSING, _DAMAGED, _TRANSIENT, _OTHER = 'ok', 'missing', 'damaged', 'transient', 'other'
+_KINDS = (_OK, _MISSING, _DAMAGED, _TRANSIENT, _OTHER)
 # tensorstore raises ValueError for every failure; its message starts with the status code (none
 # for INVALID_ARGUMENT) and ends with [os_error_code='N'] when a system call failed.
 _TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='?(\d+)")
-_TENSORSTORE_DAMAGED = re.compile(r'^(NOT_FOUND|OUT_OF_RANGE|DATA_LOSS): |Truncated|decompress|'
+_TENSORSTORE_MISSING = re.compile(r'^NOT_FOUND: ')
+_TENSORSTORE_DAMAGED = re.compile(r'^(OUT_OF_RANGE|DATA_LOSS): |Truncated|decompress|'
                                   r'Error decoding|Invalid JSON')
 _TENSORSTORE_TRANSIENT = re.compile(r'^(UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED): ')
 
@@ -155,7 +158,7 @@ def _read_error(error: BaseException) -> BaseException:
 
 def _errno_kind(code: int | None) -> str:
   if code == errno.ENOENT:
-    return _DAMAGED
+    return _MISSING
   if code in (errno.EACCES, errno.EPERM):
     return _OTHER  # no retry mends a permission
   return _TRANSIENT  # EIO, EAGAIN, ETIMEDOUT, ESTALE, ...
@@ -166,19 +169,23 @@ def _kind(error: BaseException) -> str:
   tensorstore 0.1.86 on a checkpoint whose files were deleted, truncated or overwritten:
   tests/test_checkpoint_faults.py):
 
-  damaged: our DamagedCheckpoint (a digest differs; a missing state directory); FileNotFoundError
-    (orbax: a JSON item's file, an array's directory); json.JSONDecodeError (a truncated JSON
-    file: an item, the state's _METADATA, array_metadatas); tensorstore's ValueError of a missing
-    or cut array file (NOT_FOUND, OUT_OF_RANGE, DATA_LOSS) or of bytes that do not decode
-    ('Truncated Zstd-compressed stream' is also what a deleted data file gives, 'Error decoding',
-    'ZSTD_decompressStream() failed', 'Invalid JSON'), or of a system call that found no file
-    (os_error_code 2).
+  missing (damaged, unless a second read after listing the directories again succeeds): a
+    FileNotFoundError (orbax: a JSON item's file, an array's directory; ours: a missing state
+    directory); tensorstore's ValueError of a missing file (NOT_FOUND) or of a system call that
+    found no file (os_error_code 2).
+  damaged: our DamagedCheckpoint (a digest differs); json.JSONDecodeError (a truncated JSON
+    file: an item, the state's _METADATA, array_metadatas); tensorstore's ValueError of a cut
+    array file (OUT_OF_RANGE, DATA_LOSS) or of bytes that do not decode ('Truncated
+    Zstd-compressed stream' is also what a deleted data file gives, 'Error decoding',
+    'ZSTD_decompressStream() failed', 'Invalid JSON').
   transient: another OSError, or tensorstore's os_error_code, other than a permission (EIO,
     EAGAIN, ETIMEDOUT, ESTALE, ...); tensorstore's UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED.
   other: everything else (a permission, a device's RESOURCE_EXHAUSTED, any other orbax error).
   """
   error = _read_error(error)
-  if isinstance(error, (DamagedCheckpoint, FileNotFoundError, json.JSONDecodeError)):
+  if isinstance(error, FileNotFoundError):
+    return _MISSING
+  if isinstance(error, (DamagedCheckpoint, json.JSONDecodeError)):
     return _DAMAGED
   if isinstance(error, OSError):
     return _errno_kind(error.errno)
@@ -187,6 +194,8 @@ def _kind(error: BaseException) -> str:
     found = _TENSORSTORE_OS_ERROR.search(text)
     if found:
       return _errno_kind(int(found.group(1)))
+    if _TENSORSTORE_MISSING.match(text):
+      return _MISSING
     if _TENSORSTORE_DAMAGED.search(text):
       return _DAMAGED
     if _TENSORSTORE_TRANSIENT.match(text):
@@ -411,10 +420,10 @@ class Checkpointer:
 
   def _state_metadata(self, step: int, abstract, key: str | None = None):
     """The step's items' metadata, after checking that its state (or state[key]) has the shapes
-    of `abstract`; DamagedCheckpoint without a state directory."""
+    of `abstract`; FileNotFoundError without a state directory."""
     metadata = self._manager.item_metadata(step)
     if 'state' not in metadata:
-      raise DamagedCheckpoint('its state directory is missing')
+      raise FileNotFoundError('its state directory is missing')
     check_shapes(metadata['state'] if key is None else metadata['state'][key], abstract,
                  f'checkpoint {os.path.join(self.directory, str(step))}')
     return metadata
@@ -451,7 +460,8 @@ class Checkpointer:
       result, damage = self._read(step, what, lambda step=step: read(step))
       if damage is None:
         return step, result
-      self._set_aside(step, damage)
+      if step in self.all_steps():  # (not if it went away meanwhile: nothing to set aside)
+        self._set_aside(step, damage)
     damaged = self.damaged_steps()
     if damaged:
       names = ', '.join(f'{step}{DAMAGED_SUFFIX}' for step in damaged)
@@ -473,6 +483,9 @@ class Checkpointer:
   def _read(self, step: int, what: str, read):
     """(read(), None), or (None, the error) when it shows the step's files damaged (`_kind`).
 
+    A file not found is read again once, after RETRY_DELAYS[0] and a new listing of the
+    checkpoints and of the step's directories (a network file system's client, NFS, may answer
+    from an attribute cache that a listing renews); found missing again, the step is damaged.
     A transient I/O error is tried again after each of RETRY_DELAYS; one that persists, and any
     other failure, raise CheckpointError naming the step, the cause and what to do, and nothing
     is moved. With several processes they agree (one collective per try): the most serious
@@ -481,9 +494,8 @@ class Checkpointer:
     """
     where = os.path.join(self.directory, str(step))
     _quiet_abandoned_reads()
-    tries = 0
+    tries, listed_again = 0, ''  # transient failures; the file not found, read again
     while True:
-      tries += 1
       result, error, kind = None, None, _OK
       try:
         result = read()
@@ -493,11 +505,23 @@ class Checkpointer:
         error, kind = e, _kind(e)
       kind = _KINDS[-int(multihost.minimum(-_KINDS.index(kind)))]
       if kind == _OK:
+        if listed_again:
+          logging.warning('%s checkpoint %s: read after its directories were listed again (a '
+                          'file was not found at first: %s).', what, where, listed_again)
         return result, None
       if error is None:
         error = RuntimeError('failed on another process (see its log)')
-      if kind == _DAMAGED:
+      if kind == _MISSING and not listed_again:
+        listed_again = _cause(error)
+        time.sleep(RETRY_DELAYS[0])
+        self._manager.reload()
+        for _ in os.walk(where):
+          pass
+        continue
+      if kind in (_MISSING, _DAMAGED):
         return None, error
+      if kind == _TRANSIENT:
+        tries += 1
       if kind == _TRANSIENT and tries <= len(RETRY_DELAYS):
         delay = RETRY_DELAYS[tries - 1]
         logging.warning('%s checkpoint %s: %s; trying again in %g s (try %d of %d).', what, where,

@@ -25,7 +25,7 @@ A second trainer (fine-tuning) uses it with its own step and hooks:
                                 save_final=c.checkpoint.save_final)
   lp = loop_lib.Loop(rl_step, total_steps=c.train.steps, log_every=c.train.log_every,
                      metrics=my_logger,  # record(step, device_metrics) / flush() / pause()
-                     stop=signals.StopSignal(check_every=c.train.log_every),
+                     stop=signals.StopSignal(),
                      checks=[loop_lib.nonfinite_check(c.train, ckpt)])
   lp.add_hook(task_accuracy, every=c.train.eval_every, phase=loop_lib.EVAL)
   for hook in ckpt.hooks(check_every=1):
@@ -114,7 +114,7 @@ class Loop:
   metrics: an object with record(step, device_metrics) (keep them), flush() -> dict or None (read
   what was kept, one step late, and log it) and pause() (time outside steps is not step time).
   checks: callables on each flushed dict (e.g. nonfinite_check), raising to end the run.
-  stop: a signals.StopSignal (requested(step), step, name), or None.
+  stop: a signals.StopSignal (requested(step, previous step's metrics), step, name), or None.
   """
 
   def __init__(self, step_fn, total_steps: int, *, log_every: int = 1, metrics=None, stop=None,
@@ -155,6 +155,7 @@ class Loop:
     self.step = step
     if self.stop is not None:
       self.stop.step = step + 1
+    previous = None  # the last step's metrics (the stop signal waits for them: signals.py)
     while step < self.total_steps:
       self._run_hooks([h for h in by_phase[BEFORE_STEP] if h.due(step + 1)], StepInfo(step + 1,
                                                                                       state))
@@ -166,7 +167,8 @@ class Loop:
       self._check(self.metrics.flush())  # step - 1's metrics, read while this step runs
       if step % self.log_every == 0 or info.last:
         self.metrics.record(step, metrics)
-      info.stopping = self.stop is not None and self.stop.requested(step)
+      info.stopping = self.stop is not None and self.stop.requested(step, previous)
+      previous = metrics
       due = {p: [h for h in by_phase[p] if h.due(step, info.last, info.stopping)]
              for p in _READS_STATE}
       if info.stopping or any(due.values()):

@@ -141,22 +141,23 @@ class StepLogger:
     self.latest.update({k: v for k, v in scalars.items() if v is not None})
 
 
-def _claim(workdir: str):
-  """Process 0 takes the workdir's lock (see workdir.claim); every process learns whether it did,
-  so that all stop together. Returns what to close at the end."""
-  lock, error = contextlib.nullcontext(), None
+def _on_main(workdir: str, fn, *args):
+  """fn(*args) on process 0 (the workdir's lock, its history: see workdir.claim, check_history);
+  every process learns whether it raised a WorkdirError, so that all stop together. Returns fn's
+  result (None on the other processes)."""
+  result, error = None, None
   if multihost.is_main():
     try:
-      lock = workdir_lib.claim(workdir)
+      result = fn(*args)
     except workdir_lib.WorkdirError as e:
       error = e
   if jax.process_count() > 1:
     ok = multihost.from_main(error is None)
     if not ok and error is None:
-      error = workdir_lib.WorkdirError(f'process 0 could not claim {workdir}: see its message.')
+      error = workdir_lib.WorkdirError(f'process 0 stopped at {workdir}: see its message.')
   if error is not None:
     raise error
-  return lock
+  return result
 
 
 def _saved_config(checkpointer) -> dict | None:
@@ -332,9 +333,11 @@ def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, p
                                            tokenizer_vocab_size=sources.tokenizer.vocab_size)
   is_main = multihost.is_main()
   program.check(resolved, sources)
-  with _claim(workdir):
+  with _on_main(workdir, workdir_lib.claim, workdir) or contextlib.nullcontext():
     ck = resolved.checkpoint
-    stop = signals.StopSignal(check_every=resolved.train.log_every)
+    if not ck.start_over:  # a history without checkpoints: no silent restart (before any write)
+      _on_main(workdir, workdir_lib.check_history, workdir)
+    stop = signals.StopSignal()
     checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
                                                async_save=ck.async_save)
     aborted = False

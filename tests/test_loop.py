@@ -42,7 +42,7 @@ class Stop:
   def __init__(self, at):
     self.at, self.step = at, None
 
-  def requested(self, step):
+  def requested(self, step, previous):
     return step >= self.at
 
 
