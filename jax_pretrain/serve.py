@@ -29,7 +29,9 @@ Backpressure: the sequences waiting for a slot, over all requests, are --max_que
 most (default 256). A request whose sequences would pass it is refused whole with 429 and OpenAI's
 rate-limit error (type `requests`, code `rate_limit_exceeded`) and `Retry-After: 1`, which the
 official clients retry after that second; nothing is queued without bound, so memory and the wait
-of an accepted request stay bounded whatever the traffic. The check and the submits run on the
+of an accepted request stay bounded whatever the traffic. While the queue is full a completion is
+refused at the door (_Guard), before its body is read: under a flood most requests are refused,
+and each costs the event loop next to nothing. Otherwise the check and the submits run on the
 event loop with no await between them: two requests cannot both take the last places.
 
 Bad requests get OpenAI's error JSON ({"error": {"message", "type", "param", "code"}}) with status
@@ -365,18 +367,26 @@ class Server:
     max_queued, 503 once the engine is stopped. (On the event loop with no await from the check
     to the submits: no other request queues in between.)"""
     self.stalled_for()  # an engine that was idle starts its stall clock now
-    if self.engine.stats()['waiting'] + len(sequences) > self.max_queued:
-      raise APIError(
-          f'The server is busy: its queue holds {self.max_queued} sequences waiting for a slot '
-          f'(--max_queued_sequences) and this request asks for {len(sequences)} more. Please '
-          f'try again in {RETRY_AFTER_S}s.', status=429, kind='requests',
-          code='rate_limit_exceeded', headers={'Retry-After': str(RETRY_AFTER_S)})
+    if len(sequences) > self.queue_room():
+      raise self.busy()
     try:
       for seq in sequences:
         self.engine.submit(seq)
     except engine_lib.EngineStopped:
       _cancel(sequences)
       raise _stopping() from None
+
+  def queue_room(self) -> int:
+    """Sequences the queue takes before a request gets 429."""
+    return self.max_queued - self.engine.stats()['waiting']
+
+  def busy(self) -> APIError:
+    """The answer to a request that the queue has no room for: OpenAI's rate-limit error."""
+    return APIError(
+        f'The server is busy: its queue of sequences waiting for a slot (--max_queued_sequences='
+        f'{self.max_queued}) has no room for this request. Please try again in {RETRY_AFTER_S}s.',
+        status=429, kind='requests', code='rate_limit_exceeded',
+        headers={'Retry-After': str(RETRY_AFTER_S)})
 
   def _response(self, header, choices, sequences, prompts) -> responses.JSONResponse:
     """The whole answer, rendered: its text, logprobs (detokenized) and JSON, in a worker thread."""
@@ -569,12 +579,14 @@ def _event(data: dict) -> str:
 
 class _Guard:
   """The app's outer layer (plain ASGI, so that streams pass through untouched): a /v1 request
-  without the API key gets 401 (OpenAI's invalid_api_key); an exception that no handler answered
+  without the API key gets 401 (OpenAI's invalid_api_key); a completion that comes when the queue
+  is full gets 429 at once, before its body is read or parsed (under a flood most requests are
+  refused: they must cost the event loop next to nothing); an exception that no handler answered
   is logged with its traceback and answered with a generic 500 (its text is never sent)."""
 
-  def __init__(self, app, api_key: str | None):
-    self.app = app
-    self.expected = f'Bearer {api_key}'.encode() if api_key else None
+  def __init__(self, app, server: Server):
+    self.app, self.server = app, server
+    self.expected = f'Bearer {server.api_key}'.encode() if server.api_key else None
 
   async def __call__(self, scope, receive, send):
     if scope['type'] != 'http':
@@ -585,6 +597,8 @@ class _Guard:
           'Missing or incorrect API key: send the header "Authorization: Bearer KEY" with the '
           f'key this server was started with (--api_key or {API_KEY_ENV}).', status=401,
           code='invalid_api_key').response()(scope, receive, send)
+    if scope['path'] == '/v1/completions' and self.server.queue_room() < 1:
+      return await self.server.busy().response()(scope, receive, send)
     started = False
 
     async def sending(message):
@@ -608,7 +622,7 @@ def create_app(server: Server) -> fastapi.FastAPI:
     server.stop()
 
   app = fastapi.FastAPI(title='jax_pretrain', lifespan=lifespan)
-  app.add_middleware(_Guard, api_key=server.api_key)
+  app.add_middleware(_Guard, server=server)
 
   @app.exception_handler(APIError)
   async def api_error(_, e: APIError):
@@ -688,15 +702,7 @@ def main():
 
   from absl import flags  # noqa: PLC0415
   f = flags.FLAGS
-  for name, ok, must in [
-      ('max_sequences_per_request', f.max_sequences_per_request >= 1, 'be >= 1'),
-      ('max_queued_sequences', f.max_queued_sequences >= f.max_sequences_per_request,
-       f'be >= --max_sequences_per_request ({f.max_sequences_per_request}), else the largest '
-       'request could never be queued'),
-      ('stall_timeout', f.stall_timeout > 0, 'be > 0 seconds'),
-      ('shutdown_timeout', f.shutdown_timeout >= 0, 'be >= 0 seconds')]:
-    if not ok:
-      raise UserError(f'--{name}={getattr(f, name)}: it must {must}')
+  check_flags(f)
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   context = f.context or run.config.data.seq_len
   engine = engine_lib.Engine(run.config.model, run.params, run.tokenizer,
@@ -725,6 +731,19 @@ def main():
     print(f'error: the engine stopped ({server.failure}; the last error: {type(cause).__name__}: '
           f'{cause}); the tracebacks are in the log above.', file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def check_flags(f) -> None:
+  """One error line for a limit or a timeout out of range (f: the flags), before loading the run."""
+  for name, ok, must in [
+      ('max_sequences_per_request', f.max_sequences_per_request >= 1, 'be >= 1'),
+      ('max_queued_sequences', f.max_queued_sequences >= f.max_sequences_per_request,
+       f'be >= --max_sequences_per_request ({f.max_sequences_per_request}), else the largest '
+       'request could never be queued'),
+      ('stall_timeout', f.stall_timeout > 0, 'be > 0 seconds'),
+      ('shutdown_timeout', f.shutdown_timeout >= 0, 'be >= 0 seconds')]:
+    if not ok:
+      raise UserError(f'--{name}={getattr(f, name)}: it must {must}')
 
 
 def define_flags() -> None:

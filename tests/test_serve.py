@@ -3,8 +3,11 @@ queried with the official openai client: completions, batches of prompts with n 
 streaming, stop sequences, seeds, echo and logprobs, temperature 0 equal to `jax_pretrain.sample
 --temperature 0`, 16 concurrent clients, bucketed shapes, and bad requests answered with 400 while
 the server goes on serving. Then a server built in this process (so that its engine can be broken
-on purpose): the API key, the cap on sequences per request, failures that fail their own requests
-only and never show their text, stopping; and a server whose every step fails, which exits 1."""
+or held on purpose): the API key, the cap on sequences per request, failures that fail their own
+requests only and never show their text, stopping; a server whose every step fails, which exits
+1; and backpressure: a burst beyond the queue (429s, all answered), the openai client retrying a
+429, a client that disconnects, /health on a stalled engine, no tokenizer call on the event loop,
+and a shutdown that answers every request in flight in time."""
 import asyncio
 import concurrent.futures
 import contextlib
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -26,6 +30,7 @@ import pytest
 from jax_pretrain import engine
 from jax_pretrain import serve
 from jax_pretrain import workdir as workdir_lib
+from jax_pretrain.errors import UserError
 from tests import tiny_run
 from tests.conftest import ROOT
 from tests.conftest import run_cli
@@ -561,9 +566,9 @@ def test_a_burst_beyond_the_queue_gets_429_and_every_request_an_answer(queued):
       continue
     assert headers['Retry-After'] == str(serve.RETRY_AFTER_S)
     assert answer == {'error': {
-        'message': 'The server is busy: its queue holds 4 sequences waiting for a slot '
-                   '(--max_queued_sequences) and this request asks for 1 more. Please try again '
-                   'in 1s.', 'type': 'requests', 'param': None, 'code': 'rate_limit_exceeded'}}
+        'message': 'The server is busy: its queue of sequences waiting for a slot '
+                   '(--max_queued_sequences=4) has no room for this request. Please try again in '
+                   '1s.', 'type': 'requests', 'param': None, 'code': 'rate_limit_exceeded'}}
   health = _get(f'{url}/health')
   assert health['busy'] == health['waiting'] == 0 and health['max_queued_sequences'] == 4
 
@@ -580,12 +585,13 @@ def test_the_openai_client_retries_a_429_and_then_gets_its_answer(queued):
   client = openai.OpenAI(base_url=f'{url}/v1', api_key=KEY, max_retries=4, timeout=120,
                          http_client=openai.DefaultHttpxClient(event_hooks={'response': [seen]}))
   with concurrent.futures.ThreadPoolExecutor(1) as pool, _stepping(srv.engine) as permits:
-    full = pool.submit(_post, url, _completion(['a', 'b'], n=2), key=KEY)  # the whole queue
-    _until(lambda: srv.engine.stats()['waiting'] == 4, 'the queue is full')
-    answer = greedy(client, 'The ', max_tokens=4)  # a 429, retried after Retry-After
-    assert full.result(timeout=120)[0] == 200
+    first = pool.submit(_post, url, _completion(['a', 'b', 'c']), key=KEY)
+    _until(lambda: srv.engine.stats()['waiting'] == 3, '3 of the 4 places are taken')
+    answer = greedy(client, 'The ', max_tokens=4, n=2)  # a 429, retried after Retry-After
+    assert first.result(timeout=120)[0] == 200
   assert statuses[0] == 429 and statuses[-1] == 200, statuses
-  assert answer.choices[0].text and answer.choices[0].finish_reason in ('length', 'stop')
+  assert len(answer.choices) == 2 and all(c.finish_reason in ('length', 'stop') and c.text
+                                          for c in answer.choices)
 
 
 def test_a_client_that_disconnects_cancels_its_sequences(local, monkeypatch):
@@ -682,3 +688,17 @@ def test_a_shutdown_answers_every_request_in_flight_within_shutdown_timeout(trai
     assert stopping.result(timeout=60)  # uvicorn's thread ended
     # Within the 2 s, uvicorn's FORCE_AFTER_S and the engine's, not the step's 60 s.
     assert time.monotonic() - started < 30
+
+
+def test_limits_and_timeouts_out_of_range_are_one_error_line():
+  flags = types.SimpleNamespace(max_sequences_per_request=8, max_queued_sequences=8,
+                                stall_timeout=300.0, shutdown_timeout=0.0)
+  serve.check_flags(flags)
+  for name, value, message in [
+      ('max_queued_sequences', 4, '--max_queued_sequences=4: it must be >= '
+       '--max_sequences_per_request (8), else the largest request could never be queued'),
+      ('stall_timeout', 0.0, '--stall_timeout=0.0: it must be > 0 seconds'),
+      ('shutdown_timeout', -1.0, '--shutdown_timeout=-1.0: it must be >= 0 seconds')]:
+    with pytest.raises(UserError) as e:
+      serve.check_flags(types.SimpleNamespace(**{**vars(flags), name: value}))
+    assert str(e.value) == message
