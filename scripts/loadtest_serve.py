@@ -94,8 +94,8 @@ def main():
     capacity = a.capacity
     if not capacity:
       benchmark_serve.run(url, name, a.clients, a.clients, a.max_tokens)  # compiles what it needs
-      seconds, _, _ = benchmark_serve.run(url, name, a.clients, 6 * a.clients, a.max_tokens)
-      capacity = 6 * a.clients / seconds
+      seconds, _, _ = benchmark_serve.run(url, name, a.clients, 8 * a.clients, a.max_tokens)
+      capacity = 8 * a.clients / seconds
     rate = a.factor * capacity
     users = a.users or math.ceil(4 * rate)
     rss_before = rss_mib(server.pid)

@@ -656,11 +656,10 @@ def test_tokenizing_and_detokenizing_run_off_the_event_loop(local, monkeypatch):
   url, srv = local
   tokenizer = _OffTheLoop(srv.tokenizer)
   monkeypatch.setattr(srv, 'tokenizer', tokenizer)
-  c = _client(url)
-  whole = c.completions.create(model=NAME, prompt=[[84, 104], [65]], n=2, max_tokens=4,
-                               logprobs=1)  # token ids: decoded
+  c = _client(url)  # (the same shapes twice: one compile)
+  whole = greedy(c, [list(b'The'), list(b'A')], max_tokens=8, logprobs=1)  # ids: decoded
   assert all(choice.logprobs.tokens for choice in whole.choices)
-  streamed = greedy(c, 'The for', max_tokens=12, stream=True, logprobs=1)  # encoded
+  streamed = greedy(c, ['The', 'A'], max_tokens=8, stream=True, logprobs=1)  # text: encoded
   assert ''.join(e.choices[0].text for e in streamed)
   assert tokenizer.calls > 20 and tokenizer.on_the_loop == []
 
