@@ -15,6 +15,7 @@ Pretraining and SFT are pretrain.Pretraining (its hooks: evaluation, checkpointi
 end-of-run sample, profiling); GRPO is grpo.program.GRPO (rollouts through the engine in its
 step). This module imports nothing that runs after training (lm_eval, sample, engine, serve).
 """
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -66,6 +67,12 @@ def describe(s: Setup, num_params: int) -> str:
       + runtime.settings(s.mesh.devices.flat[0].platform))
 
 
+def _ready_at(device_metrics) -> float:
+  """perf_counter once the arrays are computed (run on StepLogger's clock thread)."""
+  jax.block_until_ready(device_metrics)
+  return time.perf_counter()
+
+
 class StepLogger:
   """Turns step metrics into scalars, the console line and the writers, one step late.
 
@@ -73,6 +80,15 @@ class StepLogger:
   the next step has been dispatched, so logging never waits for the device to go idle. `report`
   makes the scalars and the console line of the metrics read (a program's own logger overrides
   it: grpo.program.GRPOLogger).
+
+  Speed: each line's tokens/s and step time are those of its own interval: from the moment the
+  previous logged step's metrics were ready (or training resumed after `pause`: an eval, a save)
+  to the moment this step's were. A thread waiting for the metrics takes that moment
+  (`_ready_at`); the moment `flush` reads them varies: after the next step's dispatch, which
+  blocks the host for most of a step where a step launches thousands of kernels (a GPU), or at
+  once at an eval, save, stop or last step. Timed at the reads, those lines were off by up to a
+  step (tests/test_loop.py; on an H100 a run's last line, at an eval, said 54,844 tokens/s where
+  the others said 46,180).
   """
 
   def __init__(self, s: Setup, writer: metrics_lib.MetricWriter, start_step: int):
@@ -83,24 +99,28 @@ class StepLogger:
     self._num_devices = s.mesh.size
     self._peak = metrics_lib.peak_flops_per_device(s.mesh.devices.flat[0].device_kind,
                                                    c.train.peak_flops)
-    self._pending: tuple[int, Any] | None = None  # (step, its metrics on the device)
+    # (step, its metrics on the device, when they were ready: a Future of perf_counter)
+    self._pending: tuple[int, Any, concurrent.futures.Future] | None = None
+    self._clock = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='step_clock')
     self._last_time, self._last_step = time.perf_counter(), start_step
     self.latest: dict[str, float] = {}
 
   def record(self, step: int, device_metrics) -> None:
-    self._pending = (step, device_metrics)
+    if self._pending is None or self._pending[0] != step:
+      self._pending = (step, device_metrics, self._clock.submit(_ready_at, device_metrics))
 
   def pause(self) -> None:
-    """Time spent outside training steps (eval, a blocking save) is not step time."""
+    """Time spent outside training steps (eval, a blocking save) is not step time: the next
+    interval starts now (called with no step pending, the device idle)."""
     self._last_time = time.perf_counter()
 
   def flush(self) -> dict | None:
     if self._pending is None:
       return None
-    step, device_metrics = self._pending
+    step, device_metrics, ready = self._pending
     self._pending = None
     m = jax.device_get(device_metrics)
-    now = time.perf_counter()
+    now = ready.result()
     step_time = (now - self._last_time) / max(step - self._last_step, 1)
     self._last_time, self._last_step = now, step
     scalars, line = self.report(step, m, step_time)
