@@ -235,6 +235,7 @@ class Context(Generic[DataT, StepT]):
   checkpoints: loop_lib.Checkpointing
   logger: StepLogger
   start_step: int
+  update: Any = None  # the compiled update inside `step` (jax.stages.Compiled): its HLO, profiled
 
   @property
   def config(self) -> config_lib.Config:
@@ -328,9 +329,11 @@ def checkpoint_hooks(ctx: Context) -> list[loop_lib.Hook]:
 
 
 def profile_hooks(ctx: Context) -> list[loop_lib.Hook]:
-  """train.profile_steps: a jax.profiler trace of those steps in WORKDIR/profile."""
+  """train.profile_steps: a jax.profiler trace of those steps in WORKDIR/profile, with the
+  compiled update's HLO (jax_pretrain.profile_summary reads both)."""
+  program = ctx.update.as_text if ctx.update is not None else None
   return loop_lib.Profiler(os.path.join(ctx.workdir, 'profile'),
-                           config_lib.profile_steps(ctx.config.train)).hooks()
+                           config_lib.profile_steps(ctx.config.train), program).hooks()
 
 
 def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, program: Program,
@@ -397,7 +400,7 @@ def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, p
           logger = program.logger(s, writer, step)
           checkpoints = loop_lib.Checkpointing(checkpointer, config_lib.as_dict(resolved),
                                                every=ck.every_steps, save_final=ck.save_final)
-          ctx = Context(s, workdir, data, train_step, checkpoints, logger, step)
+          ctx = Context(s, workdir, data, train_step, checkpoints, logger, step, update)
           skips_at_start = int(jax.device_get(state.nonfinite_count))
           lp = loop_lib.Loop(train_step, resolved.train.steps, log_every=resolved.train.log_every,
                              metrics=logger, stop=stop,

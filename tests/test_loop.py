@@ -1,10 +1,7 @@
 """The loop's rules with a counting step (no model): the order of the hooks in a step, their
-cadences, a stop that finishes the step and saves, the checks before evaluating and saving; every
-logged speed that of its own interval; and train.profile_steps writing a trace of the train
-step."""
-import glob
-import gzip
-import os
+cadences, a stop that finishes the step and saves, the checks before evaluating and saving;
+train.profile_steps' range; and every logged speed that of its own interval
+(tests/test_profile_summary.py: the trace itself)."""
 import time
 
 import jax
@@ -14,7 +11,6 @@ import pytest
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import loop as loop_lib
-from jax_pretrain import pretrain
 
 
 class Logger:
@@ -132,21 +128,6 @@ def test_profile_steps_must_be_a_range():
     config_lib.profile_steps(t)
   t.profile_steps = '2:3'
   assert config_lib.profile_steps(t) == (2, 3)
-
-
-def test_profile_steps_writes_a_trace_naming_the_train_step(tmp_path):
-  c = config_lib.preset('test')
-  c.train.steps, c.train.eval_every, c.train.sample_prompt = 4, 4, ''
-  c.optim.warmup_steps = 1
-  c.train.profile_steps = '2:3'
-  pretrain.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
-  traces = glob.glob(os.path.join(tmp_path, 'profile', 'plugins', 'profile', '*', '*.xplane.pb'))
-  assert traces, os.listdir(tmp_path)
-  with open(traces[0], 'rb') as f:
-    assert b'jit(train_step)' in f.read()  # the trainer's jitted step, by name
-  perfetto = glob.glob(os.path.join(os.path.dirname(traces[0]), '*.trace.json.gz'))
-  with gzip.open(perfetto[0], 'rt', encoding='utf-8') as f:  # what ui.perfetto.dev opens
-    assert 'train_step' in f.read()
 
 
 class Writer:
