@@ -377,6 +377,7 @@ def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, p
       updates = program.updates_per_step(resolved)
       s = state_lib.build(resolved, dataclasses.replace(run_shape, updates_per_step=updates),
                           devices)
+      checkpointer.prepare(s.abstract_state)  # (the first save's programs, in the background)
       for field, (before, after) in changes.items():
         multihost.log(f'config change on resume: {field} {before!r} -> {after!r}')
       multihost.log(describe(s, model_lib.count_params(s.abstract_state.params)))
