@@ -114,10 +114,11 @@ def digests(tree) -> dict[str, list[int]]:
 
 
 def _digests_later(tree) -> Callable[[], dict[str, list[int]]]:
-  """digests(tree) in two halves: the reductions dispatched now, one program per array (in turn on
-  a device's stream: still one array's temporaries), from the arrays as they are now (training may
-  donate them once this returns: the programs are queued before its next step); and a function
-  that waits for them and reads the sums (a save calls it in the background)."""
+  """digests(tree) in two halves: the reductions dispatched now, one program per array, from the
+  arrays as they are now (training may donate them once this returns: the programs are queued
+  before its next step); and a function that waits for them and reads the sums (a save calls it
+  in the background). A device runs the programs in turn, so the temporaries are still one
+  array's (on the CPU, six 256 MiB arrays' dispatched at once peaked no higher than one's)."""
   pending = [(_path_str(p), _DIGEST_PROGRAMS.get(_signature(x), _digest_one)(x))
              for p, x in jax.tree_util.tree_leaves_with_path(tree)]
   return lambda: {name: [int(v) for v in jax.device_get(d)] for name, d in pending}
