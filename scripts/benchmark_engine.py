@@ -1,7 +1,8 @@
 """Generation throughput of the engine (engine.py) against a minimal decode loop written here.
 
   python scripts/benchmark_engine.py [--config=configs/default.py] [--sequences=32,128] \
-      [--prompt_tokens=64] [--new_tokens=64] [--slots=0] [--chunk=8] [--temperature=1.0]
+      [--prompt_tokens=64] [--new_tokens=64] [--slots=0] [--chunk=8] [--temperature=1.0] \
+      [--markdown]
 
 Random params of the config's model (no checkpoint), prompts of random ids, every sequence
 generating exactly --new_tokens tokens (no EOS can end one). For each number of sequences:
@@ -13,9 +14,10 @@ generating exactly --new_tokens tokens (no EOS can end one). For each number of 
              attending over the whole context (prompt + new tokens).
 Prints tokens/s of each and their ratio (the engine's time over the reference's), and how many of
 the engine's greedy tokens the reference reproduces (--temperature=0 checks that they decode the
-same model). The engine here is whatever `jax_pretrain` imports: run the script with another
-checkout first on PYTHONPATH to time that checkout's engine (its Engine(config, params, tokenizer,
-slots=, context=, chunk=) and Sequence).
+same model); --markdown: as a Markdown table (scripts/gpu_check.sh prints the transformers row of
+scripts/benchmark_peer.py under it). The engine here is whatever `jax_pretrain` imports: run the
+script with another checkout first on PYTHONPATH to time that checkout's engine (its
+Engine(config, params, tokenizer, slots=, context=, chunk=) and Sequence).
 """
 import math
 import time
@@ -32,6 +34,9 @@ _SLOTS = flags.DEFINE_integer('slots', 0, "The engine's slots (0: as many as seq
 _CHUNK = flags.DEFINE_integer('chunk', 8, "The engine's steps per call.")
 _TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'Sampling temperature (0: greedy).')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed runs of each (the fastest is reported).')
+_MARKDOWN = flags.DEFINE_bool('markdown', False, 'Print the results as a Markdown table.')
+MARKDOWN_HEADER = ('| decoder | sequences × (prompt + new) | slots | tokens/s | reference '
+                   'tokens/s | time / reference | same tokens |\n|---|---|---|---|---|---|---|')
 
 
 class _Tokenizer:
@@ -124,7 +129,7 @@ def timed(fn, repeats: int):
 
 
 def measure(c, params, n: int) -> str:
-  """The table's line for n sequences."""
+  """The table's line (--markdown: row) for n sequences."""
   import numpy as np
 
   from jax_pretrain import engine as engine_lib
@@ -146,6 +151,9 @@ def measure(c, params, n: int) -> str:
   run = reference(c, params, n, P, M, T)
   ref_s, ref_tokens = timed(lambda: np.asarray(run(prompts)), _REPEATS.value)
   same = np.mean([a == b for s, row in zip(seqs, ref_tokens) for a, b in zip(s.tokens, row)])
+  if _MARKDOWN.value:
+    return (f'| engine (jax_pretrain) | {n} × ({P} + {M}) | {slots} | {n * M / engine_s:,.0f} | '
+            f'{n * M / ref_s:,.0f} | {engine_s / ref_s:.2f} | {same:.1%} |')
   return (f'{n:>9}  {slots:>5}  {n * M / engine_s:>12,.0f}  {n * M / ref_s:>15,.0f}  '
           f'{engine_s / ref_s:>23.2f}  {same:>11.1%}')
 
@@ -167,8 +175,11 @@ def main():
   print(f'{jax.devices()[0].device_kind}, jax {jax.__version__}: {c.num_layers} layers × '
         f'{c.d_model}, {model_lib.count_params(params):,} parameters, {c.dtype}; prompts of '
         f'{_PROMPT.value} tokens + {_NEW.value} new, temperature {_TEMPERATURE.value}')
-  print(f'{"sequences":>9}  {"slots":>5}  {"engine tok/s":>12}  {"reference tok/s":>15}  '
-        f'{"engine / reference time":>23}  {"same tokens":>11}')
+  if _MARKDOWN.value:
+    print(f'\n{MARKDOWN_HEADER}')
+  else:
+    print(f'{"sequences":>9}  {"slots":>5}  {"engine tok/s":>12}  {"reference tok/s":>15}  '
+          f'{"engine / reference time":>23}  {"same tokens":>11}')
   for n in _SEQUENCES.value:
     print(measure(c, params, int(n)), flush=True)
 
