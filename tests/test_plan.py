@@ -60,6 +60,43 @@ def test_hlo_counts_collectives_in_loops_with_their_group_size():
   assert all_reduce.cross_node_wire_bytes == 0
 
 
+_KINDS_HLO = """HloModule kinds
+%moved (p: bf16[4096,2048]) -> bf16[2048,4096] {
+  %p = bf16[4096,2048]{1,0} parameter(0)
+  ROOT %t = bf16[2048,4096]{1,0} transpose(%p), dimensions={1,0}
+}
+
+ENTRY %main (a, b, c, d) -> (bf16[4096,4096], f32[4096,4096]) {
+  %a = bf16[4096,2048]{1,0} parameter(0)
+  %b = bf16[2048,4096]{1,0} parameter(1)
+  %c = f32[4096,2048]{1,0} parameter(2)
+  %d = f32[2048,4096]{1,0} parameter(3)
+  %dot.1 = bf16[4096,4096]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dot.2 = f32[4096,4096]{1,0} dot(%c, %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %copy.1 = bf16[2048,4096]{0,1} copy(%b)
+  %fusion.1 = bf16[2048,4096]{1,0} fusion(%a), kind=kLoop, calls=%moved
+  %tanh.1 = f32[4096,4096]{1,0} tanh(%dot.2)
+  ROOT %out = (bf16[4096,4096]{1,0}, f32[4096,4096]{1,0}) tuple(%dot.1, %tanh.1)
+}
+"""
+
+
+def test_hlo_tells_kernels_apart_by_kind_and_the_roofline_adds_them_up():
+  """bf16 and float32 (TF32) matmuls, copies (a copy, a fusion that only transposes) and
+  elementwise work; the roofline's time by kind adds up to its kernels' time."""
+  stats = hlo.analyze(_KINDS_HLO)
+  assert {k.name: k.kind for k in stats.kernels} == {
+      'dot.1': 'matmul', 'dot.2': 'matmul_f32', 'copy.1': 'copy', 'fusion.1': 'copy',
+      'tanh.1': 'elementwise'}
+  h100 = gpu_targets.TARGETS['h100']
+  r = gpu_targets.roofline(stats, h100)
+  assert sum(r.by_kind.values()) == pytest.approx(r.compute_s)
+  # float32 matmuls at the TF32 rate: 2.9x the time of the same FLOPs in bf16
+  assert r.by_kind['matmul_f32'] == pytest.approx(2 * 4096 * 4096 * 2048 / h100.f32_matmul_flops)
+  assert r.by_kind['matmul_f32'] / r.by_kind['matmul'] == pytest.approx(2.89, abs=0.01)
+  assert list(plan.kernels_by_kind(stats, r))[0] in r.by_kind
+
+
 @pytest.mark.parametrize('groups, size, spans', [
     ("replica_groups=mesh['data'=2,'fsdp'=8,'tensor'=1] {'fsdp'}", 8, False),
     ("replica_groups=mesh['data'=2,'fsdp'=8,'tensor'=1] {'data'}", 2, True),
