@@ -73,6 +73,21 @@ def choose(backend: str, device_kind: str, capability: tuple[int, int] | None, d
   return 'cudnn', f'{device_kind}, {dtype}, head_dim {head_dim}'
 
 
+# The primitives that run the fused kernels' forward passes, their outputs what the backward
+# reads: jax's cuDNN attention binds this one in its custom_vjp's forward rule (the attention
+# output and the softmax statistics: jax._src.cudnn.fused_attention_stablehlo), our Pallas kernel
+# its forward's pallas_call (the output and the logsumexp: kernels/flash_attention.py).
+_FORWARD_PRIMITIVES = ('dot_product_attention_fwd_wrapper', 'pallas_call')
+
+
+def forward_saveable(prim, *_, **__) -> bool:
+  """A remat policy (jax.checkpoint_policies' signature) that keeps the fused kernels' forward
+  outputs, so that the backward pass does not run the forward kernel again for them. It costs
+  their size per layer: the output B·T·N·H in the compute dtype and the statistics B·N·T float32
+  (xlarge, micro-batch 8: 64 MB a layer)."""
+  return prim.name in _FORWARD_PRIMITIVES
+
+
 def unavailable_reason(implementation: str, backend: str | None = None) -> str | None:
   """Why this machine cannot run the attention choice (None: it can). Never a silent fallback."""
   backend = backend or jax.default_backend()
