@@ -323,6 +323,23 @@ class Transformer(nn.Module):
     return logits_BxTxV, cache
 
 
+def with_compute_weights(c: ModelConfig, params):
+  """params with the scanned layers' matmul weights in the compute dtype, which the model casts
+  them to at use anyway (their norm scales, used in float32, stay as they are).
+
+  The train step casts them once a step: every micro-batch's layer scan, forward and backward, then
+  reads compute-dtype slices of them instead of casting float32 ones again, and their gradients
+  come back in the compute dtype, the values the casts' gradients had (each weight is used once
+  per layer), half the bytes per micro-batch. The embedding stays float32: the lookup and the
+  tied output projection each cast it, and their gradients are summed in float32."""
+  if 'layers' not in params:
+    return params
+  layers = jax.tree_util.tree_map_with_path(
+      lambda path, p: p if path[-1].key == 'scale' else p.astype(c.compute_dtype),
+      params['layers'])
+  return {**params, 'layers': layers}
+
+
 def count_params(params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))
 

@@ -159,11 +159,13 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
       x_AxMxT = x_BxT.reshape(B // grad_accum_steps, grad_accum_steps, T).swapaxes(0, 1)
       return sharding.constrain(x_AxMxT, (None, 'batch', None), mesh)
 
+    weights = model_lib.with_compute_weights(model.config, params)  # once, not per micro-batch
+
     def accumulate(carry, micro_batch):
       if scale is None:
-        (loss_i, aux_i), grads_i = loss_and_grad(params, micro_batch)
+        (loss_i, aux_i), grads_i = loss_and_grad(weights, micro_batch)
       else:
-        (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(params, micro_batch, factor)
+        (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(weights, micro_batch, factor)
       loss_sum, aux, grads = carry
       return (loss_sum + loss_i, jax.tree.map(jnp.add, aux, aux_i),
               jax.tree.map(jnp.add, grads, grads_i)), None
