@@ -2,7 +2,9 @@
 
 'xla'    jax.nn.dot_product_attention's XLA path (any backend; GSPMD partitions it).
 'cudnn'  jax.nn.dot_product_attention(implementation='cudnn'), the fused cuDNN kernel (GPU only).
-'pallas' our own flash-attention kernel (jax_pretrain/kernels/flash_attention.py).
+'pallas' our own flash-attention kernel (jax_pretrain/kernels/flash_attention.py): a reference
+         kernel that 'auto' never picks (measured on one H100: its backward runs at half cuDNN's
+         speed; the kernel's docstring says why).
 'auto'   (the default) resolved once, at start-up, by `choose`: cuDNN on an NVIDIA GPU where it
          supports the dtype and head_dim, else XLA. On one H100 (scripts/gpu_check.sh,
          BENCHMARKS.md: B8 T2048 16 heads × 128) cuDNN ran 250 / 291 TFLOP/s forward /
