@@ -122,3 +122,19 @@ def test_the_train_step_never_holds_float32_logits_of_every_token(small_chunks):
   V = s.config.model.vocab_size
   assert max(f32_sizes) < B * T * V
   assert B * T * V // 4 in f32_sizes  # (the chunks' logits: the test sees them)
+
+
+@pytest.mark.parametrize('mesh', [(2, 2, 2), (1, 1, 8)])
+def test_chunked_steps_on_a_mesh_agree_with_one_device_unchunked(monkeypatch, mesh):
+  """Four chunks a row under data, fsdp and tensor parallelism (the vocabulary split over
+  'tensor'): the losses of one device computing each row's logits at once."""
+  from tests import test_parallel  # noqa: PLC0415
+  rng = np.random.default_rng(3)
+  batches = [rng.integers(0, 256, (16, 33)).astype(np.int32) for _ in range(3)]
+  with jax.default_matmul_precision('float32'):
+    reference, _ = test_parallel.run_steps((1, 1, 1), batches)
+    monkeypatch.setattr(logprobs, 'CHUNK_BYTES', 4 * 16 * 384)
+    losses, _ = test_parallel.run_steps(mesh, batches)
+  # Per device, 4 rows × 192 ids (data=2 fsdp=2 tensor=2) or 16 rows × 48 ids (tensor=8): 8 tokens
+  assert logprobs.chunk_length(4, 32, 192) == logprobs.chunk_length(16, 32, 48) == 8
+  np.testing.assert_allclose(losses, reference, rtol=1e-5)
