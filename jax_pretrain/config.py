@@ -46,12 +46,17 @@ _LOSS_SCALE = ("a float16 run's train state holds its dynamic loss scale, other 
 _AUTO_DTYPE = 'auto'
 AUTO_REMAT = 'auto'  # resolved by resolve: 'dots' with fused attention, else 'full'
 # model.remat's policies: what the backward pass keeps of each block (the rest is recomputed).
+# 'dots' and 'dots_no_batch' keep the fused attention kernel's output and softmax statistics too
+# (attention.forward_saveable): without them the backward ran the attention forward again.
+_policies = jax.checkpoint_policies
 REMAT_POLICIES = {
     'none': None,  # keep every activation
-    'full': jax.checkpoint_policies.nothing_saveable,  # recompute the whole block in backward
-    'dots': jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the rest
-    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # projections only
-    'minimal': jax.checkpoint_policies.save_only_these_names('attn_out', 'mlp_hidden'),
+    'full': _policies.nothing_saveable,  # recompute the whole block in backward
+    # keep matmul outputs (and fused attention's), recompute the rest
+    'dots': _policies.save_from_both_policies(_policies.dots_saveable, attention.forward_saveable),
+    'dots_no_batch': _policies.save_from_both_policies(  # projections only (and fused attention)
+        _policies.dots_with_no_batch_dims_saveable, attention.forward_saveable),
+    'minimal': _policies.save_only_these_names('attn_out', 'mlp_hidden'),
 }
 ROPE_SCALINGS = ('none', 'linear', 'llama3')  # model.rope_scaling (model.rope_frequencies)
 _DTYPES = ('float32', 'bfloat16', 'float16')

@@ -64,10 +64,6 @@ RULES = (
     ('elementwise / norm / rope', 'jax', r'jvp\(Transformer\)'),
     ('optimizer', 'jax', r'.'),  # (named, outside the forward and backward passes)
 )
-# Fused opcodes that only move bytes.
-_MOVES = {'parameter', 'constant', 'bitcast', 'copy', 'transpose', 'reshape', 'broadcast', 'slice',
-          'dynamic-slice', 'dynamic-update-slice', 'concatenate', 'pad', 'tuple',
-          'get-tuple-element', 'iota'}
 _CONTROL = {'while', 'conditional', 'call'}  # instructions whose events contain their bodies'
 
 
@@ -127,7 +123,7 @@ def parse_program(text: str) -> Program:
       jax_name = _op_name(i)
       if i.opcode == 'fusion':
         opcodes, inner_name = fused(i.called('calls')[0]) if i.called('calls') else (set(), '')
-        description = ('data movement' if opcodes <= _MOVES else
+        description = ('data movement' if opcodes <= hlo.MOVES else
                        'fusion ' + ' '.join(sorted(opcodes)))
         jax_name = jax_name or inner_name
       else:
