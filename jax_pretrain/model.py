@@ -9,7 +9,7 @@ statistics and the logits returned to the loss are float32. Every parameter carr
 names (see sharding.LOGICAL_AXIS_RULES). Layers are stacked on a leading 'layers' axis and scanned,
 so compile time does not grow with depth.
 
-Decoding (engine.py): the model runs unscanned (scan_layers=False, params per layer) with a
+Decoding (engine/runner.py): the model runs unscanned (scan_layers=False, params per layer) with a
 `KVCache` of one buffer per layer, which each call updates in place (scatter of the new positions;
 under jit with the cache donated, no copy of it is made). Two calls:
   prefill  tokens [B, P] at positions 0..P-1 of fresh sequences: causal self-attention over them

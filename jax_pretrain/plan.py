@@ -28,7 +28,7 @@ programs of a GRPO step (jax_pretrain/grpo/) instead, for --grpo_prompt_tokens-t
                the prompt + max_new_tokens, rounded up to 8), reported as above, its micro-batch
                chosen as the trainer chooses it (memory.fit_micro_batch, with room left for the
                engine's cache);
-  rollout      the engine's calls (engine.py) as GRPO makes them: its compute-dtype copy of the
+  rollout      the engine's calls (engine/) as GRPO makes them: its compute-dtype copy of the
                params on every device, its KV cache of grpo.rollout_slots rows × (prompt +
                max_new_tokens) split over the devices; the largest prefill call such prompts ask
                for, and a decode call of every slot (`chunk` steps) at each live length a rollout

@@ -28,7 +28,7 @@ it, as vLLM's --api-key; the OpenAI client sends its api_key so); /health stays 
 
 Failures: nothing that goes wrong reaches a client as exception text; it gets OpenAI's error JSON
 with a generic message (500, server_error) and the traceback goes to the server's log (absl). The
-engine's thread is supervised (engine.py's module docstring): a request whose callback raises
+engine's thread is supervised (engine/core.py's docstring): a request whose callback raises
 fails alone; a decoding step that raises fails the requests decoding in it (500) and the engine
 goes on; after engine.MAX_FAILURES (3) steps failed in a row, none succeeding between them, the
 engine is broken, not a request: every request still waiting fails (503), /health answers 503,

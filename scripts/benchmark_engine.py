@@ -1,4 +1,4 @@
-"""Generation throughput of the engine (engine.py) against a minimal decode loop written here.
+"""Generation throughput of the engine (engine/) against a minimal decode loop written here.
 
   python scripts/benchmark_engine.py [--config=configs/default.py] [--sequences=32,128] \
       [--prompt_tokens=64] [--new_tokens=64] [--slots=0] [--chunk=8] [--temperature=1.0]

@@ -70,7 +70,7 @@ def test_on_a_mesh_each_device_holds_and_decodes_its_slots(tiny):
   eng = engine.Engine(cfg, replicated, tokenizer_lib.ByteTokenizer(), slots=16, context=64,
                       mesh=mesh)
   assert (eng.slots, eng.local_slots, eng.devices) == (16, 2, 8)
-  cache, _ = eng._state()  # noqa: SLF001
+  cache, _ = eng.runner.state()
   assert cache.k[0].sharding.shard_shape(cache.k[0].shape) == (2, 64, cfg.num_kv_heads,
                                                                cfg.head_dim)
   compiled = eng.lower_decode(2, live=64).compile()
@@ -148,7 +148,7 @@ def test_a_stop_string_before_an_unfinished_character_ends_the_sequence_at_once(
   seq = engine.Sequence(prompt=[0], max_new_tokens=len(ids), stop=('\n',))
   for start in range(0, len(ids), 4):
     chunk = np.asarray(ids[start:start + 4])
-    eng._extend(seq, chunk, np.zeros(len(chunk), np.float32), None, None)  # noqa: SLF001
+    eng.output.extend(seq, chunk, np.zeros(len(chunk), np.float32), None, None)
     if seq.done:
       break
   assert (seq.finish_reason, seq.text, seq.tokens) == ('stop', 'ab', ids[:3])

@@ -472,6 +472,8 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   arrays) and lower the programs that the engine's calls on real arrays lower."""
   from jax_pretrain import engine as engine_lib  # noqa: PLC0415
   from jax_pretrain import state as state_lib  # noqa: PLC0415
+  from jax_pretrain.engine import runner as runner_lib  # noqa: PLC0415
+  from jax_pretrain.engine import scheduler as scheduler_lib  # noqa: PLC0415
   resolved, run = config_lib.resolve(_grpo_test_config(), 2, backend='cpu')
   s = state_lib.build(resolved, run, jax.devices()[:2])
   params = state_lib.init_state(s).params
@@ -479,18 +481,19 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   make = lambda p: engine_lib.Engine(resolved.model, p, vocabulary, slots=8,
                                      context=32, mesh=s.mesh)
   eng, abstract = make(params), make(s.abstract_state.params)
-  # What Engine._prefill and Engine._decode pass (the params, cache and logits as the engine
-  # holds them, the host arrays as warmup and step make them).
-  prefill, decode = engine_lib._prefill, engine_lib._decode  # noqa: SLF001
-  (cache, logits), allowed = eng._state(), eng._allowed_V  # noqa: SLF001
-  put = lambda x: jax.device_put(x, eng._rows)  # noqa: SLF001
-  rows = [put(x) for x in eng._decode_inputs(4, [])]  # noqa: SLF001
-  prompts = [put(x) for x in eng._prefill_inputs([[], []], 16, 2)]  # noqa: SLF001
-  real = prefill.lower(eng.params, cache, logits, *prompts, allowed, model=eng.model,
+  # What ModelRunner.prefill and decode pass (the params, cache and logits as the runner holds
+  # them, the host arrays as warmup and step make them).
+  r = eng.runner
+  prefill, decode = runner_lib._prefill, runner_lib._decode  # noqa: SLF001
+  (cache, logits), allowed = r.state(), r._allowed_V  # noqa: SLF001
+  put = r._place  # noqa: SLF001
+  rows = put(r.rows(scheduler_lib.Decode(4, 24, 3, 0, False, eng.local_slots, ())))
+  prompts = put(r.prompts(scheduler_lib.Prefill(16, 2, ((), ()))))
+  real = prefill.lower(eng.params, cache, logits, prompts, allowed, model=eng.model,
                        mesh=eng.mesh)
   assert abstract.lower_prefill(2, 16).as_text() == real.as_text()
-  steps = jax.device_put(np.int32(3), eng._replicated)  # noqa: SLF001
-  real = decode.lower(eng.params, cache, logits, *rows, allowed, steps, model=eng.model,
+  steps = jax.device_put(np.int32(3), r._replicated)  # noqa: SLF001
+  real = decode.lower(eng.params, cache, logits, rows, allowed, steps, model=eng.model,
                       mesh=eng.mesh, chunk=eng.chunk, live=24, top_n=0, cuts=False)
   assert abstract.lower_decode(4, 24).as_text() == real.as_text()
 

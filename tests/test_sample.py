@@ -13,6 +13,7 @@ from jax_pretrain import engine
 from jax_pretrain import model as model_lib
 from jax_pretrain import sample
 from jax_pretrain.data.tokenizer import ByteTokenizer
+from jax_pretrain.engine import runner
 
 
 def model_and_params(**overrides):
@@ -33,8 +34,8 @@ def test_cached_logits_equal_full_forward_with_per_row_prompt_lengths():
   """The engine's model: a prefill into cache rows 2 and 0 (rows out of order, one padding row
   dropped), then one token a step at each row's own position over a live window of the cache."""
   cfg, model, params = model_and_params(tie_embeddings=False)
-  decoder = engine._decoding_model(cfg)  # noqa: SLF001
-  dparams = engine.decoding_params(decoder.config, params)
+  decoder = runner.decoding_model(cfg)
+  dparams = runner.decoding_params(decoder.config, params)
   B, T, S = 2, 12, 16
   tokens_BxT = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
   full_BxTxV = model.apply({'params': params}, tokens_BxT)

@@ -384,7 +384,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(local, monkeyp
   url, srv = local
   c = _client(url)
   before = greedy(c, 'The for ').choices[0].text
-  decode, calls = srv.engine._decode, []  # noqa: SLF001
+  decode, calls = srv.engine.runner.decode, []
 
   def fails_once(*args):
     calls.append(args)
@@ -392,7 +392,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(local, monkeyp
       raise RuntimeError('secret detail')
     return decode(*args)
 
-  monkeypatch.setattr(srv.engine, '_decode', fails_once)
+  monkeypatch.setattr(srv.engine.runner, 'decode', fails_once)
   with pytest.raises(openai.InternalServerError) as e:
     c.completions.create(model=NAME, prompt=['The for ', 'A'], max_tokens=12, temperature=0)
   assert e.value.status_code == 500
@@ -405,13 +405,13 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(local, monkeyp
 
 def test_stopping_fails_the_waiting_and_the_running_requests(trained, monkeypatch):
   with _serving(trained) as (url, srv):
-    decode, gate = srv.engine._decode, threading.Event()  # noqa: SLF001
+    decode, gate = srv.engine.runner.decode, threading.Event()
 
     def held(*args):  # the first decode waits for the test
       gate.wait(60)
       return decode(*args)
 
-    monkeypatch.setattr(srv.engine, '_decode', held)
+    monkeypatch.setattr(srv.engine.runner, 'decode', held)
     c = _client(url)
     with concurrent.futures.ThreadPoolExecutor(6) as pool, contextlib.ExitStack() as opened:
       opened.callback(gate.set)  # (should an assertion fail first)
@@ -444,10 +444,11 @@ def test_stopping_fails_the_waiting_and_the_running_requests(trained, monkeypatc
     assert e.value.status_code == 503
 
 
-BROKEN = """from jax_pretrain import cli, engine, serve
+BROKEN = """from jax_pretrain import cli, serve
+from jax_pretrain.engine import runner
 def broken(*args):
   raise RuntimeError('secret detail')
-engine.Engine._decode = broken
+runner.ModelRunner.decode = broken
 cli.define_run_flags()
 serve.define_flags()
 cli.run(serve.main)

@@ -1,0 +1,181 @@
+"""The engine's loop: Engine puts the scheduler, the model runner and the output processor
+together, runs them (generate, or run_forever in a thread of its own) and owns the failure policy.
+
+A step: the scheduler admits waiting sequences into free slots and the runner prefills them; the
+scheduler plans one decode call of every busy slot (up to `chunk` tokens each), the runner runs
+it, and the output processor appends each row's tokens to its sequence; the slots of the
+sequences that ended are freed for the next step.
+
+Failures (run_forever, the server's loop): a sequence's on_update callback that raises fails that
+sequence only (engine/output.py). A step that raises (a compiled prefill or decode, or the host
+work between them) fails the sequences of that call, and the engine goes on with a fresh cache;
+after MAX_FAILURES steps failed in a row (nothing decoded between them: the device or the program
+is broken, not one request) run_forever gives up: it raises EngineFailed, for its caller to exit.
+However run_forever ends (stop(), giving up), every sequence it held or that still waits ends with
+'error' and STOPPED, and submit refuses new ones (EngineStopped): nothing is left waiting.
+"""
+from absl import logging
+from jax.sharding import Mesh
+
+from jax_pretrain import model as model_lib
+from jax_pretrain.engine import output as output_lib
+from jax_pretrain.engine import runner as runner_lib
+from jax_pretrain.engine import scheduler as scheduler_lib
+from jax_pretrain.engine.sequence import STOPPED
+from jax_pretrain.engine.sequence import Sequence
+
+MAX_FAILURES = 3  # steps failing in a row after which run_forever gives up
+
+
+class EngineFailed(RuntimeError):
+  """run_forever gave up: MAX_FAILURES steps failed in a row (the last one is the __cause__)."""
+
+
+class Engine:
+  """Continuous batching over a bounded KV cache (the package's docstring).
+
+  Two ways to drive it: `generate(sequences)` runs them to the end in the calling thread (the
+  harness, GRPO); `run_forever()` in a thread of its own serves sequences that any thread
+  `submit`s (the server), calling each sequence's on_update from that thread.
+
+  params: the model's (float32, stacked layers, on their devices) or None, set later with
+  set_params; mesh: the devices that decode (default: those of the params, else the first
+  device); slots: over all of them (rounded up to a multiple of the device count); chunk: decoding
+  steps per call at most; prefill_tokens: prompt tokens per device per prefill call at most (its
+  activations are [rows, P, mlp]).
+  """
+
+  def __init__(self, model_config: model_lib.ModelConfig, params, tokenizer, *, slots: int = 16,
+               context: int, chunk: int = 8, prefill_tokens: int = 16384,
+               mesh: Mesh | None = None):
+    self.tokenizer = tokenizer
+    self.runner = runner_lib.ModelRunner(model_config, params, tokenizer, slots=slots,
+                                         context=context, chunk=chunk, mesh=mesh)
+    r = self.runner
+    self.model, self.mesh, self.devices, self.local_slots = r.model, r.mesh, r.devices, (
+        r.local_slots)
+    self.slots, self.context, self.chunk = r.slots, context, chunk
+    self.scheduler = scheduler_lib.Scheduler(
+        local_slots=r.local_slots, devices=r.devices, context=context, chunk=chunk,
+        prefill_tokens=max(prefill_tokens, context))
+    self.output = output_lib.OutputProcessor(tokenizer)
+
+  @property
+  def params(self):
+    """The runner's copy of the params (decoding_params), or None."""
+    return self.runner.params
+
+  @property
+  def shapes(self) -> set[tuple]:
+    """The compiled shapes asked for so far."""
+    return self.runner.shapes
+
+  @property
+  def tokens_generated(self) -> int:
+    return self.output.tokens_generated
+
+  def set_params(self, params) -> None:
+    """Takes new params (the model's, or abstract ones for lowering; None frees the copy)."""
+    self.runner.set_params(params)
+
+  def warmup(self) -> None:
+    """Compiles every shape that traffic can ask for (Scheduler.shapes), so that no request waits
+    for a compile. Changes no sequence: these prefills write to no slot and these decodes run no
+    step."""
+    prefills, decodes = self.scheduler.shapes()
+    for rows, length in prefills:
+      self.runner.prefill(scheduler_lib.Prefill(length, rows, ((),) * self.devices))
+    for rows, live, top_n, cuts in decodes:
+      self.runner.decode(scheduler_lib.Decode(rows, live, 0, top_n, cuts, self.local_slots, ()))
+
+  def submit(self, seq: Sequence) -> None:
+    """Queues a sequence (thread-safe). Its prompt and max_new_tokens must fit the context; once
+    the engine is stopped (stop(), or run_forever ended) raises EngineStopped."""
+    if not self.scheduler.submit(seq):
+      output_lib.finish(seq, 'length')
+
+  @property
+  def stopped(self) -> bool:
+    """Whether stop() was called or run_forever ended: submit refuses."""
+    return self.scheduler.stopping
+
+  def stats(self) -> dict:
+    return {'slots': self.slots, 'devices': self.devices, 'context': self.context,
+            **self.scheduler.stats(), 'compiled_shapes': len(self.shapes),
+            'tokens_generated': self.tokens_generated}
+
+  def generate(self, sequences: list[Sequence]) -> list[Sequence]:
+    for seq in sequences:
+      self.submit(seq)
+    while self.step():
+      pass
+    return sequences
+
+  def run_forever(self, max_failures: int = MAX_FAILURES) -> None:
+    """Serves submitted sequences until stop(). A step that raises fails the sequences it held
+    (their error: the exception's type and text; the traceback logged) and the engine goes on
+    with a fresh cache; after max_failures such steps in a row (none succeeding between them) it
+    gives up: raises EngineFailed. However it ends, the sequences it held or that still wait end
+    with STOPPED, and submit refuses new ones."""
+    failures = 0
+    try:
+      while self.scheduler.wait():
+        try:
+          self.step()
+          failures = 0
+        except Exception as e:  # fails the sequences of this call only
+          failures += 1
+          held = self.scheduler.release()
+          logging.exception('an engine step failed (%d in a row): its %d sequences fail',
+                            failures, len(held))
+          self.runner.reset()  # donated buffers may be gone: start afresh
+          for seq in held:
+            output_lib.fail(seq, f'{type(e).__name__}: {e}')
+          if failures >= max_failures:
+            raise EngineFailed(f'{failures} engine steps failed in a row') from e
+    finally:
+      for seq in [*self.scheduler.stop(), *self.scheduler.release()]:
+        output_lib.fail(seq, STOPPED)
+
+  def stop(self) -> None:
+    """Ends run_forever after its current step (thread-safe): the sequences still waiting fail
+    now (STOPPED), the busy ones when that step ends; submit refuses new ones."""
+    for seq in self.scheduler.stop():
+      output_lib.fail(seq, STOPPED)
+
+  def step(self) -> bool:
+    """Admits waiting sequences into free slots, then decodes one chunk of every busy slot.
+    Returns whether anything is left to do."""
+    prefills, cancelled = self.scheduler.admit()
+    for seq in cancelled:
+      output_lib.finish(seq, 'cancelled')
+    for prefill in prefills:
+      self.runner.prefill(prefill)
+    call = self.scheduler.decode()
+    if call is None:
+      return bool(self.scheduler.waiting)
+    tokens_RxC, logprobs_RxC, *top = self.runner.decode(call)
+    for g, seq in call.busy:
+      q = call.row(g)
+      self.output.extend(seq, tokens_RxC[q, :call.steps], logprobs_RxC[q],
+                         *((top[0][q], top[1][q]) if top else (None, None)))
+      if seq.done:
+        self.scheduler.free(g)
+    return True
+
+  def score(self, tokens_BxT1, top_n: int = 0):
+    """token_logprobs with the engine's params (on its devices)."""
+    return self.runner.score(tokens_BxT1, top_n)
+
+  def largest_prefill(self, prompt_tokens: int) -> tuple[int, int]:
+    """(rows per device, length) of the largest prefill call that prompts of at most
+    prompt_tokens tokens can ask for."""
+    return self.scheduler.largest_prefill(prompt_tokens)
+
+  def lower_prefill(self, rows: int, length: int):
+    """ModelRunner.lower_prefill: the prefill call lowered on abstract shapes (plan.py)."""
+    return self.runner.lower_prefill(rows, length)
+
+  def lower_decode(self, rows: int, live: int, top_n: int = 0, cuts: bool = False):
+    """ModelRunner.lower_decode: the decode call lowered on abstract shapes (plan.py)."""
+    return self.runner.lower_decode(rows, live, top_n, cuts)

@@ -1,0 +1,205 @@
+"""The engine's scheduler: which sequence decodes in which slot, and the shape of each call. Plain
+Python (no jax): tests drive it without a model (tests/test_engine_scheduler.py).
+
+Slots: the KV cache has `local_slots` rows on each of `devices` devices; slot g = d × local_slots
++ j is device d's row j. A submitted sequence waits (first in, first out) until a slot is free; it
+then takes the free slot of lowest local index, over the devices in turn (spreading the sequences
+over the devices), is prefilled there and decodes with every other busy slot until it ends; its
+slot is then free for the next one (continuous batching: sequences join and leave every call, so
+a short request never waits for a long one to finish).
+
+Shapes are bucketed, so that traffic does not recompile: a prefill pads its prompts to a power of
+two tokens (MIN_BUCKET at least, the context at most) and its rows to a power of two, at most
+`prefill_tokens` prompt tokens a device (most_rows); a decode call covers each device's first 1,
+2, 4, ... slots, as many as cover the busy ones, with a live length (the positions its attention
+reads) of a power of two or 1.5 × one that covers the longest busy row after the call's steps
+(live_bucket). A call's steps (at most `chunk`) are traced, not static. Sampling's top-k/top-p cut
+and the TOP_N alternatives are compiled in only for calls whose rows ask for them.
+"""
+import collections
+import dataclasses
+import threading
+
+from jax_pretrain.engine.sampling import TOP_N
+from jax_pretrain.engine.sequence import Sequence
+
+MIN_BUCKET = 16
+
+
+class EngineStopped(RuntimeError):
+  """submit after stop() or after run_forever ended: the engine takes no more sequences."""
+
+
+def bucket(n: int, limit: int, smallest: int = 1) -> int:
+  """The power of two >= n (and >= smallest), or limit when that is smaller: few distinct shapes."""
+  return min(limit, max(smallest, 1 << (max(n, 1) - 1).bit_length()))
+
+
+def live_bucket(n: int, context: int) -> int:
+  """Positions a decode call's attention reads: the smallest power of two or 1.5 × a power of
+  two that is >= n (MIN_BUCKET at least, the context at most): at most a third more than the
+  longest row needs (half with powers of two alone), for twice the compiled shapes."""
+  p = bucket(n, 1 << 62, MIN_BUCKET)
+  return min(context, 3 * p // 4 if 3 * p // 4 >= n and p > MIN_BUCKET else p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+  """One prefill call: prompts padded to `length` tokens, `rows` of them a device; device d's
+  (local slot, sequence) pairs in its first rows (the others: padding)."""
+  length: int
+  rows: int
+  slots: tuple[tuple[tuple[int, Sequence], ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+  """One decode call: `steps` steps of each device's first `rows` slots, attending over positions
+  [0, live); busy: the (slot, sequence) pairs it decodes. top_n and cuts: as the runner's."""
+  rows: int
+  live: int
+  steps: int
+  top_n: int
+  cuts: bool
+  local_slots: int
+  busy: tuple[tuple[int, Sequence], ...]
+
+  def row(self, g: int) -> int:
+    """The row of slot g in this call (device d's slot j: d × rows + j)."""
+    d, j = divmod(g, self.local_slots)
+    return d * self.rows + j
+
+
+class Scheduler:
+  """Slots, the waiting queue, admission and the calls' shapes (the module docstring). submit,
+  stop and wait are thread-safe; the rest runs in the engine's thread."""
+
+  def __init__(self, *, local_slots: int, devices: int, context: int, chunk: int,
+               prefill_tokens: int):
+    self.local_slots, self.devices, self.context, self.chunk = local_slots, devices, context, chunk
+    self.slots = local_slots * devices
+    self.prefill_tokens = prefill_tokens
+    self.busy: list[Sequence | None] = [None] * self.slots
+    self.waiting: collections.deque[Sequence] = collections.deque()
+    self.stopping = False
+    self._wakeup = threading.Condition()
+
+  def submit(self, seq: Sequence) -> bool:
+    """Queues a sequence; False for one that asks for no new tokens (the caller ends it). Its
+    prompt and max_new_tokens must fit the context; once stopped, raises EngineStopped."""
+    if not seq.prompt or len(seq.prompt) + seq.max_new_tokens > self.context:
+      raise ValueError(f'a prompt of {len(seq.prompt)} tokens and {seq.max_new_tokens} new tokens '
+                       f'do not fit the context of {self.context} tokens')
+    with self._wakeup:
+      if self.stopping:
+        raise EngineStopped('the engine is stopped: it takes no more sequences')
+      if seq.max_new_tokens <= 0:
+        return False
+      self.waiting.append(seq)
+      self._wakeup.notify()
+      return True
+
+  def wait(self) -> bool:
+    """Blocks until there is work or stop(); returns False once stopped."""
+    with self._wakeup:
+      while not self.stopping and not self.waiting and not any(self.busy):
+        self._wakeup.wait()
+      return not self.stopping
+
+  def stop(self) -> list[Sequence]:
+    """Refuses new sequences from now on and wakes wait(); returns those that were waiting (no
+    longer queued)."""
+    with self._wakeup:
+      self.stopping = True
+      waiting = list(self.waiting)
+      self.waiting.clear()
+      self._wakeup.notify()
+    return waiting
+
+  def release(self) -> list[Sequence]:
+    """Frees every slot; returns the sequences they held."""
+    with self._wakeup:
+      held = [seq for seq in self.busy if seq is not None]
+      self.busy = [None] * self.slots
+    return held
+
+  def free(self, g: int) -> None:
+    self.busy[g] = None
+
+  def held(self, g: int) -> Sequence:
+    """The sequence in slot g, which the caller knows is busy."""
+    seq = self.busy[g]
+    assert seq is not None, f'slot {g} is free'
+    return seq
+
+  def admit(self) -> tuple[list[Prefill], list[Sequence]]:
+    """Moves waiting sequences into free slots (the lowest local index first, over the devices in
+    turn): the prefill calls of those admitted, a bucket of lengths at a time, and the waiting
+    sequences found cancelled (no longer queued: the caller ends them)."""
+    admitted, cancelled = [], []
+    with self._wakeup:
+      for j in range(self.local_slots):
+        for d in range(self.devices):
+          g = d * self.local_slots + j
+          while self.busy[g] is None and self.waiting:
+            seq = self.waiting.popleft()
+            if seq.cancelled:
+              cancelled.append(seq)
+              continue
+            self.busy[g] = seq
+            admitted.append(g)
+    by_length = collections.defaultdict(list)
+    for g in admitted:
+      by_length[bucket(len(self.held(g).prompt), self.context, MIN_BUCKET)].append(g)
+    calls = []
+    for P_, slots in sorted(by_length.items()):
+      per_device = [[g for g in slots if g // self.local_slots == d] for d in range(self.devices)]
+      most = self.most_rows(P_)
+      for start in range(0, max(len(x) for x in per_device), most):
+        group = [x[start:start + most] for x in per_device]
+        calls.append(Prefill(P_, bucket(max(len(x) for x in group), most), tuple(
+            tuple((g % self.local_slots, self.held(g)) for g in x) for x in group)))
+    return calls, cancelled
+
+  def decode(self) -> Decode | None:
+    """The next decode call of every busy slot (None: none is busy)."""
+    busy = tuple((g, seq) for g, seq in enumerate(self.busy) if seq is not None)
+    if not busy:
+      return None
+    seqs = [seq for _, seq in busy]
+    steps = max(min(self.chunk, seq.max_new_tokens - len(seq.tokens)) for seq in seqs)
+    return Decode(
+        rows=bucket(max(g % self.local_slots for g, _ in busy) + 1, self.local_slots),
+        live=live_bucket(max(len(s.prompt) + len(s.tokens) for s in seqs) + steps, self.context),
+        steps=steps, top_n=TOP_N if any(s.alternatives for s in seqs) else 0,
+        cuts=any(s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0) for s in seqs),
+        local_slots=self.local_slots, busy=busy)
+
+  def most_rows(self, P_: int) -> int:
+    """Prompts per device per prefill call at most for prompts padded to P_: a power of two that
+    keeps the call within prefill_tokens, and no more than a device's slots need."""
+    fitting = 1 << (max(1, self.prefill_tokens // P_).bit_length() - 1)
+    return min(fitting, bucket(self.local_slots, 1 << 30))
+
+  def largest_prefill(self, prompt_tokens: int) -> tuple[int, int]:
+    """(rows per device, length) of the largest prefill call that prompts of at most
+    prompt_tokens tokens can ask for (admit's buckets)."""
+    P_ = bucket(prompt_tokens, self.context, MIN_BUCKET)
+    return self.most_rows(P_), P_
+
+  def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, bool]]]:
+    """Every shape traffic can ask for: (rows, length) of the prefills, (rows, live, top_n, cuts)
+    of the decodes."""
+    prefills = []
+    for P_ in sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)}):
+      most = self.most_rows(P_)
+      prefills += [(N, P_) for N in sorted({bucket(n, most) for n in range(1, most + 1)})]
+    lives = sorted({live_bucket(n, self.context) for n in range(1, self.context + 1)})
+    decodes = [(rows, live, top_n, cuts)
+               for rows in sorted({bucket(n, self.local_slots)
+                                   for n in range(1, self.local_slots + 1)})
+               for live in lives for top_n in (0, TOP_N) for cuts in (False, True)]
+    return prefills, decodes
+
+  def stats(self) -> dict:
+    return {'busy': sum(s is not None for s in self.busy), 'waiting': len(self.waiting)}

@@ -1,0 +1,124 @@
+"""The engine's scheduler without a model: which slot each sequence takes, which waits, and the
+shapes of the calls that run them."""
+import threading
+
+import pytest
+
+from jax_pretrain.engine import scheduler as scheduler_lib
+from jax_pretrain.engine.sequence import Sequence
+
+
+def _scheduler(local_slots=2, devices=2, context=128, chunk=8, prefill_tokens=128):
+  return scheduler_lib.Scheduler(local_slots=local_slots, devices=devices, context=context,
+                                 chunk=chunk, prefill_tokens=prefill_tokens)
+
+
+def _seq(length: int, new: int = 10, **kw) -> Sequence:
+  return Sequence(prompt=list(range(1, length + 1)), max_new_tokens=new, **kw)
+
+
+def test_sequences_take_the_lowest_free_slot_over_the_devices_in_turn_and_the_rest_wait():
+  s = _scheduler()
+  seqs = [_seq(n) for n in (3, 20, 5, 40, 7)]
+  for seq in seqs:
+    assert s.submit(seq)
+  prefills, cancelled = s.admit()
+  assert cancelled == []
+  # Slot g = device × 2 + local index: local index 0 on each device first.
+  assert s.busy == [seqs[0], seqs[2], seqs[1], seqs[3]] and list(s.waiting) == [seqs[4]]
+  # One prefill per length bucket (16, 32, 64), each device's (local slot, sequence) in its rows.
+  assert [(p.length, p.rows) for p in prefills] == [(16, 2), (32, 1), (64, 1)]
+  assert prefills[0].slots == (((0, seqs[0]), (1, seqs[2])), ())
+  assert prefills[1].slots == ((), ((0, seqs[1]),))
+  assert prefills[2].slots == ((), ((1, seqs[3]),))
+  assert s.stats() == {'busy': 4, 'waiting': 1}
+
+  s.free(1)  # seqs[2] ended: the waiting one takes its slot
+  prefills, _ = s.admit()
+  assert s.busy[1] is seqs[4] and not s.waiting
+  assert [(p.length, p.rows, p.slots) for p in prefills] == [(16, 1, (((1, seqs[4]),), ()))]
+
+
+def test_a_prefill_holds_at_most_prefill_tokens_a_device():
+  s = _scheduler(local_slots=8, devices=1, context=64, prefill_tokens=64)
+  assert (s.most_rows(16), s.most_rows(32), s.most_rows(64)) == (4, 2, 1)
+  assert s.largest_prefill(20) == (2, 32)
+  for _ in range(7):
+    s.submit(_seq(12))
+  prefills, _ = s.admit()
+  assert [(p.length, p.rows, len(p.slots[0])) for p in prefills] == [(16, 4, 4), (16, 4, 3)]
+
+
+def test_a_decode_call_covers_the_busy_slots_and_their_longest_row():
+  s = _scheduler(local_slots=8, devices=1, context=128, chunk=8)
+  assert s.decode() is None
+  short, long_ = _seq(5, new=3), _seq(30, new=20, temperature=1.0, top_p=0.9)
+  for seq in (short, long_):
+    s.submit(seq)
+  s.admit()
+  long_.tokens = [0] * 4
+  call = s.decode()
+  assert call is not None
+  assert call.busy == ((0, short), (1, long_)) and (call.row(0), call.row(1)) == (0, 1)
+  # 2 rows (slots 0 and 1), 8 steps (long_ has 16 to go), over 34 + 8 positions: the bucket 48.
+  assert (call.rows, call.steps, call.live, call.top_n, call.cuts) == (2, 8, 48, 0, True)
+  s.free(0)
+  s.submit(_seq(5, alternatives=True))
+  s.submit(_seq(5))
+  s.admit()
+  call = s.decode()
+  assert call is not None and (call.rows, call.top_n) == (4, scheduler_lib.TOP_N)
+  assert [g for g, _ in call.busy] == [0, 1, 2]
+
+
+def test_rows_of_a_call_over_several_devices():
+  s = _scheduler(local_slots=4, devices=2)
+  seqs = [_seq(3) for _ in range(3)]
+  for seq in seqs:
+    s.submit(seq)
+  s.admit()  # slots 0 (device 0), 4 (device 1), 1 (device 0)
+  call = s.decode()
+  assert call is not None and call.rows == 2
+  assert [(g, call.row(g)) for g, _ in call.busy] == [(0, 0), (1, 1), (4, 2)]
+
+
+def test_cancelled_sequences_are_not_admitted():
+  s = _scheduler()
+  gone, kept = _seq(3), _seq(3)
+  s.submit(gone)
+  s.submit(kept)
+  gone.cancelled = True
+  prefills, cancelled = s.admit()
+  assert cancelled == [gone] and s.busy[0] is kept and sum(len(x) for x in prefills[0].slots) == 1
+
+
+def test_submit_checks_the_context():
+  s = _scheduler(context=32)
+  with pytest.raises(ValueError, match='do not fit the context of 32'):
+    s.submit(_seq(30, new=3))
+  with pytest.raises(ValueError):
+    s.submit(_seq(0))
+  assert not s.submit(_seq(3, new=0)) and not s.waiting  # nothing to decode: the caller ends it
+
+
+def test_stop_wakes_the_loop_returns_the_waiting_and_refuses_new_sequences():
+  s = _scheduler()
+  woke = []
+  thread = threading.Thread(target=lambda: woke.append(s.wait()))
+  thread.start()  # nothing to do: it waits
+  s.submit(queued := _seq(4))
+  thread.join(10)
+  assert woke == [True]  # work came
+  assert s.stop() == [queued] and not s.waiting
+  assert not s.wait()  # stopped: the loop ends
+  with pytest.raises(scheduler_lib.EngineStopped):
+    s.submit(_seq(3))
+
+
+def test_release_frees_every_slot():
+  s = _scheduler()
+  seqs = [_seq(3) for _ in range(3)]
+  for seq in seqs:
+    s.submit(seq)
+  s.admit()
+  assert s.release() == [seqs[0], seqs[2], seqs[1]] and s.busy == [None] * 4
