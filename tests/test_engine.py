@@ -5,6 +5,7 @@ import dataclasses
 from pydoc_data import topics
 import random
 import re
+import threading
 
 from flax.linen import meta
 import jax
@@ -153,3 +154,80 @@ def test_a_stop_string_before_an_unfinished_character_ends_the_sequence_at_once(
       break
   assert (seq.finish_reason, seq.text, seq.tokens) == ('stop', 'ab', ids[:3])
   assert len(seq.logprobs) == 3
+
+
+class _RaisesOn(tokenizer_lib.ByteTokenizer):
+  """The byte tokenizer, but its decode raises on any ids that hold `bad`."""
+
+  def __init__(self, bad: int):
+    self.bad = bad
+
+  def decode(self, ids) -> str:
+    if self.bad in list(ids):
+      raise ValueError(f'cannot decode {self.bad}')
+    return super().decode(ids)
+
+
+PROMPTS = [[72, 101, 108], [1, 2, 3], [200, 5], [9]]
+
+
+def _greedy(prompts, **kw):
+  return [engine.Sequence(prompt=list(p), max_new_tokens=12, **kw) for p in prompts]
+
+
+def test_a_sequence_whose_handling_raises_fails_alone(tiny):
+  """A tokenizer that raises on a token of one sequence: that sequence fails, the others decode
+  their tokens; it is no failure of the engine (run_forever with max_failures=1 goes on)."""
+  cfg, params = tiny
+  fine = engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=4, context=64,
+                       chunk=4).generate(_greedy(PROMPTS))
+  bad = next(t for t in fine[0].tokens if all(t not in s.tokens for s in fine[1:]))
+  eng = engine.Engine(cfg, params, _RaisesOn(bad), slots=4, context=64, chunk=4)
+  seqs = eng.generate(_greedy(PROMPTS))
+  assert seqs[0].finish_reason == 'error' and seqs[0].error == f'ValueError: cannot decode {bad}'
+  assert [s.tokens for s in seqs[1:]] == [s.tokens for s in fine[1:]]
+  assert [s.text for s in seqs[1:]] == [s.text for s in fine[1:]]
+  assert eng.stats()['busy'] == 0
+
+  ended, done = [], threading.Event()
+
+  def serve():
+    try:
+      eng.run_forever(max_failures=1)
+    except Exception as e:  # noqa: BLE001  (what the test looks at)
+      ended.append(e)
+
+  def on_update(seq):
+    if all(s.done for s in seqs):
+      done.set()
+
+  thread = threading.Thread(target=serve)
+  thread.start()
+  seqs = _greedy(PROMPTS, on_update=on_update)
+  for seq in seqs:
+    eng.submit(seq)
+  assert done.wait(120)
+  assert not eng.stopped and thread.is_alive()
+  eng.stop()
+  thread.join(60)
+  assert ended == [] and seqs[0].finish_reason == 'error'
+  assert [s.tokens for s in seqs[1:]] == [s.tokens for s in fine[1:]]
+
+
+def test_a_failed_generate_frees_its_slots(tiny, monkeypatch):
+  cfg, params = tiny
+  eng = engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=2, context=64, chunk=4)
+  expected = [s.tokens for s in eng.generate(_greedy(PROMPTS))]
+  decode = eng.runner.decode
+
+  def fails(*args):
+    raise RuntimeError('broken')
+
+  monkeypatch.setattr(eng.runner, 'decode', fails)
+  seqs = _greedy(PROMPTS)  # 4 sequences, 2 slots: two wait
+  with pytest.raises(RuntimeError, match='broken'):
+    eng.generate(seqs)
+  assert all(s.finish_reason == 'error' and s.error == 'RuntimeError: broken' for s in seqs)
+  assert eng.stats()['busy'] == eng.stats()['waiting'] == 0
+  monkeypatch.setattr(eng.runner, 'decode', decode)
+  assert [s.tokens for s in eng.generate(_greedy(PROMPTS))] == expected

@@ -122,3 +122,9 @@ def test_release_frees_every_slot():
     s.submit(seq)
   s.admit()
   assert s.release() == [seqs[0], seqs[2], seqs[1]] and s.busy == [None] * 4
+  more = [_seq(3) for _ in range(6)]
+  for seq in more:
+    s.submit(seq)
+  s.admit()
+  assert s.release(waiting=True) == [more[0], more[2], more[1], more[3], *more[4:]]
+  assert s.busy == [None] * 4 and not s.waiting

@@ -6,13 +6,16 @@ scheduler plans one decode call of every busy slot (up to `chunk` tokens each), 
 it, and the output processor appends each row's tokens to its sequence; the slots of the
 sequences that ended are freed for the next step.
 
-Failures (run_forever, the server's loop): a sequence's on_update callback that raises fails that
-sequence only (engine/output.py). A step that raises (a compiled prefill or decode, or the host
-work between them) fails the sequences of that call, and the engine goes on with a fresh cache;
-after MAX_FAILURES steps failed in a row (nothing decoded between them: the device or the program
-is broken, not one request) run_forever gives up: it raises EngineFailed, for its caller to exit.
-However run_forever ends (stop(), giving up), every sequence it held or that still waits ends with
-'error' and STOPPED, and submit refuses new ones (EngineStopped): nothing is left waiting.
+Failures (run_forever, the server's loop): an exception in one sequence's host-side handling (its
+detokenization, its stop strings, its on_update callback) fails that sequence only and is no
+failure of the step (engine/output.py). A step that raises (a compiled prefill or decode, or the
+host work between them) fails the sequences of that call, and the engine goes on with a fresh
+cache; after MAX_FAILURES steps failed in a row (nothing decoded between them: the device or the
+program is broken, not one request) run_forever gives up: it raises EngineFailed, for its caller
+to exit. However run_forever ends (stop(), giving up), every sequence it held or that still waits
+ends with 'error' and STOPPED, and submit refuses new ones (EngineStopped): nothing is left
+waiting. A generate() that raises fails its sequences and leaves the engine as new (slots free,
+nothing queued, a fresh cache), for the next call.
 """
 from absl import logging
 from jax.sharding import Mesh
@@ -105,10 +108,19 @@ class Engine:
             'tokens_generated': self.tokens_generated}
 
   def generate(self, sequences: list[Sequence]) -> list[Sequence]:
-    for seq in sequences:
-      self.submit(seq)
-    while self.step():
-      pass
+    """Decodes the sequences to their ends in this thread (no run_forever beside it). Should it
+    raise (a step, a prompt that does not fit), every sequence it held or queued ends with
+    'error' and the engine is left as new: its slots free, nothing waiting, a fresh cache."""
+    try:
+      for seq in sequences:
+        self.submit(seq)
+      while self.step():
+        pass
+    except BaseException as e:
+      self.runner.reset()
+      for seq in [*self.scheduler.release(waiting=True), *sequences]:
+        output_lib.fail(seq, f'{type(e).__name__}: {e}')
+      raise
     return sequences
 
   def run_forever(self, max_failures: int = MAX_FAILURES) -> None:

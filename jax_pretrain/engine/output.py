@@ -9,8 +9,10 @@ sequence's callback (streaming). A stop string cuts the text before it and keeps
 the one that completed it (GRPO trains on them); an EOS sampled after the stop string is not the
 sequence's own.
 
-Callbacks (report): a sequence's on_update that raises fails that sequence only ('error'; the
-callback is told once more, and the traceback logged), never the engine or the other sequences.
+A sequence fails alone: an exception in its handling here (its tokenizer's decode, its stop
+strings) or in its on_update callback (report) fails that sequence only ('error', the exception's
+type and text; the traceback logged; the callback told once more), never the engine or the other
+sequences of the call, and it is no failure of the engine's step (core.MAX_FAILURES).
 """
 from absl import logging
 
@@ -25,7 +27,15 @@ class OutputProcessor:
     self.tokens_generated = 0
 
   def extend(self, seq: Sequence, tokens, logprobs, top_lp_CxN, top_ids_CxN) -> None:
-    """Appends a chunk's tokens to a sequence, up to EOS, max_new_tokens or a stop string."""
+    """Appends a chunk's tokens to a sequence, up to EOS, max_new_tokens or a stop string; one
+    that raises fails this sequence alone (the module docstring)."""
+    try:
+      self._extend(seq, tokens, logprobs, top_lp_CxN, top_ids_CxN)
+    except Exception as e:  # noqa: BLE001  (that sequence's own failure)
+      logging.exception('handling the tokens of a sequence raised: that sequence fails')
+      fail(seq, f'{type(e).__name__}: {e}')
+
+  def _extend(self, seq: Sequence, tokens, logprobs, top_lp_CxN, top_ids_CxN) -> None:
     if seq.cancelled:
       finish(seq, 'cancelled')
       return
@@ -47,9 +57,11 @@ class OutputProcessor:
     longest = max((len(s) for s in seq.stop), default=0)
     cut = first_stop(text, seq.stop, max(0, searched - longest + 1))
     if cut is not None:
-      # Keep the tokens up to the one that completed the stop string.
-      n = next(n for n in range(decoded + 1, len(seq.tokens) + 1)
-               if first_stop(self.tokenizer.decode(seq.tokens[:n]), seq.stop) is not None)
+      # Keep the tokens up to the one that completed the stop string (all of them should no
+      # prefix decode to a text with it: a tokenizer whose pieces do not add up).
+      n = next((n for n in range(decoded + 1, len(seq.tokens) + 1)
+                if first_stop(self.tokenizer.decode(seq.tokens[:n]), seq.stop) is not None),
+               len(seq.tokens))
       del seq.tokens[n:], seq.logprobs[n:], seq.top_logprobs[n:]
       text, reason = text[:cut], 'stop'
       seq.eos_logprob = None  # it ends at the stop string: an EOS sampled later is not its own

@@ -116,11 +116,15 @@ class Scheduler:
       self._wakeup.notify()
     return waiting
 
-  def release(self) -> list[Sequence]:
-    """Frees every slot; returns the sequences they held."""
+  def release(self, waiting: bool = False) -> list[Sequence]:
+    """Frees every slot (and with `waiting` empties the queue); returns the sequences they held
+    (then those that waited)."""
     with self._wakeup:
       held = [seq for seq in self.busy if seq is not None]
       self.busy = [None] * self.slots
+      if waiting:
+        held += self.waiting
+        self.waiting.clear()
     return held
 
   def free(self, g: int) -> None:
