@@ -190,11 +190,11 @@ def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | Non
 
 
 class _Vocabulary:
-  """What the engine reads of a tokenizer, for a plan without one: the ids it may sample (values
-  of a mask, not shapes)."""
+  """What the engine reads of a tokenizer, for a plan without one: the ids it may sample and EOS
+  (values, not shapes)."""
 
   def __init__(self, vocab_size: int):
-    self.vocab_size, self.pad_id = vocab_size, -1
+    self.vocab_size, self.pad_id, self.eos_id = vocab_size, -1, -1
 
 
 def call_report(compiled, target: gpu_targets.Target, alongside: dict[str, float], tokens: int,

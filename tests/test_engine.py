@@ -71,7 +71,7 @@ def test_on_a_mesh_each_device_holds_and_decodes_its_slots(tiny):
   eng = engine.Engine(cfg, replicated, tokenizer_lib.ByteTokenizer(), slots=16, context=64,
                       mesh=mesh)
   assert (eng.slots, eng.local_slots, eng.devices) == (16, 2, 8)
-  cache, _ = eng.runner.state()
+  cache = eng.runner.state().cache
   assert cache.k[0].sharding.shard_shape(cache.k[0].shape) == (2, 64, cfg.num_kv_heads,
                                                                cfg.head_dim)
   compiled = eng.lower_decode(2, live=64).compile()
@@ -171,8 +171,8 @@ class _RaisesOn(tokenizer_lib.ByteTokenizer):
 PROMPTS = [[72, 101, 108], [1, 2, 3], [200, 5], [9]]
 
 
-def _greedy(prompts, **kw):
-  return [engine.Sequence(prompt=list(p), max_new_tokens=12, **kw) for p in prompts]
+def _greedy(prompts, max_new_tokens=12, **kw):
+  return [engine.Sequence(prompt=list(p), max_new_tokens=max_new_tokens, **kw) for p in prompts]
 
 
 def test_a_sequence_whose_handling_raises_fails_alone(tiny):
@@ -214,20 +214,60 @@ def test_a_sequence_whose_handling_raises_fails_alone(tiny):
   assert [s.tokens for s in seqs[1:]] == [s.tokens for s in fine[1:]]
 
 
-def test_a_failed_generate_frees_its_slots(tiny, monkeypatch):
+@pytest.mark.parametrize('max_new_tokens', [3, 12])  # (3: every token in the first call)
+def test_a_failed_generate_frees_its_slots(tiny, monkeypatch, max_new_tokens):
   cfg, params = tiny
   eng = engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=2, context=64, chunk=4)
-  expected = [s.tokens for s in eng.generate(_greedy(PROMPTS))]
+  expected = [s.tokens for s in eng.generate(_greedy(PROMPTS, max_new_tokens))]
   decode = eng.runner.decode
 
   def fails(*args):
     raise RuntimeError('broken')
 
   monkeypatch.setattr(eng.runner, 'decode', fails)
-  seqs = _greedy(PROMPTS)  # 4 sequences, 2 slots: two wait
+  seqs = _greedy(PROMPTS, max_new_tokens)  # 4 sequences, 2 slots: two wait
   with pytest.raises(RuntimeError, match='broken'):
     eng.generate(seqs)
   assert all(s.finish_reason == 'error' and s.error == 'RuntimeError: broken' for s in seqs)
   assert eng.stats()['busy'] == eng.stats()['waiting'] == 0
   monkeypatch.setattr(eng.runner, 'decode', decode)
-  assert [s.tokens for s in eng.generate(_greedy(PROMPTS))] == expected
+  assert [s.tokens for s in eng.generate(_greedy(PROMPTS, max_new_tokens))] == expected
+
+
+def _mixed(on_update=None):
+  """Sequences of every kind: greedy and sampled (top-k, top-p), short and long, stop strings,
+  alternatives; more of them than slots, so that some join while others decode."""
+  return [engine.Sequence(prompt=[(7 * i + j) % 250 + 1 for j in range(1 + i % 9)],
+                          max_new_tokens=3 + (5 * i) % 17, temperature=(i % 3) * 0.7, seed=11,
+                          stream=i, top_k=5 if i % 4 == 1 else 0, top_p=0.8 if i % 5 == 2 else 1.0,
+                          stop=('e',) if i % 6 == 5 else (), alternatives=i % 7 == 3,
+                          on_update=on_update) for i in range(14)]
+
+
+def test_each_row_decodes_what_it_decodes_alone_and_the_next_call_goes_before_the_read(tiny):
+  """A sequence's tokens do not depend on its neighbours, on when it was admitted or on the
+  calls in flight; the host reads a call's tokens only after it has dispatched the next one."""
+  cfg, params = tiny
+  tok = tokenizer_lib.ByteTokenizer()
+  alone = [engine.Engine(cfg, params, tok, slots=1, context=64, chunk=4).generate([seq])[0]
+           for seq in _mixed()]
+  eng = engine.Engine(cfg, params, tok, slots=4, context=64, chunk=4)
+  events = []
+  decode, read = eng.runner.decode, eng.runner.read
+  eng.runner.decode = lambda call: events.append('decode') or decode(call)
+  eng.runner.read = lambda out: events.append('read') or read(out)
+  together = eng.generate(_mixed())
+  assert [s.tokens for s in together] == [s.tokens for s in alone]
+  assert [(s.text, s.finish_reason) for s in together] == [(s.text, s.finish_reason) for s in alone]
+  logprobs = lambda seqs: np.concatenate([[*s.logprobs, s.eos_logprob or 0.0] for s in seqs])
+  np.testing.assert_allclose(logprobs(together), logprobs(alone), atol=1e-5)
+  assert {s.finish_reason for s in together} == {'length', 'stop'}
+  top = lambda seqs: [[[i for i, _ in t] for t in s.top_logprobs] for s in seqs]
+  assert top(together) == top(alone)
+  assert [len(s.top_logprobs) for s in together] == [
+      len(s.tokens) if s.alternatives else 0 for s in together]
+  # Every read but the last comes after the next call's dispatch: decode, decode, read, ...
+  assert events[:2] == ['decode', 'decode'] and events.count('read') >= 4
+  reads = [i for i, e in enumerate(events) if e == 'read']
+  assert all(events[i - 1] == 'decode' for i in reads[:-1]), events
+  assert eng.stats()['busy'] == 0

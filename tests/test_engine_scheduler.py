@@ -33,7 +33,7 @@ def test_sequences_take_the_lowest_free_slot_over_the_devices_in_turn_and_the_re
   assert prefills[2].slots == ((), ((1, seqs[3]),))
   assert s.stats() == {'busy': 4, 'waiting': 1}
 
-  s.free(1)  # seqs[2] ended: the waiting one takes its slot
+  s.free(1, seqs[2])  # it ended: the waiting one takes its slot
   prefills, _ = s.admit()
   assert s.busy[1] is seqs[4] and not s.waiting
   assert [(p.length, p.rows, p.slots) for p in prefills] == [(16, 1, (((1, seqs[4]),), ()))]
@@ -56,19 +56,31 @@ def test_a_decode_call_covers_the_busy_slots_and_their_longest_row():
   for seq in (short, long_):
     s.submit(seq)
   s.admit()
-  long_.tokens = [0] * 4
   call = s.decode()
   assert call is not None
   assert call.busy == ((0, short), (1, long_)) and (call.row(0), call.row(1)) == (0, 1)
-  # 2 rows (slots 0 and 1), 8 steps (long_ has 16 to go), over 34 + 8 positions: the bucket 48.
+  # 2 rows (slots 0 and 1), 8 steps (long_ has 20 to go), over 30 + 8 positions: the bucket 48.
   assert (call.rows, call.steps, call.live, call.top_n, call.cuts) == (2, 8, 48, 0, True)
-  s.free(0)
-  s.submit(_seq(5, alternatives=True))
-  s.submit(_seq(5))
+  # short has all its tokens once this call has run: its slot takes the next sequence now; it is
+  # held as finishing until its end is read.
+  assert s.busy[:2] == [None, long_] and s.dispatched[1] == 8 and s.finishing == [short]
+  assert s.stats() == {'busy': 2, 'waiting': 0}
+  s.free(0, short)
+  assert s.finishing == [] and s.busy[:2] == [None, long_]
+  alternatives = _seq(5, new=4, alternatives=True)
+  s.submit(alternatives)
+  s.submit(_seq(5, new=10))
   s.admit()
   call = s.decode()
-  assert call is not None and (call.rows, call.top_n) == (4, scheduler_lib.TOP_N)
-  assert [g for g, _ in call.busy] == [0, 1, 2]
+  # long_'s next 8 tokens, after the 8 in flight: 30 + 16 positions.
+  assert call is not None and (call.rows, call.steps, call.live, call.top_n, call.cuts) == (
+      4, 8, 48, scheduler_lib.TOP_N, True)
+  assert [g for g, _ in call.busy] == [0, 1, 2] and s.busy[0] is None
+  call = s.decode()
+  assert call is not None and [g for g, _ in call.busy] == [1, 2]
+  assert (call.rows, call.steps, call.live, call.top_n) == (4, 4, 64, 0)
+  assert s.decode() is None and s.busy == [None] * 8 and len(s.finishing) == 3
+  assert s.has_work() and len(s.release()) == 3 and not s.has_work()
 
 
 def test_rows_of_a_call_over_several_devices():

@@ -477,7 +477,7 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   resolved, run = config_lib.resolve(_grpo_test_config(), 2, backend='cpu')
   s = state_lib.build(resolved, run, jax.devices()[:2])
   params = state_lib.init_state(s).params
-  vocabulary = types.SimpleNamespace(vocab_size=resolved.model.vocab_size, pad_id=0)
+  vocabulary = types.SimpleNamespace(vocab_size=resolved.model.vocab_size, pad_id=0, eos_id=1)
   make = lambda p: engine_lib.Engine(resolved.model, p, vocabulary, slots=8,
                                      context=32, mesh=s.mesh)
   eng, abstract = make(params), make(s.abstract_state.params)
@@ -485,16 +485,13 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   # them, the host arrays as warmup and step make them).
   r = eng.runner
   prefill, decode = runner_lib._prefill, runner_lib._decode  # noqa: SLF001
-  (cache, logits), allowed = r.state(), r._allowed_V  # noqa: SLF001
-  put = r._place  # noqa: SLF001
-  rows = put(r.rows(scheduler_lib.Decode(4, 24, 3, 0, False, eng.local_slots, ())))
-  prompts = put(r.prompts(scheduler_lib.Prefill(16, 2, ((), ()))))
-  real = prefill.lower(eng.params, cache, logits, prompts, allowed, model=eng.model,
-                       mesh=eng.mesh)
+  state, (allowed, eos) = r.state(), r.constants()
+  admitted = r._place(r.admitted(scheduler_lib.Prefill(16, 2, ((), ()))))  # noqa: SLF001
+  real = prefill.lower(eng.params, state, admitted, allowed, model=eng.model, mesh=eng.mesh)
   assert abstract.lower_prefill(2, 16).as_text() == real.as_text()
   steps = jax.device_put(np.int32(3), r._replicated)  # noqa: SLF001
-  real = decode.lower(eng.params, cache, logits, rows, allowed, steps, model=eng.model,
-                      mesh=eng.mesh, chunk=eng.chunk, live=24, top_n=0, cuts=False)
+  real = decode.lower(eng.params, state, allowed, eos, steps, model=eng.model, mesh=eng.mesh,
+                      rows=4, chunk=eng.chunk, live=24, top_n=0, cuts=False)
   assert abstract.lower_decode(4, 24).as_text() == real.as_text()
 
 

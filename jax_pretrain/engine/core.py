@@ -2,9 +2,16 @@
 together, runs them (generate, or run_forever in a thread of its own) and owns the failure policy.
 
 A step: the scheduler admits waiting sequences into free slots and the runner prefills them; the
-scheduler plans one decode call of every busy slot (up to `chunk` tokens each), the runner runs
-it, and the output processor appends each row's tokens to its sequence; the slots of the
-sequences that ended are freed for the next step.
+scheduler plans one decode call of every busy slot (up to `chunk` tokens each) and the runner
+dispatches it; then the host reads the call dispatched at the step before, and the output
+processor appends each row's tokens to its sequence; the slots of the sequences that ended are
+freed for the next step. So the device never waits for the host: while it runs a call, the host
+reads, detokenizes and reports the tokens of the one before and plans the next. The device stops a
+row at EOS and at its max_new_tokens (runner.Rows): the next call, dispatched before the host knew,
+runs it no further, and the host frees its slot at the read. A stop string or a cancellation is
+found by the host: the call in flight still decodes that row, and its tokens are dropped. A slot
+whose sequence has every token dispatched takes the next sequence at once (the device prefills it
+after the calls before).
 
 Failures (run_forever, the server's loop): an exception in one sequence's host-side handling (its
 detokenization, its stop strings, its on_update callback) fails that sequence only and is no
@@ -62,6 +69,7 @@ class Engine:
         local_slots=r.local_slots, devices=r.devices, context=context, chunk=chunk,
         prefill_tokens=max(prefill_tokens, context))
     self.output = output_lib.OutputProcessor(tokenizer)
+    self._pending: tuple[scheduler_lib.Decode, list] | None = None  # dispatched, not read yet
 
   @property
   def params(self):
@@ -117,8 +125,7 @@ class Engine:
       while self.step():
         pass
     except BaseException as e:
-      self.runner.reset()
-      for seq in [*self.scheduler.release(waiting=True), *sequences]:
+      for seq in [*self._abandon(waiting=True), *sequences]:
         output_lib.fail(seq, f'{type(e).__name__}: {e}')
       raise
     return sequences
@@ -137,16 +144,15 @@ class Engine:
           failures = 0
         except Exception as e:  # fails the sequences of this call only
           failures += 1
-          held = self.scheduler.release()
+          held = self._abandon()
           logging.exception('an engine step failed (%d in a row): its %d sequences fail',
                             failures, len(held))
-          self.runner.reset()  # donated buffers may be gone: start afresh
           for seq in held:
             output_lib.fail(seq, f'{type(e).__name__}: {e}')
           if failures >= max_failures:
             raise EngineFailed(f'{failures} engine steps failed in a row') from e
     finally:
-      for seq in [*self.scheduler.stop(), *self.scheduler.release()]:
+      for seq in [*self.scheduler.stop(), *self._abandon()]:
         output_lib.fail(seq, STOPPED)
 
   def stop(self) -> None:
@@ -156,24 +162,44 @@ class Engine:
       output_lib.fail(seq, STOPPED)
 
   def step(self) -> bool:
-    """Admits waiting sequences into free slots, then decodes one chunk of every busy slot.
-    Returns whether anything is left to do."""
+    """Admits waiting sequences into free slots and prefills them, dispatches the next decode call
+    of the busy slots, then reads the call dispatched before it: the host's work on those tokens
+    overlaps the device's on the next ones. Returns whether anything is left to do."""
     prefills, cancelled = self.scheduler.admit()
     for seq in cancelled:
       output_lib.finish(seq, 'cancelled')
     for prefill in prefills:
       self.runner.prefill(prefill)
     call = self.scheduler.decode()
-    if call is None:
-      return bool(self.scheduler.waiting)
-    tokens_RxC, logprobs_RxC, *top = self.runner.decode(call)
+    last, self._pending = self._pending, None
+    if call is not None:
+      self._pending = call, self.runner.decode(call)
+    if last is not None:
+      self._read(*last)
+    if self._pending is not None and all(seq.done for _, seq in self._pending[0].busy):
+      self._pending = None  # (its tokens belong to no sequence any more: not read)
+    return self._pending is not None or self.scheduler.has_work()
+
+  def _read(self, call: scheduler_lib.Decode, out: list) -> None:
+    """A decode call's tokens into its sequences; the slots of those that ended are freed. A
+    sequence that ended at an earlier read (its slot may hold another one now) is skipped."""
+    tokens_RxC, logprobs_RxC, *top = self.runner.read(out)
     for g, seq in call.busy:
+      if seq.done:
+        continue
       q = call.row(g)
       self.output.extend(seq, tokens_RxC[q, :call.steps], logprobs_RxC[q],
-                         *((top[0][q], top[1][q]) if top else (None, None)))
+                         *((top[0][q], top[1][q]) if top and seq.alternatives else (None, None)))
       if seq.done:
-        self.scheduler.free(g)
-    return True
+        self.scheduler.free(g, seq)
+
+  def _abandon(self, waiting: bool = False) -> list[Sequence]:
+    """Drops the call in flight and the device's state (a failed call may have taken its donated
+    buffers: the next starts afresh) and frees every slot (with `waiting`, empties the queue);
+    returns the sequences the scheduler held (then those that waited), for the caller to end."""
+    self._pending = None
+    self.runner.reset()
+    return self.scheduler.release(waiting)
 
   def score(self, tokens_BxT1, top_n: int = 0):
     """token_logprobs with the engine's params (on its devices)."""

@@ -1,6 +1,13 @@
 """The engine's model runner: the params it decodes with, the KV cache, and the compiled prefill
 and decode calls (and the scoring pass).
 
+The device keeps the slots' state between calls (State: the cache, each slot's last logits and
+Rows, its position, token count, limit, sampling settings and whether it ended), so that a decode
+call needs nothing from the host but its shape and steps: the engine dispatches it before reading
+the tokens of the call before (core.py). A prefill starts its rows; each decoding step advances
+the rows that have not ended, and ends a row at EOS or at its max_new_tokens (it then writes
+nothing more); a call stops early once all its rows have ended.
+
 What a decoding step moves, and nothing more: the runner holds its own copy of the params, every
 matrix in the compute dtype and the layers apart (decoding_params: converted once, when the params
 change: GRPO, once a step), so a step reads bf16 weights (on a GPU) once instead of casting float32
@@ -18,7 +25,9 @@ Positions: each row has its own length and positions in its own cache row. A pre
 prompts right-padded to P (pad positions write junk into the row beyond its prompt); a row's first
 new token is sampled from the logits at its position len - 1, and decode step i writes its token at
 position len + i, overwriting that junk before any query can see it (the causal mask only shows a
-query the positions at or before its own). So every row sees exactly its own prompt and its own
+query the positions at or before its own). The same holds for what the slot's previous sequence
+left, or wrote in a call still in flight when the slot was given to the next (the device runs the
+calls in order: its prefill comes after). So every row sees exactly its own prompt and its own
 continuation, at the positions it would have alone.
 
 Scoring (token_logprobs, ModelRunner.score): the log-probability of every next token of a batch of
@@ -42,6 +51,7 @@ from jax_pretrain import multihost
 from jax_pretrain.engine import sampling
 from jax_pretrain.engine.scheduler import Decode
 from jax_pretrain.engine.scheduler import Prefill
+from jax_pretrain.engine.sequence import Sequence
 
 Array = Any  # a call's inputs: numpy arrays made on the host, then jax.Arrays on the mesh
 
@@ -90,73 +100,115 @@ def cache_bytes(config: model_lib.ModelConfig, slots: int, context: int, devices
 
 
 @struct.dataclass
-class Prompts:
-  """A prefill call's prompts, right-padded, [rows × devices, P]: each with its length and its
-  local slot (a padding row: the device's slot count, dropped)."""
-  tokens_NxP: Array
-  lengths_N: Array
-  slots_N: Array
-
-
-@struct.dataclass
 class Rows:
-  """A decode call's per-row inputs, [rows × devices] each (row d × rows + j: device d's slot j)."""
-  positions: Array  # int32: where the row's next token goes (prompt + tokens so far)
-  seeds: Array  # uint32: the sequence's seed
+  """Each slot's decoding state, [slots] each, kept on the device between calls (split over the
+  mesh as the cache is): a prefill starts its rows, each decoding step advances the rows that have
+  not ended. A row ends on the device (done) at EOS or at its limit; it then writes nothing more.
+  Rows that no sequence ever held are done."""
+  positions: Array  # int32: where the row's next token goes (its prompt + tokens so far)
+  counts: Array  # int32: tokens it generated so far (its next token's random key)
+  limits: Array  # int32: its max_new_tokens
+  done: Array  # bool: it ended (EOS, or its limit)
+  seeds: Array  # uint32: its sequence's seed
   streams: Array  # int32: its stream (sampling.row_streams)
-  counts: Array  # int32: tokens it generated so far
   temperature: Array  # float32 (0: greedy)
   top_k: Array  # int32 (0: no cut)
   top_p: Array  # float32 (1: no cut)
 
+  @classmethod
+  def start(cls, sequences: list[Sequence | None]) -> 'Rows':
+    """Host arrays of the rows of these sequences at their start (None: a row that is done)."""
+    n = len(sequences)
+    rows = cls(positions=np.zeros(n, np.int32), counts=np.zeros(n, np.int32),
+               limits=np.zeros(n, np.int32), done=np.ones(n, bool), seeds=np.zeros(n, np.uint32),
+               streams=np.zeros(n, np.int32), temperature=np.zeros(n, np.float32),
+               top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32))
+    for q, seq in enumerate(sequences):
+      if seq is not None:
+        rows.positions[q], rows.limits[q], rows.done[q] = len(seq.prompt), seq.max_new_tokens, False
+        rows.seeds[q], rows.streams[q] = seq.seed % 2**32, seq.stream
+        rows.temperature[q], rows.top_k[q], rows.top_p[q] = seq.temperature, seq.top_k, seq.top_p
+    return rows
 
-def _prefill_local(model, params, cache, logits_SxV, prompts: Prompts, allowed_V):
+
+@struct.dataclass
+class State:
+  """What the device keeps of the slots between calls: the KV cache, each slot's last logits
+  (float32 [slots, V]: its next token's) and its Rows."""
+  cache: model_lib.KVCache
+  logits_SxV: Array
+  rows: Rows
+
+
+@struct.dataclass
+class Admitted:
+  """A prefill call's inputs, [devices × rows] each (row d × rows + r: device d's): the prompts,
+  right-padded, the local slot each goes to (a padding row: the device's slot count, dropped) and
+  the Rows they start."""
+  tokens_NxP: Array
+  slots_N: Array
+  rows: Rows
+
+
+def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V) -> State:
   """One device's prefill: its prompts, right-padded, run through the model (causal attention over
-  themselves), their keys and values written into their slots' rows, each one's last logits kept.
-  Padding rows have slot == the device's slots: dropped."""
-  N, P_ = prompts.tokens_NxP.shape
+  themselves), their keys and values written into their slots' rows, each one's last logits kept
+  and its Rows started. Padding rows have slot == the device's slots: dropped."""
+  N, P_ = admitted.tokens_NxP.shape
   positions_NxP = jnp.broadcast_to(jnp.arange(P_, dtype=jnp.int32), (N, P_))
-  use = model_lib.CacheUse(positions_NxP, slots_B=prompts.slots_N,
-                           logits_at_B=prompts.lengths_N - 1)
-  logits_Nx1xV, cache = model.apply({'params': params}, prompts.tokens_NxP, cache, use)
+  slots_N = admitted.slots_N
+  use = model_lib.CacheUse(positions_NxP, slots_B=slots_N,
+                           logits_at_B=admitted.rows.positions - 1)
+  logits_Nx1xV, cache = model.apply({'params': params}, admitted.tokens_NxP, state.cache, use)
   last_NxV = jnp.where(allowed_V, logits_Nx1xV[:, 0], -jnp.inf)
-  return cache, logits_SxV.at[prompts.slots_N].set(last_NxV, mode='drop')
+  return State(cache, state.logits_SxV.at[slots_N].set(last_NxV, mode='drop'),
+               jax.tree.map(lambda x, new: x.at[slots_N].set(new, mode='drop'), state.rows,
+                            admitted.rows))
 
 
-def _decode_local(model, params, cache, logits_SxV, rows: Rows, allowed_V, steps, *, chunk: int,
+def _decode_local(model, params, state: State, allowed_V, eos, steps, *, rows: int, chunk: int,
                   live: int, top_n: int, cuts: bool):
-  """One device's `steps` (<= chunk) decoding steps of its first R slots: each step samples a
-  token per row from its logits and runs it at the row's next position, attending over positions
-  [0, live). Returns the updated cache and logits, the tokens [R, chunk], their logprobs
-  [R, chunk] and with top_n the top_n alternatives ([R, chunk, top_n] logprobs and ids)."""
-  R = rows.positions.shape[0]
-  context = cache.k[0].shape[1]
-  streams_R = sampling.row_streams(rows.seeds, rows.streams)
+  """One device's decoding steps of its first `rows` (R) slots, up to `steps` (<= chunk) of them
+  and no more once every row has ended: each step samples a token per row from its logits and
+  runs it at the row's next position, attending over positions [0, live). A row that ends (EOS,
+  or its limit) runs no more tokens (its writes go out of range: dropped). Returns the updated
+  state, the tokens [R, chunk], their logprobs [R, chunk] and with top_n the top_n alternatives
+  ([R, chunk, top_n] logprobs and ids); a row's entries after its end are not its own."""
+  R = rows
+  context = state.cache.k[0].shape[1]
+  r = jax.tree.map(lambda x: x[:R], state.rows)
+  streams_R = sampling.row_streams(r.seeds, r.streams)
 
-  def body(i, state):
-    cache, logits_RxV, tokens_RxC, logprobs_RxC, *top = state
-    keys_R = sampling.token_keys(streams_R, rows.counts + i)
-    token_R = sampling.sample_rows(logits_RxV, keys_R, rows.temperature, rows.top_k, rows.top_p,
+  def body(carry):
+    i, cache, logits_RxV, positions_R, counts_R, done_R, tokens_RxC, logprobs_RxC, *top = carry
+    keys_R = sampling.token_keys(streams_R, counts_R)
+    token_R = sampling.sample_rows(logits_RxV, keys_R, r.temperature, r.top_k, r.top_p,
                                    cuts=cuts)
     all_RxV = jax.nn.log_softmax(logits_RxV, axis=-1)
     if top_n:
       top_lp_RxN, top_ids_RxN = jax.lax.top_k(all_RxV, top_n)
       top = [top[0].at[:, i].set(top_lp_RxN), top[1].at[:, i].set(top_ids_RxN)]
-    # A row past its end (finished within this call) keeps writing its last slot: never read.
-    positions_Rx1 = jnp.minimum(rows.positions + i, context - 1)[:, None]
+    counts_R = counts_R + jnp.where(done_R, 0, 1)
+    done_R = done_R | (token_R == eos) | (counts_R >= r.limits)
+    at_Rx1 = jnp.where(done_R, context, positions_R)[:, None]  # (ended: out of range, dropped)
     logits_Rx1xV, cache = model.apply({'params': params}, token_R[:, None], cache,
-                                      model_lib.CacheUse(positions_Rx1, live=live))
-    return (cache, jnp.where(allowed_V, logits_Rx1xV[:, 0], -jnp.inf),
+                                      model_lib.CacheUse(at_Rx1, live=live))
+    return (i + 1, cache, jnp.where(allowed_V, logits_Rx1xV[:, 0], -jnp.inf),
+            positions_R + jnp.where(done_R, 0, 1), counts_R, done_R,
             tokens_RxC.at[:, i].set(token_R),
             logprobs_RxC.at[:, i].set(jnp.take_along_axis(all_RxV, token_R[:, None], -1)[:, 0]),
             *top)
 
   top = ([jnp.zeros((R, chunk, top_n), jnp.float32), jnp.zeros((R, chunk, top_n), jnp.int32)]
          if top_n else [])
-  state = (cache, logits_SxV[:R], jnp.zeros((R, chunk), jnp.int32),
-           jnp.zeros((R, chunk), jnp.float32), *top)
-  cache, logits_RxV, *out = jax.lax.fori_loop(0, steps, body, state)
-  return cache, logits_SxV.at[:R].set(logits_RxV), *out
+  carry = (jnp.int32(0), state.cache, state.logits_SxV[:R], r.positions, r.counts, r.done,
+           jnp.zeros((R, chunk), jnp.int32), jnp.zeros((R, chunk), jnp.float32), *top)
+  _, cache, logits_RxV, positions_R, counts_R, done_R, *out = jax.lax.while_loop(
+      lambda c: (c[0] < steps) & jnp.any(~c[5]), body, carry)
+  advanced = dataclasses.replace(state.rows, positions=state.rows.positions.at[:R].set(positions_R),
+                                 counts=state.rows.counts.at[:R].set(counts_R),
+                                 done=state.rows.done.at[:R].set(done_R))
+  return State(cache, state.logits_SxV.at[:R].set(logits_RxV), advanced), *out
 
 
 def _slots_spec(mesh) -> P:
@@ -164,36 +216,37 @@ def _slots_spec(mesh) -> P:
   return P(tuple(mesh.axis_names))
 
 
-@functools.partial(jax.jit, static_argnames=('model', 'mesh'), donate_argnums=(1, 2))
-def _prefill(params, cache, logits_SxV, prompts: Prompts, allowed_V, *, model, mesh):
-  """_prefill_local on every device of the mesh, each on its rows of the prompts and the cache."""
-  rows = _slots_spec(mesh)
+@functools.partial(jax.jit, static_argnames=('model', 'mesh'), donate_argnums=1)
+def _prefill(params, state: State, admitted: Admitted, allowed_V, *, model, mesh) -> State:
+  """_prefill_local on every device of the mesh, each on its rows of the prompts and the state."""
+  split = _slots_spec(mesh)
   return jax.shard_map(functools.partial(_prefill_local, model), mesh=mesh,
-                       in_specs=(P(), rows, rows, rows, P()), out_specs=(rows, rows),
-                       check_vma=False)(params, cache, logits_SxV, prompts, allowed_V)
+                       in_specs=(P(), split, split, P()), out_specs=split,
+                       check_vma=False)(params, state, admitted, allowed_V)
 
 
-@functools.partial(jax.jit, static_argnames=('model', 'mesh', 'chunk', 'live', 'top_n', 'cuts'),
-                   donate_argnums=(1, 2))
-def _decode(params, cache, logits_SxV, rows: Rows, allowed_V, steps, *, model, mesh, chunk: int,
+@functools.partial(jax.jit, static_argnames=('model', 'mesh', 'rows', 'chunk', 'live', 'top_n',
+                                             'cuts'), donate_argnums=1)
+def _decode(params, state: State, allowed_V, eos, steps, *, model, mesh, rows: int, chunk: int,
             live: int, top_n: int, cuts: bool):
-  """_decode_local on every device of the mesh, each on its first rows (`rows` holds R of them a
-  device); the tokens, logprobs and alternatives gathered to every device."""
+  """_decode_local on every device of the mesh, each on its first `rows` slots; the tokens,
+  logprobs and alternatives gathered to every device."""
   split, axes = _slots_spec(mesh), tuple(mesh.axis_names)
 
   def local(*args):
-    cache, logits_SxV, *out = _decode_local(model, *args, chunk=chunk, live=live, top_n=top_n,
-                                            cuts=cuts)
-    return cache, logits_SxV, *(jax.lax.all_gather(x, axes, tiled=True) for x in out)
+    state, *out = _decode_local(model, *args, rows=rows, chunk=chunk, live=live, top_n=top_n,
+                                cuts=cuts)
+    return state, *(jax.lax.all_gather(x, axes, tiled=True) for x in out)
 
   outputs = 2 + (2 if top_n else 0)
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(), split, split, split, P(), P()),
-                       out_specs=(split, split) + (P(),) * outputs, check_vma=False)(
-      params, cache, logits_SxV, rows, allowed_V, steps)
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(), split, P(), P(), P()),
+                       out_specs=(split,) + (P(),) * outputs, check_vma=False)(
+      params, state, allowed_V, eos, steps)
 
 
 class ModelRunner:
-  """The params copy, the cache and the compiled calls of an engine (the module docstring).
+  """The params copy, the state on the device and the compiled calls of an engine (the module
+  docstring).
 
   params: the model's (float32, stacked layers, on their devices), abstract ones (for lowering),
   or None (set later: set_params); mesh: the devices that decode (default: those of the params,
@@ -209,11 +262,14 @@ class ModelRunner:
     self.slots, self.context, self.chunk = self.local_slots * self.devices, context, chunk
     self.pad_id = tokenizer.pad_id
     self._replicated = NamedSharding(self.mesh, P())
-    self._rows = NamedSharding(self.mesh, _slots_spec(self.mesh))
+    self._split = NamedSharding(self.mesh, _slots_spec(self.mesh))
     self._convert = jax.jit(functools.partial(decoding_params, self.model.config),
                             out_shardings=self._replicated)
-    self._allowed_host_V = sampling.allowed_ids(model_config.vocab_size, tokenizer)
-    self._cache = self._logits_SxV = self._allowed_V = None  # placed at the first use (state)
+    # What every call reads beside the state (host values; placed at the first call).
+    self._constants_host = (sampling.allowed_ids(model_config.vocab_size, tokenizer),
+                            np.int32(tokenizer.eos_id))
+    self._constants: tuple | None = None
+    self._state: State | None = None  # allocated at the first call (state())
     self.shapes: set[tuple] = set()  # the compiled shapes asked for so far
     self.set_params(params)
 
@@ -230,44 +286,54 @@ class ModelRunner:
       self.params = self._convert(params)
 
   def reset(self) -> None:
-    """Drops the cache (donated buffers may be gone after a failed call): the next call starts
-    afresh."""
-    self._cache = self._logits_SxV = None
+    """Drops the state (donated buffers may be gone after a failed call): the next call starts
+    afresh, every row done."""
+    self._state = None
 
-  def state(self):
-    """The cache and last logits, allocated at the first use, each device's rows on it."""
-    if self._allowed_V is None:
-      self._allowed_V = multihost.global_array(self._allowed_host_V, self._replicated)
-    if self._cache is None:
-      self._cache, self._logits_SxV = jax.jit(
-          lambda: (model_lib.KVCache.zeros(self.model.config, self.slots, self.context),
-                   jnp.zeros((self.slots, self.model.config.vocab_size), jnp.float32)),
-          out_shardings=self._rows)()
-    return self._cache, self._logits_SxV
+  def state(self) -> State:
+    """The state, allocated at the first use (every row done), each device's rows on it."""
+    if self._state is None:
+      self._state = jax.jit(self._zeros, out_shardings=self._split)()
+    return self._state
 
-  def abstract_state(self):
-    """The cache and last logits as state() places them, abstract (ShapeDtypeStructs with their
-    sharding): nothing is allocated."""
-    c = self.model.config
-    cache = jax.eval_shape(lambda: model_lib.KVCache.zeros(c, self.slots, self.context))
-    return (_abstract(cache, self._rows),
-            jax.ShapeDtypeStruct((self.slots, c.vocab_size), jnp.float32, sharding=self._rows))
+  def abstract_state(self) -> State:
+    """The state as state() places it, abstract (ShapeDtypeStructs with their sharding):
+    nothing is allocated."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._split),
+                        jax.eval_shape(self._zeros))
+
+  def constants(self, abstract: bool = False) -> tuple:
+    """(the ids a row may sample, bool [V]; EOS, int32), on every device (or abstract)."""
+    if abstract:
+      return _abstract(self._constants_host, self._replicated)
+    if self._constants is None:
+      self._constants = tuple(multihost.global_array(x, self._replicated)
+                              for x in self._constants_host)
+    return self._constants
 
   def prefill(self, call: Prefill) -> None:
-    """Writes the call's prompts into their slots' rows of the cache, and their last logits."""
+    """Writes the call's prompts into their slots' rows of the cache, their last logits and their
+    Rows (dispatched: the device runs it after the calls before it)."""
     self.shapes.add(('prefill', call.rows, call.length))
-    self._cache, self._logits_SxV = _prefill(
-        self.params, *self.state(), self._place(self.prompts(call)), self._allowed_V,
-        model=self.model, mesh=self.mesh)
+    allowed_V, _ = self.constants()
+    self._state = _prefill(self.params, self.state(), self._place(self.admitted(call)),
+                           allowed_V, model=self.model, mesh=self.mesh)
 
-  def decode(self, call: Decode):
-    """The call's steps: its rows' tokens [rows × devices, chunk], logprobs and with top_n the
-    alternatives (host arrays; row d × rows + j is device d's slot j)."""
+  def decode(self, call: Decode) -> list[jax.Array]:
+    """Dispatches the call's steps (the device runs them after the calls before it, the host goes
+    on): its rows' tokens [rows × devices, chunk], logprobs and with top_n the alternatives, on
+    the device (read: to the host; row d × rows + j is device d's slot j)."""
     self.shapes.add(('decode', call.rows, call.live, call.top_n, call.cuts))
-    self._cache, self._logits_SxV, *out = _decode(
-        self.params, *self.state(), self._place(self.rows(call)), self._allowed_V,
+    self._state, *out = _decode(
+        self.params, self.state(), *self.constants(),
         multihost.global_array(np.int32(call.steps), self._replicated), model=self.model,
-        mesh=self.mesh, chunk=self.chunk, live=call.live, top_n=call.top_n, cuts=call.cuts)
+        mesh=self.mesh, rows=call.rows, chunk=self.chunk, live=call.live, top_n=call.top_n,
+        cuts=call.cuts)
+    return out
+
+  @staticmethod
+  def read(out: list[jax.Array]) -> list[np.ndarray]:
+    """A decode call's outputs on the host (waits for the device to finish it)."""
     return jax.device_get(out)
 
   def lower_prefill(self, rows: int, length: int):
@@ -275,55 +341,44 @@ class ModelRunner:
     with these params and abstract_state: what that call compiles, e.g. for a GPU this machine
     does not have (plan.py). As warmup's prefills, it writes to no slot."""
     call = Prefill(length, rows, ((),) * self.devices)
-    return _prefill.lower(self.params, *self.abstract_state(),
-                          _abstract(self.prompts(call), self._rows),
-                          _abstract(self._allowed_host_V, self._replicated),
-                          model=self.model, mesh=self.mesh)
+    return _prefill.lower(self.params, self.abstract_state(),
+                          _abstract(self.admitted(call), self._split),
+                          self.constants(abstract=True)[0], model=self.model, mesh=self.mesh)
 
   def lower_decode(self, rows: int, live: int, top_n: int = 0, cuts: bool = False):
     """The decode call of each device's first `rows` slots (up to `chunk` steps) attending over
     `live` positions, lowered as lower_prefill lowers its call."""
-    call = Decode(rows, live, self.chunk, top_n, cuts, self.local_slots, ())
-    return _decode.lower(self.params, *self.abstract_state(),
-                         _abstract(self.rows(call), self._rows),
-                         _abstract(self._allowed_host_V, self._replicated),
+    return _decode.lower(self.params, self.abstract_state(), *self.constants(abstract=True),
                          _abstract(np.int32(self.chunk), self._replicated), model=self.model,
-                         mesh=self.mesh, chunk=self.chunk, live=live, top_n=top_n, cuts=cuts)
+                         mesh=self.mesh, rows=rows, chunk=self.chunk, live=live, top_n=top_n,
+                         cuts=cuts)
 
   def score(self, tokens_BxT1, top_n: int = 0):
     """token_logprobs with these params (on the mesh's devices)."""
     return token_logprobs(self.model, self.params, multihost.global_array(np.asarray(tokens_BxT1),
                                                         self._replicated), top_n=top_n)
 
-  def prompts(self, call: Prefill) -> Prompts:
-    """The call's prompts, [devices × rows, length] (device d's pairs in its rows)."""
+  def admitted(self, call: Prefill) -> Admitted:
+    """The call's inputs, [devices × rows] (device d's pairs in its first rows)."""
     N, n = call.rows, self.devices * call.rows
-    prompts = Prompts(np.full((n, call.length), self.pad_id, np.int32), np.ones(n, np.int32),
-                      np.full(n, self.local_slots, np.int32))
+    tokens_NxP = np.full((n, call.length), self.pad_id, np.int32)
+    slots_N = np.full(n, self.local_slots, np.int32)
+    sequences: list[Sequence | None] = [None] * n
     for d, pairs in enumerate(call.slots):
       for r, (j, seq) in enumerate(pairs):
         q = d * N + r
-        prompts.tokens_NxP[q, :len(seq.prompt)] = seq.prompt
-        prompts.lengths_N[q], prompts.slots_N[q] = len(seq.prompt), j
-    return prompts
+        tokens_NxP[q, :len(seq.prompt)], slots_N[q], sequences[q] = seq.prompt, j, seq
+    return Admitted(tokens_NxP, slots_N, Rows.start(sequences))
 
-  def rows(self, call: Decode) -> Rows:
-    """The per-row inputs of a decode call (zeros, greedy, for the rows no sequence holds)."""
-    n = call.rows * self.devices
-    rows = Rows(positions=np.zeros(n, np.int32), seeds=np.zeros(n, np.uint32),
-                streams=np.zeros(n, np.int32), counts=np.zeros(n, np.int32),
-                temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32),
-                top_p=np.ones(n, np.float32))
-    for g, seq in call.busy:
-      q = call.row(g)
-      rows.positions[q] = len(seq.prompt) + len(seq.tokens)
-      rows.seeds[q], rows.streams[q], rows.counts[q] = seq.seed % 2**32, seq.stream, len(seq.tokens)
-      rows.temperature[q], rows.top_k[q], rows.top_p[q] = seq.temperature, seq.top_k, seq.top_p
-    return rows
+  def _zeros(self) -> State:
+    c = self.model.config
+    return State(model_lib.KVCache.zeros(c, self.slots, self.context),
+                 jnp.zeros((self.slots, c.vocab_size), jnp.float32),
+                 jax.tree.map(jnp.asarray, Rows.start([None] * self.slots)))
 
   def _place(self, tree):
     """Host arrays onto the mesh, their rows split over its devices."""
-    return jax.tree.map(lambda x: multihost.global_array(x, self._rows), tree)
+    return jax.tree.map(lambda x: multihost.global_array(x, self._split), tree)
 
 
 def _abstract(tree, sharding):

@@ -80,6 +80,12 @@ class Scheduler:
     self.slots = local_slots * devices
     self.prefill_tokens = prefill_tokens
     self.busy: list[Sequence | None] = [None] * self.slots
+    # Tokens of each busy slot's sequence that the decode calls dispatched so far will have made
+    # (at most: it may end before), read or not.
+    self.dispatched = [0] * self.slots
+    # Sequences whose every token is dispatched and whose slot went to the next (decode()): held
+    # here until they end (free), as the busy ones are, so that none is lost on a failure.
+    self.finishing: list[Sequence] = []
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.stopping = False
     self._wakeup = threading.Condition()
@@ -102,7 +108,7 @@ class Scheduler:
   def wait(self) -> bool:
     """Blocks until there is work or stop(); returns False once stopped."""
     with self._wakeup:
-      while not self.stopping and not self.waiting and not any(self.busy):
+      while not self.stopping and not self.has_work():
         self._wakeup.wait()
       return not self.stopping
 
@@ -118,17 +124,21 @@ class Scheduler:
 
   def release(self, waiting: bool = False) -> list[Sequence]:
     """Frees every slot (and with `waiting` empties the queue); returns the sequences they held
-    (then those that waited)."""
+    and the finishing ones (then those that waited)."""
     with self._wakeup:
-      held = [seq for seq in self.busy if seq is not None]
-      self.busy = [None] * self.slots
+      held = [*self.finishing, *(seq for seq in self.busy if seq is not None)]
+      self.busy, self.dispatched, self.finishing = [None] * self.slots, [0] * self.slots, []
       if waiting:
         held += self.waiting
         self.waiting.clear()
     return held
 
-  def free(self, g: int) -> None:
-    self.busy[g] = None
+  def free(self, g: int, seq: Sequence) -> None:
+    """seq, decoded in slot g, ended: its slot is free (unless it went to the next already)."""
+    if self.busy[g] is seq:
+      self.busy[g], self.dispatched[g] = None, 0
+    elif seq in self.finishing:
+      self.finishing.remove(seq)
 
   def held(self, g: int) -> Sequence:
     """The sequence in slot g, which the caller knows is busy."""
@@ -166,16 +176,25 @@ class Scheduler:
     return calls, cancelled
 
   def decode(self) -> Decode | None:
-    """The next decode call of every busy slot (None: none is busy)."""
+    """The next decode call of every busy slot (None: none is busy), its steps counted as
+    dispatched. A slot whose sequence will have all its tokens once the call has run is free from
+    now on: a sequence admitted there is prefilled after the call (the device runs calls in
+    order), and the call's tokens still go to the sequence it decoded (Decode.busy)."""
     busy = tuple((g, seq) for g, seq in enumerate(self.busy) if seq is not None)
     if not busy:
       return None
+    steps = max(min(self.chunk, seq.max_new_tokens - self.dispatched[g]) for g, seq in busy)
+    longest = max(len(seq.prompt) + self.dispatched[g] for g, seq in busy)
+    for g, seq in busy:
+      self.dispatched[g] = min(seq.max_new_tokens, self.dispatched[g] + steps)
+      if self.dispatched[g] == seq.max_new_tokens:
+        self.busy[g], self.dispatched[g] = None, 0
+        self.finishing.append(seq)
     seqs = [seq for _, seq in busy]
-    steps = max(min(self.chunk, seq.max_new_tokens - len(seq.tokens)) for seq in seqs)
     return Decode(
         rows=bucket(max(g % self.local_slots for g, _ in busy) + 1, self.local_slots),
-        live=live_bucket(max(len(s.prompt) + len(s.tokens) for s in seqs) + steps, self.context),
-        steps=steps, top_n=TOP_N if any(s.alternatives for s in seqs) else 0,
+        live=live_bucket(longest + steps, self.context), steps=steps,
+        top_n=TOP_N if any(s.alternatives for s in seqs) else 0,
         cuts=any(s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0) for s in seqs),
         local_slots=self.local_slots, busy=busy)
 
@@ -205,5 +224,10 @@ class Scheduler:
                for live in lives for top_n in (0, TOP_N) for cuts in (False, True)]
     return prefills, decodes
 
+  def has_work(self) -> bool:
+    """Whether a sequence is decoding (busy or finishing) or waiting."""
+    return bool(self.waiting or self.finishing) or any(seq is not None for seq in self.busy)
+
   def stats(self) -> dict:
-    return {'busy': sum(s is not None for s in self.busy), 'waiting': len(self.waiting)}
+    return {'busy': len(self.finishing) + sum(s is not None for s in self.busy),
+            'waiting': len(self.waiting)}
