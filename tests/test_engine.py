@@ -19,6 +19,7 @@ from jax_pretrain import hlo
 from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
 from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.engine import runner
 
 
 @pytest.fixture(scope='module')
@@ -271,3 +272,21 @@ def test_each_row_decodes_what_it_decodes_alone_and_the_next_call_goes_before_th
   reads = [i for i, e in enumerate(events) if e == 'read']
   assert all(events[i - 1] == 'decode' for i in reads[:-1]), events
   assert eng.stats()['busy'] == 0
+
+
+def test_the_engines_params_fuse_the_projections_and_leave_the_models_alone(tiny):
+  """decoding_params: each layer's query, key and value one matrix and its gate and up one, read
+  in one matmul each; the model's params (the trainer's, a checkpoint's) are not touched."""
+  cfg, params = tiny
+  before = jax.tree.map(np.array, params)
+  decoding = runner.decoding_params(cfg, params)
+  D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  for i in range(cfg.num_layers):
+    attn, mlp = decoding[f'layers_{i}']['attn'], decoding[f'layers_{i}']['mlp']
+    assert set(attn) == {'wqkv', 'wo'} and set(mlp) == {'w_gate_up', 'w_down'}
+    assert attn['wqkv'].shape == (D, N + 2 * K, H) and mlp['w_gate_up'].shape == (D, 2, F)
+    layer = jax.tree.map(lambda x, i=i: x[i], params['layers'])
+    np.testing.assert_array_equal(attn['wqkv'], np.concatenate(
+        [layer['attn'][w] for w in ('wq', 'wk', 'wv')], axis=1))
+    np.testing.assert_array_equal(mlp['w_gate_up'][:, 1], layer['mlp']['w_up'])
+  jax.tree.map(np.testing.assert_array_equal, params, before)

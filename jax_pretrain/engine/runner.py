@@ -72,14 +72,23 @@ def token_logprobs(model, params, tokens_BxT1, *, top_n: int = 0):
 
 
 def decoding_params(config: model_lib.ModelConfig, params):
-  """The engine's copy of a model's params: the layers apart (layers_0, layers_1, ...: the
-  unscanned model writes each layer's cache in place) and every matrix in the compute dtype (the
-  model casts it there at every use: the same numbers, cast once). Vectors (norm scales) stay."""
+  """The engine's copy of a model's params (a checkpoint's and the trainer's stay as they are):
+  the layers apart (layers_0, layers_1, ...: the unscanned model writes each layer's cache in
+  place), each layer's query, key and value projections concatenated into one matrix (wqkv
+  [D, N + 2K, H]) and its gate and up projections into one (w_gate_up [D, 2, F]), so that a step
+  reads few, large operands, and every matrix in the compute dtype (the model casts it there at
+  every use: the same numbers, cast once). Vectors (norm scales) stay."""
   params = dict(params)
   if 'layers' in params:
     layers = params.pop('layers')
     for i in range(config.num_layers):
       params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], layers)
+  for i in range(config.num_layers):
+    layer = params[f'layers_{i}']
+    attn, mlp = dict(layer['attn']), dict(layer['mlp'])
+    attn['wqkv'] = jnp.concatenate([attn.pop('wq'), attn.pop('wk'), attn.pop('wv')], axis=1)
+    mlp['w_gate_up'] = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_up')], axis=1)
+    params[f'layers_{i}'] = {**layer, 'attn': attn, 'mlp': mlp}
   cast = lambda x: x.astype(config.compute_dtype) if x.ndim >= 2 and jnp.issubdtype(
       x.dtype, jnp.floating) else x
   return jax.tree.map(cast, params)
