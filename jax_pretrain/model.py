@@ -14,7 +14,8 @@ Decoding (engine/runner.py): the model runs unscanned (scan_layers=False, params
 under jit with the cache donated, no copy of it is made), and with the engine's params
 (runner.decoding_params): each layer's query, key and value projections one matrix `wqkv`
 [D, N + 2K, H] and its gate and up projections one `w_gate_up` [D, 2, F], so that a step reads
-few, large operands. Two calls:
+few, large operands (the model reads the projections as its params hold them: init makes them
+apart, as the trainer and checkpoints keep them). Two calls:
   prefill  tokens [B, P] at positions 0..P-1 of fresh sequences: causal self-attention over them
            (model.attention's kernel, as in training), their keys and values written into cache
            rows `slots_B`, and the logits at `last_B` only;
@@ -153,18 +154,18 @@ class Attention(nn.Module):
     D, N, K, H = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
     dt, dense = c.compute_dtype, _dense_einsum(c)
-    if use is None:
+    if self.has_variable('params', 'wqkv'):  # the engine's: one matrix, one matmul
+      wqkv_DxJxH = _param(self, 'wqkv', (D, N + 2 * K, H), ('embed', None, 'head_dim'),
+                          c.init_std)
+      qkv_BxTxJxH = dense('btd,djh->btjh', x_BxTxD, wqkv_DxJxH.astype(dt))
+      q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxJxH, [N, N + K], axis=2)
+    else:  # (init makes these: the trainer's params, a checkpoint's)
       wq_DxNxH = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), c.init_std)
       wk_DxKxH = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
       wv_DxKxH = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
       q_BxTxNxH = dense('btd,dnh->btnh', x_BxTxD, wq_DxNxH.astype(dt))
       k_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wk_DxKxH.astype(dt))
       v_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wv_DxKxH.astype(dt))
-    else:  # decoding: the engine's params hold the three as one matrix, read in one matmul
-      wqkv_DxJxH = _param(self, 'wqkv', (D, N + 2 * K, H), ('embed', None, 'head_dim'),
-                          c.init_std)
-      qkv_BxTxJxH = dense('btd,djh->btjh', x_BxTxD, wqkv_DxJxH.astype(dt))
-      q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxJxH, [N, N + K], axis=2)
     wo_NxHxD = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), out_std)
     q_BxTxNxH = sharding.constrain(q_BxTxNxH, ('batch', 'length', 'act_heads', None), self.mesh)
     k_BxTxKxH = sharding.constrain(k_BxTxKxH, ('batch', 'length', 'act_kv_heads', None), self.mesh)
@@ -218,17 +219,15 @@ class Mlp(nn.Module):
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD, decoding: bool = False):
-    """decoding: the engine's params, whose gate and up projections are one matrix [D, 2, F]
-    (engine/runner.py decoding_params), read in one matmul."""
+  def __call__(self, x_BxTxD):
     c = self.config
     D, F = c.d_model, c.mlp_dim
     dt, dense = c.compute_dtype, _dense_einsum(c)
-    if decoding:
+    if self.has_variable('params', 'w_gate_up'):  # the engine's: one matrix, one matmul
       w_gate_up_Dx2xF = _param(self, 'w_gate_up', (D, 2, F), ('embed', None, 'mlp'), c.init_std)
       gate_up_BxTx2xF = dense('btd,dgf->btgf', x_BxTxD, w_gate_up_Dx2xF.astype(dt))
       gate_BxTxF, up_BxTxF = gate_up_BxTx2xF[:, :, 0], gate_up_BxTx2xF[:, :, 1]
-    else:
+    else:  # (init makes these)
       w_gate_DxF = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), c.init_std)
       w_up_DxF = _param(self, 'w_up', (D, F), ('embed', 'mlp'), c.init_std)
       gate_BxTxF = dense('btd,df->btf', x_BxTxD, w_gate_DxF.astype(dt))
@@ -254,8 +253,7 @@ class Block(nn.Module):
         RMSNorm(self.config, name='attn_norm')(x_BxTxD), cos_TxH2, sin_TxH2, segments_BxT, kv,
         use)
     x_BxTxD = x_BxTxD + h
-    h = Mlp(self.config, self.mesh, name='mlp')(RMSNorm(self.config, name='mlp_norm')(x_BxTxD),
-                                                 decoding=use is not None)
+    h = Mlp(self.config, self.mesh, name='mlp')(RMSNorm(self.config, name='mlp_norm')(x_BxTxD))
     return x_BxTxD + h, kv
 
 

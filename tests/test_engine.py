@@ -290,3 +290,8 @@ def test_the_engines_params_fuse_the_projections_and_leave_the_models_alone(tiny
         [layer['attn'][w] for w in ('wq', 'wk', 'wv')], axis=1))
     np.testing.assert_array_equal(mlp['w_gate_up'][:, 1], layer['mlp']['w_up'])
   jax.tree.map(np.testing.assert_array_equal, params, before)
+  # The engine scores (lm_eval, echoed prompts) with its copy as the model does with its params.
+  tokens = np.array([[256, 72, 101, 108, 108, 111, 32, 119]])
+  eng = engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=1, context=16)
+  np.testing.assert_allclose(eng.score(tokens)[0], engine.token_logprobs(
+      model_lib.Transformer(cfg), params, tokens)[0], atol=1e-5)
