@@ -20,6 +20,7 @@ from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.engine import runner
+from jax_pretrain.grpo import rollout
 
 
 @pytest.fixture(scope='module')
@@ -295,3 +296,22 @@ def test_the_engines_params_fuse_the_projections_and_leave_the_models_alone(tiny
   eng = engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=1, context=16)
   np.testing.assert_allclose(eng.score(tokens)[0], engine.token_logprobs(
       model_lib.Transformer(cfg), params, tokens)[0], atol=1e-5)
+
+
+def test_the_completions_of_one_prompt_share_its_prefill(tiny):
+  """GRPO's rollouts: a prompt is run through the model once for its num_samples completions (its
+  keys and values copied into their slots), and the rollouts are those of a prefill each."""
+  cfg, params = tiny
+  tok = tokenizer_lib.ByteTokenizer()
+  prompts = [[72, 101, 108, 108], [1, 2, 3], [200, 5, 9, 9, 9, 9, 1]]
+  kw = {'max_new_tokens': 10, 'temperature': 1.0, 'seed': 5, 'pad_id': tok.pad_id,
+        'eos_id': tok.eos_id}
+  shared = engine.Engine(cfg, params, tok, slots=8, context=64, chunk=4)
+  r = rollout.rollouts(shared, prompts, 4, **kw)
+  assert shared.stats()['prompts_prefilled'] == 3  # (12 completions in waves of 8 slots)
+  alone = engine.Engine(cfg, params, tok, slots=1, context=64, chunk=4)
+  expected = rollout.rollouts(alone, prompts, 4, **kw)
+  assert alone.stats()['prompts_prefilled'] == 12
+  np.testing.assert_array_equal(r.tokens_BxT1, expected.tokens_BxT1)
+  np.testing.assert_allclose(r.logp_BxT, expected.logp_BxT, atol=1e-5)
+  assert r.completions == expected.completions and len(set(r.completions)) > 3

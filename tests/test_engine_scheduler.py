@@ -1,5 +1,6 @@
 """The engine's scheduler without a model: which slot each sequence takes, which waits, and the
 shapes of the calls that run them."""
+import itertools
 import threading
 
 import pytest
@@ -13,8 +14,13 @@ def _scheduler(local_slots=2, devices=2, context=128, chunk=8, prefill_tokens=12
                                  chunk=chunk, prefill_tokens=prefill_tokens)
 
 
-def _seq(length: int, new: int = 10, **kw) -> Sequence:
-  return Sequence(prompt=list(range(1, length + 1)), max_new_tokens=new, **kw)
+_FIRST = itertools.count(1)
+
+
+def _seq(length: int, new: int = 10, like: Sequence | None = None, **kw) -> Sequence:
+  """A sequence of a prompt of its own (or of `like`'s prompt)."""
+  prompt = list(like.prompt) if like else [next(_FIRST)] * length
+  return Sequence(prompt=prompt, max_new_tokens=new, **kw)
 
 
 def test_sequences_take_the_lowest_free_slot_over_the_devices_in_turn_and_the_rest_wait():
@@ -26,27 +32,55 @@ def test_sequences_take_the_lowest_free_slot_over_the_devices_in_turn_and_the_re
   assert cancelled == []
   # Slot g = device × 2 + local index: local index 0 on each device first.
   assert s.busy == [seqs[0], seqs[2], seqs[1], seqs[3]] and list(s.waiting) == [seqs[4]]
-  # One prefill per length bucket (16, 32, 64), each device's (local slot, sequence) in its rows.
-  assert [(p.length, p.rows) for p in prefills] == [(16, 2), (32, 1), (64, 1)]
-  assert prefills[0].slots == (((0, seqs[0]), (1, seqs[2])), ())
-  assert prefills[1].slots == ((), ((0, seqs[1]),))
-  assert prefills[2].slots == ((), ((1, seqs[3]),))
+  # One prefill per length bucket (16, 32, 64): each device's (local slot, prompt, sequence).
+  assert [(p.length, p.rows, p.copies) for p in prefills] == [(16, 2, 0), (32, 1, 0), (64, 1, 0)]
+  assert prefills[0].slots == (((0, 0, seqs[0]), (1, 1, seqs[2])), ())
+  assert prefills[1].slots == ((), ((0, 0, seqs[1]),))
+  assert prefills[2].slots == ((), ((1, 0, seqs[3]),))
   assert s.stats() == {'busy': 4, 'waiting': 1}
 
   s.free(1, seqs[2])  # it ended: the waiting one takes its slot
   prefills, _ = s.admit()
   assert s.busy[1] is seqs[4] and not s.waiting
-  assert [(p.length, p.rows, p.slots) for p in prefills] == [(16, 1, (((1, seqs[4]),), ()))]
+  assert [(p.length, p.rows, p.slots) for p in prefills] == [(16, 1, (((1, 0, seqs[4]),), ()))]
 
 
 def test_a_prefill_holds_at_most_prefill_tokens_a_device():
   s = _scheduler(local_slots=8, devices=1, context=64, prefill_tokens=64)
   assert (s.most_rows(16), s.most_rows(32), s.most_rows(64)) == (4, 2, 1)
-  assert s.largest_prefill(20) == (2, 32)
   for _ in range(7):
     s.submit(_seq(12))
   prefills, _ = s.admit()
   assert [(p.length, p.rows, len(p.slots[0])) for p in prefills] == [(16, 4, 4), (16, 4, 3)]
+
+
+def test_the_sequences_of_one_prompt_share_a_device_and_its_prefill():
+  """GRPO's completions of a prompt (a request's n choices): admitted together, they go to the
+  device of the first while it has a free slot; the prompt is run once, the others copy it."""
+  s = _scheduler(local_slots=4, devices=2)
+  a, b = [_seq(5)], [_seq(9)]
+  a += [_seq(5, like=a[0], stream=k) for k in (1, 2)]
+  b += [_seq(9, like=b[0], stream=k) for k in (1, 2)]
+  lone = _seq(7)
+  for seq in [*a, *b, lone]:
+    s.submit(seq)
+  prefills, _ = s.admit()
+  # a on device 0 (slots 0, 1, 2), b on device 1 (4, 5, 6), the last where the next free slot is.
+  assert s.busy == [*a, lone, *b, None]
+  (call,) = prefills  # (all pad to 16 tokens)
+  # Each device runs 2 prompts at most and copies 2 of them into 2 more slots.
+  assert (call.length, call.rows, call.copies) == (16, 2, 2)
+  assert call.slots == (((0, 0, a[0]), (1, 0, a[1]), (2, 0, a[2]), (3, 1, lone)),
+                        ((0, 0, b[0]), (1, 0, b[1]), (2, 0, b[2])))
+  # A group larger than a device's free slots goes on on the next device.
+  s = _scheduler(local_slots=2, devices=2)
+  group = [_seq(5)]
+  group += [_seq(5, like=group[0], stream=k) for k in (1, 2)]
+  for seq in group:
+    s.submit(seq)
+  (call,), _ = s.admit()
+  assert s.busy == [group[0], group[1], group[2], None]
+  assert (call.rows, call.copies) == (1, 1)
 
 
 def test_a_decode_call_covers_the_busy_slots_and_their_longest_row():

@@ -3,7 +3,8 @@
 
 A fixed number of slots, each a row of one KV cache allocated once, so memory is bounded by slots
 × context whatever the traffic. A request (a Sequence) waits until a slot is free; its prompt is
-then prefilled into that slot's row, and it decodes together with every other busy slot, up to
+then prefilled into that slot's row (once for all the sequences of one prompt: GRPO's num_samples
+completions, a request's n choices), and it decodes together with every other busy slot, up to
 `chunk` tokens per compiled call; between calls its new tokens are appended, its text decoded and
 reported, and it ends at EOS, max_new_tokens or a stop string, freeing its slot for the next one
 (continuous batching).

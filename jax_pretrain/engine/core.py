@@ -95,7 +95,7 @@ class Engine:
     step."""
     prefills, decodes = self.scheduler.shapes()
     for rows, length in prefills:
-      self.runner.prefill(scheduler_lib.Prefill(length, rows, ((),) * self.devices))
+      self.runner.prefill(scheduler_lib.Prefill(length, rows, 0, ((),) * self.devices))
     for rows, live, top_n, cuts in decodes:
       self.runner.decode(scheduler_lib.Decode(rows, live, 0, top_n, cuts, self.local_slots, ()))
 
@@ -113,6 +113,7 @@ class Engine:
   def stats(self) -> dict:
     return {'slots': self.slots, 'devices': self.devices, 'context': self.context,
             **self.scheduler.stats(), 'compiled_shapes': len(self.shapes),
+            'prompts_prefilled': self.runner.prompts_prefilled,
             'tokens_generated': self.tokens_generated}
 
   def generate(self, sequences: list[Sequence]) -> list[Sequence]:
@@ -205,14 +206,9 @@ class Engine:
     """token_logprobs with the engine's params (on its devices)."""
     return self.runner.score(tokens_BxT1, top_n)
 
-  def largest_prefill(self, prompt_tokens: int) -> tuple[int, int]:
-    """(rows per device, length) of the largest prefill call that prompts of at most
-    prompt_tokens tokens can ask for."""
-    return self.scheduler.largest_prefill(prompt_tokens)
-
-  def lower_prefill(self, rows: int, length: int):
+  def lower_prefill(self, rows: int, length: int, copies: int = 0):
     """ModelRunner.lower_prefill: the prefill call lowered on abstract shapes (plan.py)."""
-    return self.runner.lower_prefill(rows, length)
+    return self.runner.lower_prefill(rows, length, copies)
 
   def lower_decode(self, rows: int, live: int, top_n: int = 0, cuts: bool = False):
     """ModelRunner.lower_decode: the decode call lowered on abstract shapes (plan.py)."""

@@ -8,6 +8,11 @@ the tokens of the call before (core.py). A prefill starts its rows; each decodin
 the rows that have not ended, and ends a row at EOS or at its max_new_tokens (it then writes
 nothing more); a call stops early once all its rows have ended.
 
+One prefill per prompt: a prefill call runs each distinct prompt of its sequences once, into the
+slot of the first, and copies its keys and values (positions [0, P)), last logits and a Rows of
+their own into the slots of the others (the scheduler puts them on the same device), so the
+num_samples completions of a GRPO prompt cost one prefill, and decode what they would alone.
+
 What a decoding step moves, and nothing more: the runner holds its own copy of the params, every
 matrix in the compute dtype and the layers apart (decoding_params: converted once, when the params
 change: GRPO, once a step), so a step reads bf16 weights (on a GPU) once instead of casting float32
@@ -151,28 +156,42 @@ class State:
 
 @struct.dataclass
 class Admitted:
-  """A prefill call's inputs, [devices × rows] each (row d × rows + r: device d's): the prompts,
-  right-padded, the local slot each goes to (a padding row: the device's slot count, dropped) and
-  the Rows they start."""
+  """A prefill call's inputs, rows [devices × rows] and copies [devices × copies] (device d's
+  at d × rows + r and d × copies + c): the distinct prompts, right-padded, each with the local
+  slot of its first sequence (where it is run) and the Rows that sequence starts; and each other
+  sequence of those prompts with its slot, the row of its prompt and its Rows. Padding: the
+  device's slot count as the slot, dropped."""
   tokens_NxP: Array
   slots_N: Array
-  rows: Rows
+  rows_N: Rows
+  slots_C: Array
+  prompt_C: Array  # int32: the row (0 .. rows - 1, the device's) of its prompt
+  rows_C: Rows
 
 
 def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V) -> State:
   """One device's prefill: its prompts, right-padded, run through the model (causal attention over
-  themselves), their keys and values written into their slots' rows, each one's last logits kept
-  and its Rows started. Padding rows have slot == the device's slots: dropped."""
+  themselves), their keys and values written into their first slots' rows, each one's last logits
+  kept and its Rows started; then the copies: each takes the keys and values of its prompt's first
+  [0, P) positions, its last logits, and starts its own Rows (its own seed and stream)."""
   N, P_ = admitted.tokens_NxP.shape
   positions_NxP = jnp.broadcast_to(jnp.arange(P_, dtype=jnp.int32), (N, P_))
-  slots_N = admitted.slots_N
+  slots_N, slots_C = admitted.slots_N, admitted.slots_C
   use = model_lib.CacheUse(positions_NxP, slots_B=slots_N,
-                           logits_at_B=admitted.rows.positions - 1)
+                           logits_at_B=admitted.rows_N.positions - 1)
   logits_Nx1xV, cache = model.apply({'params': params}, admitted.tokens_NxP, state.cache, use)
   last_NxV = jnp.where(allowed_V, logits_Nx1xV[:, 0], -jnp.inf)
-  return State(cache, state.logits_SxV.at[slots_N].set(last_NxV, mode='drop'),
-               jax.tree.map(lambda x, new: x.at[slots_N].set(new, mode='drop'), state.rows,
-                            admitted.rows))
+  start = lambda rows, slots, new: jax.tree.map(
+      lambda x, y: x.at[slots].set(y, mode='drop'), rows, new)
+  logits_SxV = state.logits_SxV.at[slots_N].set(last_NxV, mode='drop')
+  rows = start(state.rows, slots_N, admitted.rows_N)
+  if slots_C.shape[0]:
+    from_C = slots_N[admitted.prompt_C]
+    copy = lambda x: x.at[slots_C, :P_].set(x[from_C, :P_], mode='drop')
+    cache = model_lib.KVCache(tuple(map(copy, cache.k)), tuple(map(copy, cache.v)))
+    logits_SxV = logits_SxV.at[slots_C].set(last_NxV[admitted.prompt_C], mode='drop')
+    rows = start(rows, slots_C, admitted.rows_C)
+  return State(cache, logits_SxV, rows)
 
 
 def _decode_local(model, params, state: State, allowed_V, eos, steps, *, rows: int, chunk: int,
@@ -280,6 +299,7 @@ class ModelRunner:
     self._constants: tuple | None = None
     self._state: State | None = None  # allocated at the first call (state())
     self.shapes: set[tuple] = set()  # the compiled shapes asked for so far
+    self.prompts_prefilled = 0  # prompts run through the model (once for all their sequences)
     self.set_params(params)
 
   def set_params(self, params) -> None:
@@ -323,7 +343,8 @@ class ModelRunner:
   def prefill(self, call: Prefill) -> None:
     """Writes the call's prompts into their slots' rows of the cache, their last logits and their
     Rows (dispatched: the device runs it after the calls before it)."""
-    self.shapes.add(('prefill', call.rows, call.length))
+    self.shapes.add(('prefill', call.rows, call.length, call.copies))
+    self.prompts_prefilled += sum(len({i for _, i, _ in x}) for x in call.slots)
     allowed_V, _ = self.constants()
     self._state = _prefill(self.params, self.state(), self._place(self.admitted(call)),
                            allowed_V, model=self.model, mesh=self.mesh)
@@ -345,11 +366,12 @@ class ModelRunner:
     """A decode call's outputs on the host (waits for the device to finish it)."""
     return jax.device_get(out)
 
-  def lower_prefill(self, rows: int, length: int):
-    """The prefill call of `rows` prompts a device padded to `length` tokens, lowered (not run)
-    with these params and abstract_state: what that call compiles, e.g. for a GPU this machine
-    does not have (plan.py). As warmup's prefills, it writes to no slot."""
-    call = Prefill(length, rows, ((),) * self.devices)
+  def lower_prefill(self, rows: int, length: int, copies: int = 0):
+    """The prefill call of `rows` prompts a device padded to `length` tokens (and `copies` more
+    slots that take their keys and values), lowered (not run) with these params and
+    abstract_state: what that call compiles, e.g. for a GPU this machine does not have (plan.py).
+    As warmup's prefills, it writes to no slot."""
+    call = Prefill(length, rows, copies, ((),) * self.devices)
     return _prefill.lower(self.params, self.abstract_state(),
                           _abstract(self.admitted(call), self._split),
                           self.constants(abstract=True)[0], model=self.model, mesh=self.mesh)
@@ -368,16 +390,24 @@ class ModelRunner:
                                                         self._replicated), top_n=top_n)
 
   def admitted(self, call: Prefill) -> Admitted:
-    """The call's inputs, [devices × rows] (device d's pairs in its first rows)."""
-    N, n = call.rows, self.devices * call.rows
-    tokens_NxP = np.full((n, call.length), self.pad_id, np.int32)
-    slots_N = np.full(n, self.local_slots, np.int32)
-    sequences: list[Sequence | None] = [None] * n
-    for d, pairs in enumerate(call.slots):
-      for r, (j, seq) in enumerate(pairs):
-        q = d * N + r
-        tokens_NxP[q, :len(seq.prompt)], slots_N[q], sequences[q] = seq.prompt, j, seq
-    return Admitted(tokens_NxP, slots_N, Rows.start(sequences))
+    """The call's inputs (Admitted): each device's prompts in its rows, in the order of their
+    index, and its other sequences in its copies."""
+    N, C = call.rows, call.copies
+    tokens_NxP = np.full((self.devices * N, call.length), self.pad_id, np.int32)
+    slots_N, slots_C = (np.full(self.devices * n, self.local_slots, np.int32) for n in (N, C))
+    prompt_C = np.zeros(self.devices * C, np.int32)
+    first: list[Sequence | None] = [None] * (self.devices * N)
+    others: list[Sequence | None] = [None] * (self.devices * C)
+    for d, triples in enumerate(call.slots):
+      c = d * C
+      for j, i, seq in triples:
+        if first[d * N + i] is None:
+          q = d * N + i
+          tokens_NxP[q, :len(seq.prompt)], slots_N[q], first[q] = seq.prompt, j, seq
+        else:
+          slots_C[c], prompt_C[c], others[c] = j, i, seq
+          c += 1
+    return Admitted(tokens_NxP, slots_N, Rows.start(first), slots_C, prompt_C, Rows.start(others))
 
   def _zeros(self) -> State:
     c = self.model.config

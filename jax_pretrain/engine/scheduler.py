@@ -45,11 +45,14 @@ def live_bucket(n: int, context: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Prefill:
-  """One prefill call: prompts padded to `length` tokens, `rows` of them a device; device d's
-  (local slot, sequence) pairs in its first rows (the others: padding)."""
+  """One prefill call: `rows` distinct prompts a device, padded to `length` tokens, each run
+  through the model once into the slot of its first sequence, and `copies` more slots a device
+  that take the keys and values of a prompt run there (the other sequences of that prompt). slots:
+  device d's (local slot, index of its prompt among the device's, sequence), in order."""
   length: int
   rows: int
-  slots: tuple[tuple[tuple[int, Sequence], ...], ...]
+  copies: int
+  slots: tuple[tuple[tuple[int, int, Sequence], ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,32 +150,50 @@ class Scheduler:
     return seq
 
   def admit(self) -> tuple[list[Prefill], list[Sequence]]:
-    """Moves waiting sequences into free slots (the lowest local index first, over the devices in
-    turn): the prefill calls of those admitted, a bucket of lengths at a time, and the waiting
-    sequences found cancelled (no longer queued: the caller ends them)."""
+    """Moves waiting sequences into free slots: the free slot of lowest local index, over the
+    devices in turn, but a sequence whose prompt another one admitted now has goes to that one's
+    device while it has a free slot, so that the prompt is prefilled once for both (GRPO's
+    num_samples completions, a request's n choices). Returns the prefill calls of those admitted,
+    a bucket of lengths at a time, and the waiting sequences found cancelled (no longer queued:
+    the caller ends them)."""
     admitted, cancelled = [], []
     with self._wakeup:
-      for j in range(self.local_slots):
-        for d in range(self.devices):
-          g = d * self.local_slots + j
-          while self.busy[g] is None and self.waiting:
-            seq = self.waiting.popleft()
-            if seq.cancelled:
-              cancelled.append(seq)
-              continue
-            self.busy[g] = seq
-            admitted.append(g)
+      free = [d * self.local_slots + j for j in range(self.local_slots)
+              for d in range(self.devices) if self.busy[d * self.local_slots + j] is None]
+      device_of: dict[tuple[int, ...], int] = {}  # a prompt admitted now: its last device
+      while free and self.waiting:
+        seq = self.waiting.popleft()
+        if seq.cancelled:
+          cancelled.append(seq)
+          continue
+        d = device_of.get(tuple(seq.prompt))
+        g = next((g for g in free if g // self.local_slots == d), free[0])
+        free.remove(g)
+        device_of[tuple(seq.prompt)] = g // self.local_slots
+        self.busy[g] = seq
+        admitted.append(g)
     by_length = collections.defaultdict(list)
     for g in admitted:
       by_length[bucket(len(self.held(g).prompt), self.context, MIN_BUCKET)].append(g)
     calls = []
     for P_, slots in sorted(by_length.items()):
-      per_device = [[g for g in slots if g // self.local_slots == d] for d in range(self.devices)]
+      # Each device's distinct prompts, each with its slots (the first: where it is run).
+      per_device = []
+      for d in range(self.devices):
+        prompts: dict[tuple[int, ...], list[int]] = {}
+        for g in slots:
+          if g // self.local_slots == d:
+            prompts.setdefault(tuple(self.held(g).prompt), []).append(g)
+        per_device.append(list(prompts.values()))
       most = self.most_rows(P_)
       for start in range(0, max(len(x) for x in per_device), most):
         group = [x[start:start + most] for x in per_device]
-        calls.append(Prefill(P_, bucket(max(len(x) for x in group), most), tuple(
-            tuple((g % self.local_slots, self.held(g)) for g in x) for x in group)))
+        copies = max(sum(len(s) - 1 for s in x) for x in group)
+        calls.append(Prefill(
+            P_, bucket(max(len(x) for x in group), most),
+            bucket(copies, self.local_slots) if copies else 0,
+            tuple(tuple((g % self.local_slots, i, self.held(g)) for i, s in enumerate(x) for g in s)
+                  for x in group)))
     return calls, cancelled
 
   def decode(self) -> Decode | None:
@@ -203,12 +224,6 @@ class Scheduler:
     keeps the call within prefill_tokens, and no more than a device's slots need."""
     fitting = 1 << (max(1, self.prefill_tokens // P_).bit_length() - 1)
     return min(fitting, bucket(self.local_slots, 1 << 30))
-
-  def largest_prefill(self, prompt_tokens: int) -> tuple[int, int]:
-    """(rows per device, length) of the largest prefill call that prompts of at most
-    prompt_tokens tokens can ask for (admit's buckets)."""
-    P_ = bucket(prompt_tokens, self.context, MIN_BUCKET)
-    return self.most_rows(P_), P_
 
   def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, bool]]]:
     """Every shape traffic can ask for: (rows, length) of the prefills, (rows, live, top_n, cuts)
