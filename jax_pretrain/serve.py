@@ -567,8 +567,9 @@ def main():
   name = f.model_name or os.path.basename(os.path.normpath(f.workdir))
   if f.warmup:
     t0 = time.perf_counter()
-    engine.warmup()
-    print(f'compiled {len(engine.shapes)} shapes in {time.perf_counter() - t0:.1f}s', flush=True)
+    engine.warmup(background=True, report=lambda line: print(line, flush=True))
+    print(f'compiled {len(engine.shapes)} programs in {time.perf_counter() - t0:.1f}s '
+          f'({engine.runner.programs.pending()} more in the background)', flush=True)
   server = Server(engine, name, max_sequences=f.max_sequences_per_request,
                   api_key=f.api_key or os.environ.get(API_KEY_ENV))
   print(f'serving {name} on http://{f.host}:{f.port}/v1 ({f.slots} slots of {context} tokens'
@@ -597,8 +598,9 @@ def define_flags() -> None:
   flags.DEFINE_integer('slots', 16, 'Sequences decoded together at most (KV cache rows).')
   flags.DEFINE_integer('context', 0, "Tokens per sequence, prompt included; 0: the run's seq_len.")
   flags.DEFINE_integer('chunk', 8, 'Tokens decoded per compiled call (requests join between).')
-  flags.DEFINE_bool('warmup', False, 'Compile every bucketed shape before serving (no request '
-                    'then waits for a compile; takes a while for a large model).')
+  flags.DEFINE_bool('warmup', False, 'Compile the programs that cover every call before '
+                    'serving, the others in the background: no request waits for a compile (one '
+                    'runs padded until its own program is ready).')
   flags.DEFINE_integer('max_sequences_per_request', MAX_SEQUENCES, 'Sequences (prompts × n) one '
                        'request may ask for; more get 400.')
   flags.DEFINE_string('api_key', '', 'Requests to /v1 need "Authorization: Bearer KEY" (401 '

@@ -5,6 +5,7 @@ import threading
 
 import pytest
 
+from jax_pretrain.engine import programs
 from jax_pretrain.engine import scheduler as scheduler_lib
 from jax_pretrain.engine.sequence import Sequence
 
@@ -94,7 +95,7 @@ def test_a_decode_call_covers_the_busy_slots_and_their_longest_row():
   assert call is not None
   assert call.busy == ((0, short), (1, long_)) and (call.row(0), call.row(1)) == (0, 1)
   # 2 rows (slots 0 and 1), 8 steps (long_ has 20 to go), over 30 + 8 positions: the bucket 48.
-  assert (call.rows, call.steps, call.live, call.top_n, call.cuts) == (2, 8, 48, 0, True)
+  assert (call.rows, call.steps, call.live, call.top_n) == (2, 8, 48, 0)
   # short has all its tokens once this call has run: its slot takes the next sequence now; it is
   # held as finishing until its end is read.
   assert s.busy[:2] == [None, long_] and s.dispatched[1] == 8 and s.finishing == [short]
@@ -107,8 +108,8 @@ def test_a_decode_call_covers_the_busy_slots_and_their_longest_row():
   s.admit()
   call = s.decode()
   # long_'s next 8 tokens, after the 8 in flight: 30 + 16 positions.
-  assert call is not None and (call.rows, call.steps, call.live, call.top_n, call.cuts) == (
-      4, 8, 48, scheduler_lib.TOP_N, True)
+  assert call is not None and (call.rows, call.steps, call.live, call.top_n) == (
+      4, 8, 48, scheduler_lib.TOP_N)
   assert [g for g, _ in call.busy] == [0, 1, 2] and s.busy[0] is None
   call = s.decode()
   assert call is not None and [g for g, _ in call.busy] == [1, 2]
@@ -174,3 +175,64 @@ def test_release_frees_every_slot():
   s.admit()
   assert s.release(waiting=True) == [more[0], more[2], more[1], more[3], *more[4:]]
   assert s.busy == [None] * 4 and not s.waiting
+
+
+def test_a_warmup_compiles_few_programs_and_the_first_ones_cover_every_call():
+  """128 slots × 256 tokens: 116 programs (327 when sampling's variants were programs of their
+  own), of which the first 6 can run any call that admission and decoding make."""
+  s = _scheduler(local_slots=128, devices=1, context=256, prefill_tokens=16384)
+  covering, rest = s.programs()
+  assert covering == [('prefill', 128, 16, 128), ('prefill', 128, 32, 128),
+                      ('prefill', 128, 64, 128), ('prefill', 128, 128, 128),
+                      ('prefill', 64, 256, 128), ('decode', 128, 256)]
+  assert len(rest) == 8 * 4 + 7 + 8 * 9 - 1 and not set(covering) & set(rest)
+  calls = []
+  for n in (1, 3, 40, 100, 200):
+    for k in range(300):  # some of them sharing the prompt of the one before (n choices)
+      like = s.waiting[-1] if k % 4 == 0 and s.waiting else None
+      s.submit(_seq(1 + k % n, new=1 + k % 50, like=like))
+    while s.has_work():
+      calls += s.admit()[0]
+      call = s.decode()
+      if call is not None:
+        calls.append(call)
+        for g, seq in call.busy:
+          if s.busy[g] is not seq:  # every token dispatched: it ends
+            s.free(g, seq)
+  shapes = {call.shape for call in calls}
+  assert {s[0] for s in shapes} == {'prefill', 'decode'} and any(s[-1] for s in shapes
+                                                                 if s[0] == 'prefill')
+  for shape in shapes:
+    assert any(programs.covers(c, shape) for c in covering), shape
+    assert shape in rest or shape in covering or shape[0] == 'prefill' and shape[3] > 0
+
+
+def test_after_a_warmup_a_call_runs_as_its_smallest_ready_cover_and_its_own_compiles_first():
+  compiled, started, gate = [], threading.Event(), threading.Event()
+
+  def compile(shape):
+    if compiled:  # the background compiler's: held until the test lets it go
+      started.set()
+      gate.wait()
+    compiled.append(shape)
+    return shape
+
+  p = programs.Programs(compile)
+  assert p.fit(('decode', 2, 16)) == ('decode', 2, 16)  # before a warmup: compiled at the call
+  lines = []
+  p.warmup([('decode', 8, 64)], [('decode', 4, 32), ('decode', 2, 16), ('decode', 8, 32)],
+           background=True, report=lines.append)
+  assert compiled == [('decode', 8, 64)] and p.warm
+  started.wait()  # compiling ('decode', 4, 32)
+  assert p.pending() == 3
+  assert p.fit(('decode', 1, 20)) == ('decode', 8, 64)  # the only cover ready
+  gate.set()
+  p.join()
+  # The shape traffic asked for goes next.
+  assert compiled == [('decode', 8, 64), ('decode', 4, 32), ('decode', 1, 20), ('decode', 2, 16),
+                      ('decode', 8, 32)]
+  assert lines[-1].startswith('warmup: 5/5 programs compiled (decode 8 32)')
+  assert p.fit(('decode', 1, 20)) == ('decode', 1, 20) and p.pending() == 0
+  assert p.fit(('decode', 3, 17)) == ('decode', 4, 32)  # the smallest cover, its own queued
+  p.join()
+  assert compiled[-1] == ('decode', 3, 17) and p.pending() == 0

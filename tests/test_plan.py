@@ -492,9 +492,9 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   admitted = r._place(r.admitted(scheduler_lib.Prefill(16, 2, 0, ((), ()))))  # noqa: SLF001
   real = prefill.lower(eng.params, state, admitted, allowed, model=eng.model, mesh=eng.mesh)
   assert abstract.lower_prefill(2, 16).as_text() == real.as_text()
-  steps = jax.device_put(np.int32(3), r._replicated)  # noqa: SLF001
-  real = decode.lower(eng.params, state, allowed, eos, steps, model=eng.model, mesh=eng.mesh,
-                      rows=4, chunk=eng.chunk, live=24, top_n=0, cuts=False)
+  steps, top = (jax.device_put(x, r._replicated) for x in (np.int32(3), np.bool_(True)))  # noqa: SLF001
+  real = decode.lower(eng.params, state, allowed, eos, steps, top, model=eng.model,
+                      mesh=eng.mesh, rows=4, chunk=eng.chunk, live=24)
   assert abstract.lower_decode(4, 24).as_text() == real.as_text()
 
 

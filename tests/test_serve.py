@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 
 import jax
+import numpy as np
 import openai
 import pytest
 
@@ -241,20 +242,44 @@ def test_client_errors_unknown_model_and_path(client, server):
 
 def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
   trained = workdir_lib.load(run, devices=jax.devices()[:1])
-  eng = engine.Engine(trained.config.model, trained.params, trained.tokenizer,
-                      slots=8, context=tiny_run.SEQ_LEN, chunk=4)
-  eng.warmup()
-  # Prompts pad to 16, 32 or 64 tokens, 1, 2, 4 or 8 of them per prefill; decodes cover 1, 2, 4
-  # or 8 slots over 16, 24, 32, 48 or 64 positions, with and without the top-k/top-p cut and
-  # the top-5 alternatives.
-  assert len(eng.shapes) == 3 * 4 + 4 * 5 * 2 * 2
+  make = lambda slots: engine.Engine(trained.config.model, trained.params, trained.tokenizer,
+                                     slots=slots, context=32, chunk=4)
+  eng = make(4)
+  lines = []
+  eng.warmup(report=lines.append)
+  # Prompts pad to 16 or 32 tokens, 1, 2 or 4 of them per prefill (and the covers: 4 of them
+  # with 4 copies); decodes cover 1, 2 or 4 slots over 16, 24 or 32 positions (the top-k/top-p
+  # cut and the top-5 alternatives: runtime branches, not programs).
+  assert len(eng.shapes) == 2 * 3 + 2 + 3 * 3
+  assert len(lines) == len(eng.shapes) and lines[-1].startswith('warmup: 17/17 programs compiled')
   warm = set(eng.shapes)
   rng = random.Random(0)
-  sequences = [engine.Sequence([rng.randrange(256) for _ in range(rng.randrange(1, 50))], 10,
-                               temperature=1.0, seed=i, top_p=0.9 if i % 3 else 1.0,
-                               alternatives=i % 2 == 0) for i in range(20)]
-  eng.generate(sequences)
-  assert all(seq.done and seq.tokens for seq in sequences) and eng.shapes == warm
+  sequences = lambda: [engine.Sequence([rng.randrange(256) for _ in range(rng.randrange(1, 22))],
+                                       10, temperature=1.0, seed=i, top_p=0.9 if i % 3 else 1.0,
+                                       alternatives=i % 2 == 0) for i in range(12)]
+  first = sequences()
+  eng.generate(first)
+  assert all(seq.done and seq.tokens for seq in first) and eng.shapes == warm
+  assert eng.runner.programs.pending() == 0  # no call asked for a program of its own
+
+  # Warmed in the background: the covering programs (2 prefills, 1 decode) before it returns;
+  # until a call's own program is compiled it runs padded to one, with the same tokens.
+  eng = make(2)
+  lines = []
+  eng.warmup(background=True, report=lines.append)
+  assert lines[0].startswith('warmup: 1/') and 'ETA' in lines[0]
+  assert any(line.startswith('warmup: 3 covering programs ready') for line in lines)
+  eng.runner.programs.stop()  # (the covers alone from here)
+  covering = set(eng.shapes)
+  rng = random.Random(0)
+  again = sequences()
+  eng.generate(again)
+  assert eng.shapes == covering
+  assert [s.tokens for s in again] == [s.tokens for s in first]
+  for a, b in zip(again, first):
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert [[i for i, _ in x] for x in a.top_logprobs] == [[i for i, _ in x]
+                                                            for x in b.top_logprobs]
 
 
 @pytest.fixture(scope='module')

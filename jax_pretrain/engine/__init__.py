@@ -17,6 +17,8 @@ The parts, each changeable on its own:
   runner     the model runner: the engine's copy of the params, the KV cache, the compiled
              prefill and decode calls (over a mesh's devices), their lowering for plan.py, and
              the scoring pass
+  programs   the compiled program of each call shape, the warmup (the programs that cover
+             every call first, the others in a background compiler) and which one runs a call
   sampling   the next token of each row: temperature, top-k, top-p, per-row random streams
   output     the output processor: a call's tokens into each sequence (EOS, max_new_tokens, stop
              strings, detokenization, logprobs), the callbacks

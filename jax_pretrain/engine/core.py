@@ -24,6 +24,8 @@ ends with 'error' and STOPPED, and submit refuses new ones (EngineStopped): noth
 waiting. A generate() that raises fails its sequences and leaves the engine as new (slots free,
 nothing queued, a fresh cache), for the next call.
 """
+from collections.abc import Callable
+
 from absl import logging
 from jax.sharding import Mesh
 
@@ -78,8 +80,8 @@ class Engine:
 
   @property
   def shapes(self) -> set[tuple]:
-    """The compiled shapes asked for so far."""
-    return self.runner.shapes
+    """The shapes compiled so far (engine/programs.py)."""
+    return set(self.runner.programs.ready)
 
   @property
   def tokens_generated(self) -> int:
@@ -89,15 +91,13 @@ class Engine:
     """Takes new params (the model's, or abstract ones for lowering; None frees the copy)."""
     self.runner.set_params(params)
 
-  def warmup(self) -> None:
-    """Compiles every shape that traffic can ask for (Scheduler.shapes), so that no request waits
-    for a compile. Changes no sequence: these prefills write to no slot and these decodes run no
-    step."""
-    prefills, decodes = self.scheduler.shapes()
-    for rows, length in prefills:
-      self.runner.prefill(scheduler_lib.Prefill(length, rows, 0, ((),) * self.devices))
-    for rows, live, top_n, cuts in decodes:
-      self.runner.decode(scheduler_lib.Decode(rows, live, 0, top_n, cuts, self.local_slots, ()))
+  def warmup(self, background: bool = False,
+             report: Callable[[str], None] = lambda line: None) -> None:
+    """Compiles the programs that cover every call, then the others that traffic asks for
+    (Scheduler.programs): in a background thread with `background`, else before it returns; no
+    call waits for a compile from then on (engine/programs.py). report: a progress line per
+    program (the count, the time so far, an ETA)."""
+    self.runner.programs.warmup(*self.scheduler.programs(), background=background, report=report)
 
   def submit(self, seq: Sequence) -> None:
     """Queues a sequence (thread-safe). Its prompt and max_new_tokens must fit the context; once
@@ -113,6 +113,7 @@ class Engine:
   def stats(self) -> dict:
     return {'slots': self.slots, 'devices': self.devices, 'context': self.context,
             **self.scheduler.stats(), 'compiled_shapes': len(self.shapes),
+            'compiling_shapes': self.runner.programs.pending(),
             'prompts_prefilled': self.runner.prompts_prefilled,
             'tokens_generated': self.tokens_generated}
 
@@ -153,6 +154,7 @@ class Engine:
           if failures >= max_failures:
             raise EngineFailed(f'{failures} engine steps failed in a row') from e
     finally:
+      self.runner.programs.stop()
       for seq in [*self.scheduler.stop(), *self._abandon()]:
         output_lib.fail(seq, STOPPED)
 
@@ -170,10 +172,11 @@ class Engine:
     for seq in cancelled:
       output_lib.finish(seq, 'cancelled')
     for prefill in prefills:
-      self.runner.prefill(prefill)
+      self.runner.prefill(self.runner.fit(prefill))
     call = self.scheduler.decode()
     last, self._pending = self._pending, None
     if call is not None:
+      call = self.runner.fit(call)
       self._pending = call, self.runner.decode(call)
     if last is not None:
       self._read(*last)
@@ -210,6 +213,6 @@ class Engine:
     """ModelRunner.lower_prefill: the prefill call lowered on abstract shapes (plan.py)."""
     return self.runner.lower_prefill(rows, length, copies)
 
-  def lower_decode(self, rows: int, live: int, top_n: int = 0, cuts: bool = False):
+  def lower_decode(self, rows: int, live: int):
     """ModelRunner.lower_decode: the decode call lowered on abstract shapes (plan.py)."""
-    return self.runner.lower_decode(rows, live, top_n, cuts)
+    return self.runner.lower_decode(rows, live)

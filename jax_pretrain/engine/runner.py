@@ -41,7 +41,7 @@ prompt.
 """
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, TypeVar
 
 from flax import struct
 import jax
@@ -53,11 +53,14 @@ import numpy as np
 
 from jax_pretrain import model as model_lib
 from jax_pretrain import multihost
+from jax_pretrain.engine import programs as programs_lib
 from jax_pretrain.engine import sampling
+from jax_pretrain.engine.sampling import TOP_N
 from jax_pretrain.engine.scheduler import Decode
 from jax_pretrain.engine.scheduler import Prefill
 from jax_pretrain.engine.sequence import Sequence
 
+CallT = TypeVar('CallT', Prefill, Decode)
 Array = Any  # a call's inputs: numpy arrays made on the host, then jax.Arrays on the mesh
 
 
@@ -194,14 +197,16 @@ def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V) -
   return State(cache, logits_SxV, rows)
 
 
-def _decode_local(model, params, state: State, allowed_V, eos, steps, *, rows: int, chunk: int,
-                  live: int, top_n: int, cuts: bool):
+def _decode_local(model, params, state: State, allowed_V, eos, steps, want_top, *, rows: int,
+                  chunk: int, live: int):
   """One device's decoding steps of its first `rows` (R) slots, up to `steps` (<= chunk) of them
   and no more once every row has ended: each step samples a token per row from its logits and
   runs it at the row's next position, attending over positions [0, live). A row that ends (EOS,
   or its limit) runs no more tokens (its writes go out of range: dropped). Returns the updated
-  state, the tokens [R, chunk], their logprobs [R, chunk] and with top_n the top_n alternatives
-  ([R, chunk, top_n] logprobs and ids); a row's entries after its end are not its own."""
+  state, the tokens [R, chunk], their logprobs [R, chunk] and the TOP_N alternatives ([R, chunk,
+  TOP_N] logprobs and ids: zeros unless want_top); a row's entries after its end are not its own.
+  Sampling's variants are runtime branches, not programs: the top-k/top-p cut runs when a row
+  asks for it (sampling.filter_logits), the alternatives when want_top (a traced bool)."""
   R = rows
   context = state.cache.k[0].shape[1]
   r = jax.tree.map(lambda x: x[:R], state.rows)
@@ -210,12 +215,13 @@ def _decode_local(model, params, state: State, allowed_V, eos, steps, *, rows: i
   def body(carry):
     i, cache, logits_RxV, positions_R, counts_R, done_R, tokens_RxC, logprobs_RxC, *top = carry
     keys_R = sampling.token_keys(streams_R, counts_R)
-    token_R = sampling.sample_rows(logits_RxV, keys_R, r.temperature, r.top_k, r.top_p,
-                                   cuts=cuts)
+    token_R = sampling.sample_rows(logits_RxV, keys_R, r.temperature, r.top_k, r.top_p)
     all_RxV = jax.nn.log_softmax(logits_RxV, axis=-1)
-    if top_n:
-      top_lp_RxN, top_ids_RxN = jax.lax.top_k(all_RxV, top_n)
-      top = [top[0].at[:, i].set(top_lp_RxN), top[1].at[:, i].set(top_ids_RxN)]
+    top_lp_RxN, top_ids_RxN = jax.lax.cond(
+        want_top, lambda: tuple(jax.lax.top_k(all_RxV, TOP_N)),
+        lambda: (jnp.zeros((R, TOP_N), jnp.float32), jnp.zeros((R, TOP_N), jnp.int32)))
+    top_lp_RxCxN, top_ids_RxCxN = top
+    top = [top_lp_RxCxN.at[:, i].set(top_lp_RxN), top_ids_RxCxN.at[:, i].set(top_ids_RxN)]
     counts_R = counts_R + jnp.where(done_R, 0, 1)
     done_R = done_R | (token_R == eos) | (counts_R >= r.limits)
     at_Rx1 = jnp.where(done_R, context, positions_R)[:, None]  # (ended: out of range, dropped)
@@ -227,8 +233,7 @@ def _decode_local(model, params, state: State, allowed_V, eos, steps, *, rows: i
             logprobs_RxC.at[:, i].set(jnp.take_along_axis(all_RxV, token_R[:, None], -1)[:, 0]),
             *top)
 
-  top = ([jnp.zeros((R, chunk, top_n), jnp.float32), jnp.zeros((R, chunk, top_n), jnp.int32)]
-         if top_n else [])
+  top = [jnp.zeros((R, chunk, TOP_N), jnp.float32), jnp.zeros((R, chunk, TOP_N), jnp.int32)]
   carry = (jnp.int32(0), state.cache, state.logits_SxV[:R], r.positions, r.counts, r.done,
            jnp.zeros((R, chunk), jnp.int32), jnp.zeros((R, chunk), jnp.float32), *top)
   _, cache, logits_RxV, positions_R, counts_R, done_R, *out = jax.lax.while_loop(
@@ -253,23 +258,21 @@ def _prefill(params, state: State, admitted: Admitted, allowed_V, *, model, mesh
                        check_vma=False)(params, state, admitted, allowed_V)
 
 
-@functools.partial(jax.jit, static_argnames=('model', 'mesh', 'rows', 'chunk', 'live', 'top_n',
-                                             'cuts'), donate_argnums=1)
-def _decode(params, state: State, allowed_V, eos, steps, *, model, mesh, rows: int, chunk: int,
-            live: int, top_n: int, cuts: bool):
+@functools.partial(jax.jit, static_argnames=('model', 'mesh', 'rows', 'chunk', 'live'),
+                   donate_argnums=1)
+def _decode(params, state: State, allowed_V, eos, steps, want_top, *, model, mesh, rows: int,
+            chunk: int, live: int):
   """_decode_local on every device of the mesh, each on its first `rows` slots; the tokens,
   logprobs and alternatives gathered to every device."""
   split, axes = _slots_spec(mesh), tuple(mesh.axis_names)
 
   def local(*args):
-    state, *out = _decode_local(model, *args, rows=rows, chunk=chunk, live=live, top_n=top_n,
-                                cuts=cuts)
+    state, *out = _decode_local(model, *args, rows=rows, chunk=chunk, live=live)
     return state, *(jax.lax.all_gather(x, axes, tiled=True) for x in out)
 
-  outputs = 2 + (2 if top_n else 0)
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(), split, P(), P(), P()),
-                       out_specs=(split,) + (P(),) * outputs, check_vma=False)(
-      params, state, allowed_V, eos, steps)
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(), split, P(), P(), P(), P()),
+                       out_specs=(split,) + (P(),) * 4, check_vma=False)(
+      params, state, allowed_V, eos, steps, want_top)
 
 
 class ModelRunner:
@@ -298,7 +301,7 @@ class ModelRunner:
                             np.int32(tokenizer.eos_id))
     self._constants: tuple | None = None
     self._state: State | None = None  # allocated at the first call (state())
-    self.shapes: set[tuple] = set()  # the compiled shapes asked for so far
+    self.programs = programs_lib.Programs(lambda shape: self.lower(shape).compile())
     self.prompts_prefilled = 0  # prompts run through the model (once for all their sequences)
     self.set_params(params)
 
@@ -340,26 +343,36 @@ class ModelRunner:
                               for x in self._constants_host)
     return self._constants
 
+  def fit(self, call: CallT) -> CallT:
+    """The call as it runs: its own shape, or after a warmup, until that one is compiled, the
+    smallest compiled one that covers it (programs.Programs.fit)."""
+    kind, *sizes = self.programs.fit(call.shape)
+    names = ('rows', 'length', 'copies') if kind == 'prefill' else ('rows', 'live')
+    return dataclasses.replace(call, **dict(zip(names, sizes)))
+
   def prefill(self, call: Prefill) -> None:
     """Writes the call's prompts into their slots' rows of the cache, their last logits and their
     Rows (dispatched: the device runs it after the calls before it)."""
-    self.shapes.add(('prefill', call.rows, call.length, call.copies))
+    program = self.programs.get(call.shape)
     self.prompts_prefilled += sum(len({i for _, i, _ in x}) for x in call.slots)
     allowed_V, _ = self.constants()
-    self._state = _prefill(self.params, self.state(), self._place(self.admitted(call)),
-                           allowed_V, model=self.model, mesh=self.mesh)
+    self._state = program(self.params, self.state(), self._place(self.admitted(call)), allowed_V)
 
   def decode(self, call: Decode) -> list[jax.Array]:
     """Dispatches the call's steps (the device runs them after the calls before it, the host goes
     on): its rows' tokens [rows × devices, chunk], logprobs and with top_n the alternatives, on
     the device (read: to the host; row d × rows + j is device d's slot j)."""
-    self.shapes.add(('decode', call.rows, call.live, call.top_n, call.cuts))
-    self._state, *out = _decode(
+    program = self.programs.get(call.shape)
+    self._state, *out = program(
         self.params, self.state(), *self.constants(),
-        multihost.global_array(np.int32(call.steps), self._replicated), model=self.model,
-        mesh=self.mesh, rows=call.rows, chunk=self.chunk, live=call.live, top_n=call.top_n,
-        cuts=call.cuts)
-    return out
+        multihost.global_array(np.int32(call.steps), self._replicated),
+        multihost.global_array(np.bool_(call.top_n > 0), self._replicated))
+    return out if call.top_n else out[:2]
+
+  def lower(self, shape: programs_lib.Shape):
+    """The call of this shape lowered (lower_prefill or lower_decode)."""
+    kind, *sizes = shape
+    return self.lower_prefill(*sizes) if kind == 'prefill' else self.lower_decode(*sizes)
 
   @staticmethod
   def read(out: list[jax.Array]) -> list[np.ndarray]:
@@ -376,13 +389,13 @@ class ModelRunner:
                           _abstract(self.admitted(call), self._split),
                           self.constants(abstract=True)[0], model=self.model, mesh=self.mesh)
 
-  def lower_decode(self, rows: int, live: int, top_n: int = 0, cuts: bool = False):
+  def lower_decode(self, rows: int, live: int):
     """The decode call of each device's first `rows` slots (up to `chunk` steps) attending over
     `live` positions, lowered as lower_prefill lowers its call."""
     return _decode.lower(self.params, self.abstract_state(), *self.constants(abstract=True),
-                         _abstract(np.int32(self.chunk), self._replicated), model=self.model,
-                         mesh=self.mesh, rows=rows, chunk=self.chunk, live=live, top_n=top_n,
-                         cuts=cuts)
+                         _abstract(np.int32(self.chunk), self._replicated),
+                         _abstract(np.bool_(False), self._replicated), model=self.model,
+                         mesh=self.mesh, rows=rows, chunk=self.chunk, live=live)
 
   def score(self, tokens_BxT1, top_n: int = 0):
     """token_logprobs with these params (on the mesh's devices)."""

@@ -34,20 +34,17 @@ def token_keys(streams_R: jax.Array, counts_R: jax.Array) -> jax.Array:
   return jax.vmap(jax.random.fold_in)(streams_R, counts_R)
 
 
-def filter_logits(logits_BxV: jax.Array, temperature, top_k, top_p, cuts: bool = True
-                  ) -> jax.Array:
+def filter_logits(logits_BxV: jax.Array, temperature, top_k, top_p) -> jax.Array:
   """Logits divided by the temperature, with the tokens outside the top_k and then outside the
   top_p set to -inf, float32.
 
   The settings are numbers (one for the whole batch) or arrays [B] (one per row: the server decodes
-  requests with different settings together). top_k 0 and top_p 1.0 cut nothing; cuts=False
-  (static) leaves the cut out of the program (its sort), for calls that know no row asks for it.
+  requests with different settings together). top_k 0 and top_p 1.0 cut nothing (and the cut's
+  sort runs only when a row asks for it: a runtime branch, one program for both).
   """
   temperature_Bx1, top_k_Bx1, top_p_Bx1 = (jnp.reshape(jnp.asarray(x), (-1, 1))
                                            for x in (temperature, top_k, top_p))
   logits_BxV = logits_BxV.astype(jnp.float32) / temperature_Bx1
-  if not cuts:
-    return logits_BxV
   V = logits_BxV.shape[-1]
 
   def threshold():
@@ -70,12 +67,11 @@ def filter_logits(logits_BxV: jax.Array, temperature, top_k, top_p, cuts: bool =
 
 
 def sample_rows(logits_BxV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array,
-                top_k_B: jax.Array, top_p_B: jax.Array, cuts: bool = True) -> jax.Array:
+                top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
   """Next token per row, int32 [B], each row with its own settings and its own key, so that a
-  request's tokens do not depend on the other requests decoded beside it. Temperature 0: greedy.
-  cuts: as filter_logits takes it."""
+  request's tokens do not depend on the other requests decoded beside it. Temperature 0: greedy."""
   sampled_B = jax.vmap(lambda key, logits_V: jax.random.categorical(key, logits_V))(
       keys_B, filter_logits(logits_BxV, jnp.where(temperature_B > 0, temperature_B, 1.0),
-                            top_k_B, top_p_B, cuts))
+                            top_k_B, top_p_B))
   greedy_B = jnp.argmax(logits_BxV, axis=-1)
   return jnp.where(temperature_B > 0, sampled_B, greedy_B).astype(jnp.int32)

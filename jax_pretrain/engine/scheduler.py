@@ -13,8 +13,8 @@ two tokens (MIN_BUCKET at least, the context at most) and its rows to a power of
 `prefill_tokens` prompt tokens a device (most_rows); a decode call covers each device's first 1,
 2, 4, ... slots, as many as cover the busy ones, with a live length (the positions its attention
 reads) of a power of two or 1.5 × one that covers the longest busy row after the call's steps
-(live_bucket). A call's steps (at most `chunk`) are traced, not static. Sampling's top-k/top-p cut
-and the TOP_N alternatives are compiled in only for calls whose rows ask for them.
+(live_bucket). A call's steps (at most `chunk`) are traced, not static, and so are sampling's
+variants (the top-k/top-p cut, the TOP_N alternatives): one program per (rows, live).
 """
 import collections
 import dataclasses
@@ -54,18 +54,28 @@ class Prefill:
   copies: int
   slots: tuple[tuple[tuple[int, int, Sequence], ...], ...]
 
+  @property
+  def shape(self) -> tuple:
+    """The program that runs it (engine/programs.py)."""
+    return 'prefill', self.rows, self.length, self.copies
+
 
 @dataclasses.dataclass(frozen=True)
 class Decode:
   """One decode call: `steps` steps of each device's first `rows` slots, attending over positions
-  [0, live); busy: the (slot, sequence) pairs it decodes. top_n and cuts: as the runner's."""
+  [0, live); busy: the (slot, sequence) pairs it decodes; top_n: TOP_N when a row asks for the
+  alternatives of its tokens (else 0)."""
   rows: int
   live: int
   steps: int
   top_n: int
-  cuts: bool
   local_slots: int
   busy: tuple[tuple[int, Sequence], ...]
+
+  @property
+  def shape(self) -> tuple:
+    """The program that runs it (engine/programs.py)."""
+    return 'decode', self.rows, self.live
 
   def row(self, g: int) -> int:
     """The row of slot g in this call (device d's slot j: d × rows + j)."""
@@ -215,9 +225,8 @@ class Scheduler:
     return Decode(
         rows=bucket(max(g % self.local_slots for g, _ in busy) + 1, self.local_slots),
         live=live_bucket(longest + steps, self.context), steps=steps,
-        top_n=TOP_N if any(s.alternatives for s in seqs) else 0,
-        cuts=any(s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0) for s in seqs),
-        local_slots=self.local_slots, busy=busy)
+        top_n=TOP_N if any(s.alternatives for s in seqs) else 0, local_slots=self.local_slots,
+        busy=busy)
 
   def most_rows(self, P_: int) -> int:
     """Prompts per device per prefill call at most for prompts padded to P_: a power of two that
@@ -225,19 +234,23 @@ class Scheduler:
     fitting = 1 << (max(1, self.prefill_tokens // P_).bit_length() - 1)
     return min(fitting, bucket(self.local_slots, 1 << 30))
 
-  def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, bool]]]:
-    """Every shape traffic can ask for: (rows, length) of the prefills, (rows, live, top_n, cuts)
-    of the decodes."""
-    prefills = []
-    for P_ in sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)}):
-      most = self.most_rows(P_)
-      prefills += [(N, P_) for N in sorted({bucket(n, most) for n in range(1, most + 1)})]
+  def programs(self) -> tuple[list[tuple], list[tuple]]:
+    """The programs a warmup compiles (engine/programs.py's shapes): those that cover every call
+    (per prompt length, its largest prefill with a copy into every other slot; the decode of
+    every slot over the whole context), then every other shape that traffic asks for without
+    copies (a prefill's rows × length, a decode's rows × live), smallest first. A prefill with
+    copies (several sequences of one prompt) runs as a cover until its own is compiled."""
+    lengths = sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)})
+    covering: list[tuple] = [('prefill', self.most_rows(P_), P_, self.local_slots)
+                             for P_ in lengths]
+    covering.append(('decode', self.local_slots, self.context))
+    rows = lambda most: sorted({bucket(n, most) for n in range(1, most + 1)})
+    prefills: list[tuple] = [('prefill', N, P_, 0)
+                             for P_ in lengths for N in rows(self.most_rows(P_))]
     lives = sorted({live_bucket(n, self.context) for n in range(1, self.context + 1)})
-    decodes = [(rows, live, top_n, cuts)
-               for rows in sorted({bucket(n, self.local_slots)
-                                   for n in range(1, self.local_slots + 1)})
-               for live in lives for top_n in (0, TOP_N) for cuts in (False, True)]
-    return prefills, decodes
+    decodes = [('decode', R, live) for R in rows(self.local_slots) for live in lives]
+    rest = sorted(prefills + decodes, key=lambda s: (s[1] * s[2], s))
+    return covering, [s for s in rest if s not in covering]
 
   def has_work(self) -> bool:
     """Whether a sequence is decoding (busy or finishing) or waiting."""
