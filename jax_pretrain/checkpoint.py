@@ -12,13 +12,16 @@ What can go wrong, and what happens:
   removed. Before each save the free space is compared with the state's size.
 - A complete-looking checkpoint whose files are damaged (missing, truncated, undecodable: see
   `_kind`), or whose arrays do not match the digests computed on the device when it was saved, is
-  moved to STEP.damaged and the previous one is used. When every checkpoint is damaged the run stops
-  rather than start over from step 0.
+  moved to STEP.damaged and the previous one is used. A file not found is first read again once
+  after the step's directories were listed again (a network file system's client may have cached
+  an old listing). When every checkpoint is damaged the run stops rather than start over from
+  step 0.
 - Any other failure to read a checkpoint (an I/O error, a device out of memory, an orbax error)
   says nothing about the files: the run stops naming the step and the cause, and no checkpoint is
   moved. Transient I/O errors (EIO, a stale NFS handle, a timeout) are first tried again
   (RETRY_DELAYS).
 """
+import dataclasses
 import errno
 import json
 import logging as pylogging
@@ -26,7 +29,9 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -107,8 +112,54 @@ def digests(tree) -> dict[str, list[int]]:
   """{path: [plain sum, weighted sum]} of every array, computed on the devices one array at a
   time: the temporaries are one array's bits, not the whole state's (a 1.2B-parameter state on
   the CPU needed 30 GB computed at once)."""
-  return {_path_str(p): [int(v) for v in jax.device_get(_digest_one(x))]
-          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  return _digests_later(tree)()
+
+
+def _digests_later(tree) -> Callable[[], dict[str, list[int]]]:
+  """digests(tree) in two halves: the reductions dispatched now, one program per array, from the
+  arrays as they are now (training may donate them once this returns: the programs are queued
+  before its next step); and a function that waits for them and reads the sums (a save calls it
+  in the background). A device runs the programs in turn, so the temporaries are still one
+  array's (on the CPU, six 256 MiB arrays' dispatched at once peaked no higher than one's)."""
+  pending = [(_path_str(p), _DIGEST_PROGRAMS.get(_signature(x), _digest_one)(x))
+             for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+  return lambda: {name: [int(v) for v in jax.device_get(d)] for name, d in pending}
+
+
+# _digest_one compiled ahead of time (Checkpointer.prepare), by _signature; where a signature is
+# missing, the jitted _digest_one compiles it at its first call.
+_DIGEST_PROGRAMS: dict[tuple, Any] = {}
+
+
+def _signature(x) -> tuple:
+  return x.shape, np.dtype(x.dtype), x.sharding
+
+
+def _compile_digests(abstract_tree) -> None:
+  for x in jax.tree.leaves(abstract_tree):
+    if _signature(x) not in _DIGEST_PROGRAMS:
+      _DIGEST_PROGRAMS[_signature(x)] = _digest_one.lower(x).compile()
+
+
+class _DigestsHandler(ocp.JsonCheckpointHandler):
+  """The 'digests' item: JSON as JsonCheckpointHandler writes it (checkpoints read the same either
+  way), from a function of no arguments (_digests_later's second half) called where orbax writes
+  it, in the background of an asynchronous save, before the checkpoint is complete."""
+
+  async def _save_fn(self, x, directory):
+    await super()._save_fn(x() if callable(x) else x, directory)
+
+
+@ocp.args.register_with_handler(_DigestsHandler, for_save=True)
+@dataclasses.dataclass
+class _DigestsSave(ocp.args.CheckpointArgs):
+  item: Callable[[], dict[str, list[int]]]
+
+
+@ocp.args.register_with_handler(_DigestsHandler, for_restore=True)
+@dataclasses.dataclass
+class _DigestsRestore(ocp.args.CheckpointArgs):
+  pass
 
 
 def _verify(tree, saved: dict[str, list[int]] | None, prefix: str = '') -> None:
@@ -132,12 +183,13 @@ def _size(num_bytes: float) -> str:
 
 # What a failed read says about the checkpoint, from least to most serious: when processes differ,
 # the most serious one is what they all do.
-_OK, _DAMAGED, _TRANSIENT, _OTHER = 'ok', 'damaged', 'transient', 'other'
-_KINDS = (_OK, _DAMAGED, _TRANSIENT, _OTHER)
+_OK, _MISSING, _DAMAGED, _TRANSIENT, _OTHER = 'ok', 'missing', 'damaged', 'transient', 'other'
+_KINDS = (_OK, _MISSING, _DAMAGED, _TRANSIENT, _OTHER)
 # tensorstore raises ValueError for every failure; its message starts with the status code (none
 # for INVALID_ARGUMENT) and ends with [os_error_code='N'] when a system call failed.
 _TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='?(\d+)")
-_TENSORSTORE_DAMAGED = re.compile(r'^(NOT_FOUND|OUT_OF_RANGE|DATA_LOSS): |Truncated|decompress|'
+_TENSORSTORE_MISSING = re.compile(r'^NOT_FOUND: ')
+_TENSORSTORE_DAMAGED = re.compile(r'^(OUT_OF_RANGE|DATA_LOSS): |Truncated|decompress|'
                                   r'Error decoding|Invalid JSON')
 _TENSORSTORE_TRANSIENT = re.compile(r'^(UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED): ')
 
@@ -155,7 +207,7 @@ def _read_error(error: BaseException) -> BaseException:
 
 def _errno_kind(code: int | None) -> str:
   if code == errno.ENOENT:
-    return _DAMAGED
+    return _MISSING
   if code in (errno.EACCES, errno.EPERM):
     return _OTHER  # no retry mends a permission
   return _TRANSIENT  # EIO, EAGAIN, ETIMEDOUT, ESTALE, ...
@@ -166,19 +218,23 @@ def _kind(error: BaseException) -> str:
   tensorstore 0.1.86 on a checkpoint whose files were deleted, truncated or overwritten:
   tests/test_checkpoint_faults.py):
 
-  damaged: our DamagedCheckpoint (a digest differs; a missing state directory); FileNotFoundError
-    (orbax: a JSON item's file, an array's directory); json.JSONDecodeError (a truncated JSON
-    file: an item, the state's _METADATA, array_metadatas); tensorstore's ValueError of a missing
-    or cut array file (NOT_FOUND, OUT_OF_RANGE, DATA_LOSS) or of bytes that do not decode
-    ('Truncated Zstd-compressed stream' is also what a deleted data file gives, 'Error decoding',
-    'ZSTD_decompressStream() failed', 'Invalid JSON'), or of a system call that found no file
-    (os_error_code 2).
+  missing (damaged, unless a second read after listing the directories again succeeds): a
+    FileNotFoundError (orbax: a JSON item's file, an array's directory; ours: a missing state
+    directory); tensorstore's ValueError of a missing file (NOT_FOUND) or of a system call that
+    found no file (os_error_code 2).
+  damaged: our DamagedCheckpoint (a digest differs); json.JSONDecodeError (a truncated JSON
+    file: an item, the state's _METADATA, array_metadatas); tensorstore's ValueError of a cut
+    array file (OUT_OF_RANGE, DATA_LOSS) or of bytes that do not decode ('Truncated
+    Zstd-compressed stream' is also what a deleted data file gives, 'Error decoding',
+    'ZSTD_decompressStream() failed', 'Invalid JSON').
   transient: another OSError, or tensorstore's os_error_code, other than a permission (EIO,
     EAGAIN, ETIMEDOUT, ESTALE, ...); tensorstore's UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED.
   other: everything else (a permission, a device's RESOURCE_EXHAUSTED, any other orbax error).
   """
   error = _read_error(error)
-  if isinstance(error, (DamagedCheckpoint, FileNotFoundError, json.JSONDecodeError)):
+  if isinstance(error, FileNotFoundError):
+    return _MISSING
+  if isinstance(error, (DamagedCheckpoint, json.JSONDecodeError)):
     return _DAMAGED
   if isinstance(error, OSError):
     return _errno_kind(error.errno)
@@ -187,6 +243,8 @@ def _kind(error: BaseException) -> str:
     found = _TENSORSTORE_OS_ERROR.search(text)
     if found:
       return _errno_kind(int(found.group(1)))
+    if _TENSORSTORE_MISSING.match(text):
+      return _MISSING
     if _TENSORSTORE_DAMAGED.search(text):
       return _DAMAGED
     if _TENSORSTORE_TRANSIENT.match(text):
@@ -314,14 +372,35 @@ class Checkpointer:
         self.directory,
         item_handlers={'state': ocp.StandardCheckpointHandler(**limit),
                        'config': ocp.JsonCheckpointHandler(),
-                       'digests': ocp.JsonCheckpointHandler(),
+                       'digests': _DigestsHandler(),
                        'data': ocp.JsonCheckpointHandler()},  # (written before 2026-11-23)
         options=_options(read_only, enable_async_checkpointing=async_save,
                          preservation_policy=policies.AnyPreservationPolicy(keep_policies)))
     self._pending: int | None = None  # the step being saved in the background
+    self._prepared = threading.Event()  # prepare's compiles done (set: none to wait for)
+    self._prepared.set()
     logging.get_absl_logger().addFilter(_ORBAX_FILTER)  # (once: a filter is added only once)
     if not read_only:  # said by the line a lost process ends the run with
       multihost.set_resume_hint(self.resume_hint)
+
+  def prepare(self, abstract_state) -> threading.Event:
+    """Compiles the digests' programs for a state of these shapes and shardings (one per array
+    shape) in a background thread; the event is set when done. A save dispatches them in its
+    blocking part, where compiling them made the first save of the small preset (8 shapes) stall
+    12.6 s on the dev CPU (1.0 s compiled ahead). A save waits for it; a state it did not prepare
+    compiles them at its first save."""
+    self._prepared = threading.Event()
+    done = self._prepared
+
+    def compile_all():
+      try:
+        _compile_digests(abstract_state)
+      except Exception as e:  # noqa: BLE001  (then the save compiles them, and reports a failure)
+        logging.warning('compiling the checkpoint digests ahead of time failed: %s', e)
+      finally:
+        done.set()
+    threading.Thread(target=compile_all, daemon=True, name='checkpoint digests').start()
+    return done
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -331,9 +410,15 @@ class Checkpointer:
 
   def save(self, step: int, state, config: dict, metrics: dict[str, float] | None = None) -> None:
     """Starts an asynchronous save; raises CheckpointError if the disk lacks room for it, or if
-    it (or the previous save) failed. Every process calls it, at the same steps."""
+    it (or the previous save) failed. Every process calls it, at the same steps.
+
+    What blocks (training may change the state's arrays once it returns): the digests' reductions
+    dispatched on the devices (not waited for), and orbax's part: copying the arrays to host
+    memory. In the background: reading the digests, writing the arrays, the config and the
+    digests (a checkpoint is complete only with all three)."""
     if self._pending is not None:
       self.wait()  # orbax would wait too; here a failure of that save is named by its own step
+    self._prepared.wait()
     needed = sum(x.nbytes for x in jax.tree.leaves(state))
     free = shutil.disk_usage(self.directory).free
     if multihost.any_process(free < needed * _FREE_SPACE_MARGIN):
@@ -344,7 +429,7 @@ class Checkpointer:
     try:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config),
-          digests=ocp.args.JsonSave(digests(state))), metrics=metrics, force=True)
+          digests=_DigestsSave(_digests_later(state))), metrics=metrics, force=True)
     except Exception as e:  # noqa: BLE001  (disk full, permissions, ...)
       self._failed(step, e)
     self._pending = step
@@ -411,10 +496,10 @@ class Checkpointer:
 
   def _state_metadata(self, step: int, abstract, key: str | None = None):
     """The step's items' metadata, after checking that its state (or state[key]) has the shapes
-    of `abstract`; DamagedCheckpoint without a state directory."""
+    of `abstract`; FileNotFoundError without a state directory."""
     metadata = self._manager.item_metadata(step)
     if 'state' not in metadata:
-      raise DamagedCheckpoint('its state directory is missing')
+      raise FileNotFoundError('its state directory is missing')
     check_shapes(metadata['state'] if key is None else metadata['state'][key], abstract,
                  f'checkpoint {os.path.join(self.directory, str(step))}')
     return metadata
@@ -423,7 +508,7 @@ class Checkpointer:
     if 'digests' not in (metadata or {}):
       return None  # written before digests existed
     return dict(self._manager.restore(step, args=ocp.args.Composite(
-        digests=ocp.args.JsonRestore()))['digests'])
+        digests=_DigestsRestore()))['digests'])
 
   def restore_latest(self, abstract_state):
     """(step, state) of the newest checkpoint that restores and verifies, or None if there is none.
@@ -451,7 +536,8 @@ class Checkpointer:
       result, damage = self._read(step, what, lambda step=step: read(step))
       if damage is None:
         return step, result
-      self._set_aside(step, damage)
+      if step in self.all_steps():  # (not if it went away meanwhile: nothing to set aside)
+        self._set_aside(step, damage)
     damaged = self.damaged_steps()
     if damaged:
       names = ', '.join(f'{step}{DAMAGED_SUFFIX}' for step in damaged)
@@ -473,6 +559,9 @@ class Checkpointer:
   def _read(self, step: int, what: str, read):
     """(read(), None), or (None, the error) when it shows the step's files damaged (`_kind`).
 
+    A file not found is read again once, after RETRY_DELAYS[0] and a new listing of the
+    checkpoints and of the step's directories (a network file system's client, NFS, may answer
+    from an attribute cache that a listing renews); found missing again, the step is damaged.
     A transient I/O error is tried again after each of RETRY_DELAYS; one that persists, and any
     other failure, raise CheckpointError naming the step, the cause and what to do, and nothing
     is moved. With several processes they agree (one collective per try): the most serious
@@ -481,9 +570,8 @@ class Checkpointer:
     """
     where = os.path.join(self.directory, str(step))
     _quiet_abandoned_reads()
-    tries = 0
+    tries, listed_again = 0, ''  # transient failures; the file not found, read again
     while True:
-      tries += 1
       result, error, kind = None, None, _OK
       try:
         result = read()
@@ -493,11 +581,23 @@ class Checkpointer:
         error, kind = e, _kind(e)
       kind = _KINDS[-int(multihost.minimum(-_KINDS.index(kind)))]
       if kind == _OK:
+        if listed_again:
+          logging.warning('%s checkpoint %s: read after its directories were listed again (a '
+                          'file was not found at first: %s).', what, where, listed_again)
         return result, None
       if error is None:
         error = RuntimeError('failed on another process (see its log)')
-      if kind == _DAMAGED:
+      if kind == _MISSING and not listed_again:
+        listed_again = _cause(error)
+        time.sleep(RETRY_DELAYS[0])
+        self._manager.reload()
+        for _ in os.walk(where):
+          pass
+        continue
+      if kind in (_MISSING, _DAMAGED):
         return None, error
+      if kind == _TRANSIENT:
+        tries += 1
       if kind == _TRANSIENT and tries <= len(RETRY_DELAYS):
         delay = RETRY_DELAYS[tries - 1]
         logging.warning('%s checkpoint %s: %s; trying again in %g s (try %d of %d).', what, where,

@@ -56,39 +56,51 @@ def run(main) -> None:
 
 
 def _parse_flags(argv):
-  try:
-    with user_errors():  # a config file's own error (e.g. configs/sft.py:RUN without a run)
+  # A config file's own error (e.g. configs/sft.py:RUN without a run), or an override naming no
+  # field (ml_collections raises AttributeError or KeyError for it).
+  with user_errors():
+    try:
       return app.parse_flags_with_usage(argv)
-  except (AttributeError, KeyError) as e:  # ml_collections: an override naming no field
-    _unknown_config_field(e)
+    except (AttributeError, KeyError) as e:
+      raise unknown_config_field(e, argv) from None
 
 
-def _unknown_config_field(error: Exception):
-  """One error line for an override naming no field (the error only gives the unknown name)."""
+def unknown_config_field(error: Exception, argv: list[str]) -> UserError:
+  """The one error for an override naming no field. ml_collections' error names only the first
+  part of its path that does not exist (a group, or a field), so the override blamed is the one
+  whose path has that part and that is not a trainer's field: the other overrides given are not
+  named. A program's group (grpo) given on another config says which config brings it."""
   text = str(error).strip('\'"').replace('\\n', '\n').replace('\\"', '"').replace("\\'", "'")
   name, _, hint = text.partition('\n')
-  flags_given = [a.split('=')[0] for a in sys.argv[1:] if a.startswith('--config.')]
-  wrong = [f for f in flags_given if f.endswith('.' + name.strip("'"))] or flags_given
+  name = name.strip('\'"')
+  given = [a.split('=')[0] for a in argv[1:] if a.startswith('--config.')]
   from jax_pretrain import config as config_lib  # noqa: PLC0415  (heavy)
+  named = [f for f in given if name in f.split('.')[1:]]
+  wrong = [f for f in named if f.removeprefix('--config.') not in config_lib.FIELDS] or named
   moved = [config_lib.MOVED[(f.split('.')[1], f.split('.')[2])] for f in wrong
            if f.count('.') == 2 and (f.split('.')[1], f.split('.')[2]) in config_lib.MOVED]
+  program = config_lib.program_group(name)
   if moved:
     hint = 'it moved to ' + ', '.join(f'{group}.{field}' for group, field in moved)
+  elif program is not None and wrong and all(f.split('.')[1] == name for f in wrong):
+    hint = (f'the {name} group comes with --config={program.config_file}, the config of '
+            f'{program.program}')
   hint = f' ({hint})' if hint else ''
-  print(f'error: {", ".join(wrong) or "--config"}: no such config field{hint}; all fields and '
-        'their defaults are in jax_pretrain/config.py.', file=sys.stderr)
-  sys.exit(1)
+  return config_lib.ConfigError(f'{", ".join(wrong or given) or "--config"}: no such config '
+                                f'field{hint}; all fields and their defaults are in '
+                                'jax_pretrain/config.py.')
 
 
 def define_config(default_preset: str, help_text: str, lock: bool = True):
   """--config (a config file, default configs/DEFAULT_PRESET) and its --config.GROUP.FIELD
   overrides. An override naming no field stops here with one error line (ml_collections reads
   the overrides while the flag is defined)."""
-  try:
-    return config_flags.DEFINE_config_file(
-        'config', os.path.join(PRESETS_DIR, default_preset), help_text, lock_config=lock)
-  except (AttributeError, KeyError) as e:
-    _unknown_config_field(e)
+  with user_errors():
+    try:
+      return config_flags.DEFINE_config_file(
+          'config', os.path.join(PRESETS_DIR, default_preset), help_text, lock_config=lock)
+    except (AttributeError, KeyError) as e:
+      raise unknown_config_field(e, sys.argv) from None
 
 
 def config_value(holder):

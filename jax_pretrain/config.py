@@ -46,12 +46,17 @@ _LOSS_SCALE = ("a float16 run's train state holds its dynamic loss scale, other 
 _AUTO_DTYPE = 'auto'
 AUTO_REMAT = 'auto'  # resolved by resolve: 'dots' with fused attention, else 'full'
 # model.remat's policies: what the backward pass keeps of each block (the rest is recomputed).
+# 'dots' and 'dots_no_batch' keep the fused attention kernel's output and softmax statistics too
+# (attention.forward_saveable): without them the backward ran the attention forward again.
+_policies = jax.checkpoint_policies
 REMAT_POLICIES = {
     'none': None,  # keep every activation
-    'full': jax.checkpoint_policies.nothing_saveable,  # recompute the whole block in backward
-    'dots': jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the rest
-    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # projections only
-    'minimal': jax.checkpoint_policies.save_only_these_names('attn_out', 'mlp_hidden'),
+    'full': _policies.nothing_saveable,  # recompute the whole block in backward
+    # keep matmul outputs (and fused attention's), recompute the rest
+    'dots': _policies.save_from_both_policies(_policies.dots_saveable, attention.forward_saveable),
+    'dots_no_batch': _policies.save_from_both_policies(  # projections only (and fused attention)
+        _policies.dots_with_no_batch_dims_saveable, attention.forward_saveable),
+    'minimal': _policies.save_only_these_names('attn_out', 'mlp_hidden'),
 }
 ROPE_SCALINGS = ('none', 'linear', 'llama3')  # model.rope_scaling (model.rope_frequencies)
 _DTYPES = ('float32', 'bfloat16', 'float16')
@@ -261,6 +266,10 @@ class CheckpointConfig:
   keep_best: int = field(3, SAFE, 'and also the best this many by eval loss (0: none)')
   async_save: bool = field(True, SAFE, 'write in the background while training continues')
   save_final: bool = field(True, SAFE, 'save the state at the end of training')
+  start_over: bool = field(False, SAFE, 'train from step 0 in a workdir whose history '
+      '(metrics.jsonl, config_history.jsonl, tensorboard/) records steps but that holds no '
+      'checkpoint; its metrics so far move to metrics.discarded.jsonl (False: such a workdir stops '
+      'the run, as its checkpoints may be missing)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,10 +301,13 @@ class Group:
   """A program's own config group (e.g. grpo's, jax_pretrain/grpo/config.py): `config`, the
   program's Config (a subclass of Config with the group as its field `name`), and `resolve`, the
   check of the group's resolved values. A config has the group only where the program's config
-  adds it (defaults(group)); resolve checks it there."""
+  adds it (defaults(group)); resolve checks it there. `config_file` and `program` say where the
+  group comes from (an override of its fields on another config names them)."""
   name: str
   config: type[Config]
   resolve: Callable[[Any], None]
+  config_file: str = ''  # e.g. 'configs/grpo.py:PRESET'
+  program: str = ''  # e.g. 'python -m jax_pretrain.grpo'
 
   @property
   def cls(self) -> type:
@@ -310,6 +322,15 @@ def register(group: Group) -> Group:
   """Makes a program's group known to from_dict, resolve and resume_changes."""
   _PROGRAM_GROUPS[group.name] = group
   return group
+
+
+def program_group(name: str) -> Group | None:
+  """The program group of this name, its module (jax_pretrain/NAME/config.py, which registers
+  it) loaded if it was not; None when no program has such a group."""
+  module = os.path.join(os.path.dirname(os.path.abspath(__file__)), name, 'config.py')
+  if name not in _PROGRAM_GROUPS and name.isidentifier() and os.path.isfile(module):
+    importlib.import_module(f'jax_pretrain.{name}.config')
+  return _PROGRAM_GROUPS.get(name)
 
 
 def defaults(*groups: Group) -> ml_collections.ConfigDict:

@@ -5,7 +5,10 @@ deviceless compile of jax_pretrain.plan), so this reads `compiled.as_text()` ins
 call graph: every instruction counts as many times as its computation runs, i.e. times the trip
 count of each enclosing while loop (the scan over layers, the scan over micro-batches).
 
-Per instruction it counts
+Per instruction (a kernel, of a kind: matmul, matmul_f32 (float32 operands: TF32 on NVIDIA GPUs),
+matmul_fp8, attention, attention_backward, copy (only moves or fills memory: a copy or transpose,
+a slice read or written in place, a zero-filled buffer), elementwise (any other fusion: the
+elementwise and reduction work) or other (a custom call of unknown cost)) it counts
   FLOPs      dots (2 · output elements · contracted size), cuBLAS gemm custom calls, and cuDNN
              fused attention (forward 4·B·N·T·S·H, halved under a causal mask; backward 2.5×
              that: four matmuls plus recomputing the scores). Other custom calls (e.g. a
@@ -215,7 +218,7 @@ class Kernel:
   """One launch site, with its cost per execution and how often it runs per program run."""
   name: str
   opcode: str
-  kind: str  # 'matmul', 'matmul_fp8', 'attention', 'attention_backward', 'other'
+  kind: str  # the module docstring's: 'matmul', ..., 'copy', 'elementwise', 'other'
   flops: float
   hbm_bytes: float
   times: float
@@ -224,7 +227,7 @@ class Kernel:
 @dataclasses.dataclass
 class Stats:
   flops: float = 0.0
-  matmul_flops: float = 0.0  # FP8 ones included
+  matmul_flops: float = 0.0  # FP8 and float32 ones included
   fp8_matmul_flops: float = 0.0
   fp8_matmuls: int = 0  # dots whose operands are FP8, in the program's text (not times run)
   attention_flops: float = 0.0
@@ -246,9 +249,12 @@ def _dot_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
 
 
 def _dot_kind(instruction: Instruction, shapes: dict[str, str]) -> str:
-  """'matmul_fp8' for a dot of FP8 operands (model.fp8), else 'matmul'."""
-  fp8 = any(shapes.get(o, '').startswith('f8') for o in instruction.operands[:2])
-  return 'matmul_fp8' if fp8 else 'matmul'
+  """'matmul_fp8' for a dot of FP8 operands (model.fp8), 'matmul_f32' for one of float32
+  operands (TF32 GEMMs on NVIDIA GPUs), else 'matmul'."""
+  operands = [shapes.get(o, '') for o in instruction.operands[:2]]
+  if any(shape.startswith('f8') for shape in operands):
+    return 'matmul_fp8'
+  return 'matmul_f32' if all(shape.startswith('f32') for shape in operands) else 'matmul'
 
 
 def _gemm_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
@@ -287,6 +293,19 @@ def _custom_call_cost(instruction: Instruction, shapes) -> tuple[str, float] | N
 
 
 _SLICES = ('slice', 'dynamic-slice')
+# What only moves data: a kernel of these alone (and of scalar index arithmetic) is a copy.
+MOVES = {'parameter', 'constant', 'bitcast', 'reshape', 'copy', 'transpose', 'slice',
+         'dynamic-slice', 'dynamic-update-slice', 'concatenate', 'pad', 'broadcast', 'tuple',
+         'get-tuple-element', 'iota'}
+
+
+def _is_copy(instruction: Instruction, computations) -> bool:
+  """Whether a kernel only moves or fills memory (see the module docstring)."""
+  if instruction.opcode not in ('fusion', 'fusion-start'):
+    return instruction.opcode in MOVES
+  called = instruction.called('calls')
+  return all(i.opcode in MOVES or re.match(r'\w+\[\]', i.shape)
+             for i in computations.get(called[0] if called else '', []))
 _IN_PLACE = ('dynamic-update-slice', 'scatter')
 
 
@@ -428,6 +447,8 @@ def analyze(text: str, devices_per_node: int = 8, unknown_trips: int = 1) -> Sta
         for c in i.called('calls'):
           f, k = flops_inside(c)
           flops, kind = flops + f, k
+      if kind == 'other' and op != 'custom-call':
+        kind = 'copy' if _is_copy(i, computations) else 'elementwise'
       if op in ('fusion', 'fusion-start'):
         hbm = _fusion_bytes(i, computations, shapes)
       elif op == 'dynamic-update-slice':

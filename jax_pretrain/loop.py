@@ -25,7 +25,7 @@ A second trainer (fine-tuning) uses it with its own step and hooks:
                                 save_final=c.checkpoint.save_final)
   lp = loop_lib.Loop(rl_step, total_steps=c.train.steps, log_every=c.train.log_every,
                      metrics=my_logger,  # record(step, device_metrics) / flush() / pause()
-                     stop=signals.StopSignal(check_every=c.train.log_every),
+                     stop=signals.StopSignal(),
                      checks=[loop_lib.nonfinite_check(c.train, ckpt)])
   lp.add_hook(task_accuracy, every=c.train.eval_every, phase=loop_lib.EVAL)
   for hook in ckpt.hooks(check_every=1):
@@ -40,6 +40,8 @@ pretrain.py (pretrain.Pretraining.hooks lists a pretraining run's hooks) and grp
 worked examples.
 """
 import dataclasses
+import glob
+import json
 import os
 from typing import Any, Callable
 
@@ -47,6 +49,7 @@ import jax
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import multihost
+from jax_pretrain import profile_summary
 from jax_pretrain.errors import UserError
 
 BEFORE_STEP = 'before_step'
@@ -114,7 +117,7 @@ class Loop:
   metrics: an object with record(step, device_metrics) (keep them), flush() -> dict or None (read
   what was kept, one step late, and log it) and pause() (time outside steps is not step time).
   checks: callables on each flushed dict (e.g. nonfinite_check), raising to end the run.
-  stop: a signals.StopSignal (requested(step), step, name), or None.
+  stop: a signals.StopSignal (requested(step, previous step's metrics), step, name), or None.
   """
 
   def __init__(self, step_fn, total_steps: int, *, log_every: int = 1, metrics=None, stop=None,
@@ -155,6 +158,7 @@ class Loop:
     self.step = step
     if self.stop is not None:
       self.stop.step = step + 1
+    previous = None  # the last step's metrics (the stop signal waits for them: signals.py)
     while step < self.total_steps:
       self._run_hooks([h for h in by_phase[BEFORE_STEP] if h.due(step + 1)], StepInfo(step + 1,
                                                                                       state))
@@ -166,7 +170,8 @@ class Loop:
       self._check(self.metrics.flush())  # step - 1's metrics, read while this step runs
       if step % self.log_every == 0 or info.last:
         self.metrics.record(step, metrics)
-      info.stopping = self.stop is not None and self.stop.requested(step)
+      info.stopping = self.stop is not None and self.stop.requested(step, previous)
+      previous = metrics
       due = {p: [h for h in by_phase[p] if h.due(step, info.last, info.stopping)]
              for p in _READS_STATE}
       if info.stopping or any(due.values()):
@@ -240,16 +245,23 @@ class Profiler:
   """Hooks writing a jax.profiler trace of steps START..STOP (both included; config.profile_steps
   reads train.profile_steps) to `directory`
   (TensorBoard's profile plugin or Perfetto read it): the trace starts before step START is
-  dispatched and stops once step STOP's state is computed. A run resumed past START traces
-  nothing."""
+  dispatched, once the steps before it are done, and stops once step STOP's state is computed, so
+  it holds those steps alone. Beside it, for jax_pretrain.profile_summary: `program()` (the compiled
+  step's HLO text) and which steps were traced. A run resumed past START traces nothing."""
 
-  def __init__(self, directory: str, steps: tuple[int, int] | None):
-    self.directory, self.steps = directory, steps
-    self.active = False
+  def __init__(self, directory: str, steps: tuple[int, int] | None,
+               program: Callable[[], str] | None = None):
+    self.directory, self.steps, self.program = directory, steps, program
+    self.active, self.last_step = False, 0  # (the last step dispatched while tracing)
 
   def start(self, info: StepInfo) -> None:
     if self.steps and info.step == self.steps[0]:
       os.makedirs(self.directory, exist_ok=True)
+      if self.program is not None and multihost.is_main():
+        with open(os.path.join(self.directory, profile_summary.PROGRAM), 'w',
+                  encoding='utf-8') as f:
+          f.write(self.program())
+      jax.block_until_ready(info.state)
       jax.profiler.start_trace(self.directory, create_perfetto_trace=True)  # + Perfetto json
       self.active = True
 
@@ -257,16 +269,26 @@ class Profiler:
     if not self.active:
       return
     assert self.steps is not None  # start() activates only with steps
+    self.last_step = info.step
     if info.step >= self.steps[1] or info.last:
       jax.block_until_ready(info.state)
-      jax.profiler.stop_trace()
-      self.active = False
+      self._stop(info.step)
       multihost.log(f'profile of steps {self.steps[0]}..{info.step} written to {self.directory}')
+
+  def _stop(self, last_step: int) -> None:
+    jax.profiler.stop_trace()
+    self.active = False
+    traces = glob.glob(os.path.join(self.directory, 'plugins', 'profile', '*',
+                                    profile_summary.TRACE))
+    if traces and multihost.is_main():
+      with open(os.path.join(self.directory, profile_summary.INFO), 'w', encoding='utf-8') as f:
+        json.dump({'first_step': self.steps[0] if self.steps else 0, 'last_step': last_step,
+                   'trace': os.path.relpath(max(traces, key=os.path.getmtime), self.directory)},
+                  f)
 
   def finish(self) -> None:
     if self.active:  # a stop signal after START, before STOP
-      jax.profiler.stop_trace()
-      self.active = False
+      self._stop(self.last_step)
 
   def hooks(self) -> list[Hook]:
     if not self.steps:

@@ -189,28 +189,58 @@ class MetricWriter:
       self._jsonl.close()
 
 
+def jsonl_rows(path: str):
+  """(line, row) of each line of a JSONL file (metrics.jsonl, config_history.jsonl) that reads
+  (a line cut short by a crash does not)."""
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      try:
+        yield line, json.loads(line)
+      except json.JSONDecodeError:
+        continue
+
+
 def _truncate_jsonl(path: str, discarded: str, start_step: int) -> None:
   """Keeps one line per step up to start_step, in order; moves later lines to `discarded`."""
   if not os.path.isfile(path):
     return
   kept: dict[int, dict] = {}
   later = []
-  with open(path, encoding='utf-8') as f:
-    for line in f:
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        continue  # a line cut short by a crash
-      if row.get('step', 0) <= start_step:
-        kept[row['step']] = {**kept.get(row['step'], {}), **row}
-      else:
-        later.append(line if line.endswith('\n') else line + '\n')
+  for line, row in jsonl_rows(path):
+    if row.get('step', 0) <= start_step:
+      kept[row['step']] = {**kept.get(row['step'], {}), **row}
+    else:
+      later.append(line if line.endswith('\n') else line + '\n')
   if later:
     with open(discarded, 'a', encoding='utf-8') as f:
       f.writelines(later)
   with open(path + '.tmp', 'w', encoding='utf-8') as f:
     f.writelines(json.dumps(kept[step]) + '\n' for step in sorted(kept))
   os.replace(path + '.tmp', path)
+
+
+def last_logged_step(workdir: str) -> tuple[int, str] | None:
+  """(the last step, the file or directory that holds it) of the scalars written to this
+  workdir: metrics.jsonl, or TensorBoard's event files when metrics.jsonl holds no step > 0
+  (they are read only then: they are the slower to read); None when neither holds one."""
+  path = os.path.join(workdir, JSONL)
+  step = 0
+  if os.path.isfile(path):
+    step = max((row.get('step', 0) for _, row in jsonl_rows(path)), default=0)
+  if step > 0:
+    return step, path
+  directory = os.path.join(workdir, TENSORBOARD)
+  if not os.path.isdir(directory):
+    return None
+  try:
+    from tensorboard.backend.event_processing import event_file_loader  # noqa: PLC0415
+  except ImportError:  # (then nothing wrote event files here either)
+    return None
+  for name in os.listdir(directory):
+    if os.path.isfile(os.path.join(directory, name)):
+      events = event_file_loader.EventFileLoader(os.path.join(directory, name)).Load()
+      step = max([step, *(e.step for e in events if e.WhichOneof('what') == 'summary')])
+  return (step, directory) if step > 0 else None
 
 
 def _mark_session_start(directory: str, step: int) -> None:

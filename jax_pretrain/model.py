@@ -260,6 +260,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
   """tokens [B, T] int32 -> logits [B, T, V] float32.
 
+  With logits=False (training, without a cache): -> (the final hidden states [B, T, D] after the
+  final norm, the output projection [D, V]), both in the compute dtype, for the loss to compute
+  the logits itself, a chunk at a time (state.target_logprobs, kernels/logprobs.py).
+
   With cache (a KVCache) and use (a CacheUse), unscanned: -> (logits, updated cache), the
   module docstring's prefill or decode; logits [B, 1, V] at use.logits_at_B when given.
   With segments_BxT (int32 [B, T], training on packed rows, e.g. SFT examples): a token attends
@@ -272,7 +276,8 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BxT: jax.Array, cache: KVCache | None = None,
-               use: CacheUse | None = None, segments_BxT: jax.Array | None = None):
+               use: CacheUse | None = None, segments_BxT: jax.Array | None = None,
+               logits: bool = True):
     c = self.config
     if cache is not None and c.scan_layers:
       raise ValueError('decoding runs the model unscanned (scan_layers=False), with the params '
@@ -326,12 +331,31 @@ class Transformer(nn.Module):
       w_DxV = embedding_VxD.T
     else:
       w_DxV = _param(self, 'lm_head', (c.d_model, c.vocab_size), ('embed', 'vocab'), c.init_std)
-    logits_BxTxV = jnp.einsum('btd,dv->btv', x_BxTxD, w_DxV.astype(c.compute_dtype),
-                              preferred_element_type=jnp.float32)
+    w_DxV = w_DxV.astype(c.compute_dtype)
+    if not logits:  # training: the loss computes the logits, chunk by chunk (kernels/logprobs.py)
+      return x_BxTxD, w_DxV
+    logits_BxTxV = jnp.einsum('btd,dv->btv', x_BxTxD, w_DxV, preferred_element_type=jnp.float32)
     logits_BxTxV = sharding.constrain(logits_BxTxV, ('batch', 'length', 'act_vocab'), self.mesh)
     if cache is None:
       return logits_BxTxV
     return logits_BxTxV, cache
+
+
+def with_compute_weights(c: ModelConfig, params):
+  """params with the scanned layers' matmul weights in the compute dtype, which the model casts
+  them to at use anyway (their norm scales, used in float32, stay as they are).
+
+  The train step casts them once a step: every micro-batch's layer scan, forward and backward, then
+  reads compute-dtype slices of them instead of casting float32 ones again, and their gradients
+  come back in the compute dtype, the values the casts' gradients had (each weight is used once
+  per layer), half the bytes per micro-batch. The embedding stays float32: the lookup and the
+  tied output projection each cast it, and their gradients are summed in float32."""
+  if 'layers' not in params:
+    return params
+  layers = jax.tree_util.tree_map_with_path(
+      lambda path, p: p if path[-1].key == 'scale' else p.astype(c.compute_dtype),
+      params['layers'])
+  return {**params, 'layers': layers}
 
 
 def count_params(params) -> int:

@@ -10,6 +10,9 @@ are collectives: every process calls them at the same point, or they wait for ea
 - `gather(tree)`: the full arrays of a sharded tree on every process (process 0 then samples or
   evaluates with them).
 - `barrier(name)`: every process reaches this point before any goes on.
+- `post(topic, value)`, `posted(topic)`: a note from one process that the others read when they
+  look, without a collective (the coordination service's key-value store): signals.StopSignal
+  announces a stop with it.
 
 A lost process (`initialize`, `set_resume_hint`, `peer_failures`). jax.distributed's own answer
 to a dead process is a C++ abort on the others: `F... client.h:86] Terminating process because
@@ -75,6 +78,7 @@ EXIT_LOST_PEER = 1
 # Variables that mean a cluster launcher started several processes of this program.
 _LAUNCHER_VARIABLES = ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE')
 _HEARTBEAT_DIR = 'jax_pretrain/heartbeat/'  # + process index: a counter, or _DONE when it left
+_POSTS_DIR = 'jax_pretrain/posts/'  # + topic/process index: `post`
 _DONE = 'done'
 # An error that may come from a peer that went away (a collective or the coordination service).
 _PEER_ERROR = re.compile(r'gloo|nccl|connection|socket|peer|unavailable|heartbeat|barrier|'
@@ -141,6 +145,27 @@ def barrier(name: str) -> None:
   """Waits until every process reaches the barrier of this name."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
+
+
+def post(topic: str, value: str) -> None:
+  """Leaves this process's note on `topic` (replacing its last one) for the others to read with
+  `posted`: one write to the coordination service's key-value store; nobody waits for anybody.
+  Several processes only."""
+  _client().key_value_set(f'{_POSTS_DIR}{topic}/{jax.process_index()}', value,
+                          allow_overwrite=True)
+
+
+def posted(topic: str) -> dict[int, str]:
+  """process -> its note on `topic`, of every process that left one: one read of the store,
+  which returns at once (no collective, no waiting for a note). Several processes only."""
+  return {int(key.rsplit('/', 1)[-1]): value
+          for key, value in _client().key_value_dir_get(f'{_POSTS_DIR}{topic}/')}
+
+
+def _client():
+  """The coordination service's client (jax has no public API for it)."""
+  from jax._src import distributed  # noqa: PLC0415
+  return distributed.global_state.client
 
 
 # A lost process.
@@ -259,9 +284,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   from absl import logging  # noqa: PLC0415
   logging.warning('process %d of %d, %d local devices', jax.process_index(),
                   jax.process_count(), jax.local_device_count())
-  # The coordination service's client (no public API for it).
-  from jax._src import distributed  # noqa: PLC0415
-  client = getattr(distributed.global_state, 'client', None)
+  client = _client()
   if client is None or jax.process_count() == 1:
     return
   _watchdog = _Watchdog(client, heartbeat_timeout)

@@ -151,6 +151,7 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
       'flops_ratio': stats.flops / model_flops,
       'hbm_bytes_per_step': stats.hbm_bytes,
       'uncounted_kernels': dict(stats.uncounted),
+      'kernels_by_kind': kernels_by_kind(stats, r),
       'collective_counts_per_step': {k: v.count for k, v in stats.collectives.items()},
       'collective_bytes_per_step': {k: v.bytes for k, v in stats.collectives.items()},
       'collective_wire_bytes_per_step': {k: v.wire_bytes for k, v in stats.collectives.items()},
@@ -163,6 +164,21 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
       'mfu': model_flops * n / r.step_s / (n * target.peak_flops) if r else None,
       'compile_s': compile_s,
   }
+
+
+def kernels_by_kind(stats, r) -> dict[str, dict]:
+  """{kind (hlo.py's): {'launches', 'flops', 'hbm_bytes' per step, and 'roofline_s' (None
+  without a roofline)}}, the costliest kind first: the compiled program's counterpart of a
+  profile's device time by kind of kernel."""
+  kinds: dict[str, dict] = {}
+  for k in stats.kernels:
+    row = kinds.setdefault(k.kind, {'launches': 0.0, 'flops': 0.0, 'hbm_bytes': 0.0})
+    row['launches'] += k.times
+    row['flops'] += k.flops * k.times
+    row['hbm_bytes'] += k.hbm_bytes * k.times
+  for kind, row in kinds.items():
+    row['roofline_s'] = r.by_kind.get(kind, 0.0) if r else None
+  return dict(sorted(kinds.items(), key=lambda x: -(x[1]['roofline_s'] or x[1]['hbm_bytes'])))
 
 
 def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | None = None,
@@ -456,6 +472,9 @@ def format_report(r: dict) -> str:
                  f'{r["fp8_matmul_flops_per_step"] / 1e12:,.1f} TFLOP per step')
   if r['uncounted_kernels']:
     lines.append(f'             not counted: {r["uncounted_kernels"]} (kernels of unknown FLOPs)')
+  lines.append('kernels      per device per step, by kind: ' + '; '.join(
+      f'{kind} {k["launches"]:,.0f} ×' + (f' {k["roofline_s"]:.3f} s' if r['step_s'] else '')
+      + f' ({_gb(k["hbm_bytes"])})' for kind, k in r['kernels_by_kind'].items()))
   counts, sizes = r['collective_counts_per_step'], r['collective_bytes_per_step']
   moved = [f'{k} {counts[k]:g} × = {_gb(sizes[k])}' for k in sizes if counts[k]]
   lines.append(f'collectives  per device per step: {"; ".join(moved) if moved else "none"}')

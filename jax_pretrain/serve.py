@@ -2,7 +2,8 @@
 
   python -m jax_pretrain.serve --workdir=runs/x [--step=N] [--port=8000] [--host=127.0.0.1]
       [--slots=16] [--context=0] [--chunk=8] [--model_name=NAME] [--warmup]
-      [--max_sequences_per_request=256] [--api_key=KEY]
+      [--max_sequences_per_request=256] [--max_queued_sequences=256] [--api_key=KEY]
+      [--stall_timeout=300] [--shutdown_timeout=20]
 
 Endpoints (FastAPI, served by uvicorn):
 - POST /v1/completions: OpenAI's completions API. `prompt` (a string, a list of strings, a list
@@ -12,19 +13,38 @@ Endpoints (FastAPI, served by uvicorn):
   `logprobs` (0..5 alternatives per token). Penalties, logit_bias, suffix and best_of != n are
   refused with 400 rather than ignored.
 - GET /v1/models, GET /health (with the engine's slots, queue and compiled shapes; 503 with
-  OpenAI's error JSON saying why when the engine is not running).
+  OpenAI's error JSON saying why when the engine is not running, or when it is stalled: below).
 
 Requests are decoded by one engine.Engine in a thread of its own: whatever arrives while others
 decode joins them at the next chunk of tokens (continuous batching over a KV cache of --slots rows
 of --context tokens, allocated once). An empty prompt starts a new document (EOS). A request with
 a seed gets the same text whatever else is being decoded; choice i of n uses the seed's stream i.
 
+The event loop only routes: every tokenizer call (a prompt's encoding, the text of the logprobs'
+tokens, a stream's deltas) and the rendering of a whole response run in worker threads
+(asyncio.to_thread), and the engine's callback only hands the loop a snapshot of its sequence
+(_Update), so that /health and new requests are answered at once while others are prepared.
+
+Backpressure: the sequences waiting for a slot, over all requests, are --max_queued_sequences at
+most (default 256). A request whose sequences would pass it is refused whole with 429 and OpenAI's
+rate-limit error (type `requests`, code `rate_limit_exceeded`) and `Retry-After: 1`, which the
+official clients retry after that second; nothing is queued without bound, so memory and the wait
+of an accepted request stay bounded whatever the traffic. While the queue is full a completion is
+refused at the door (_Guard), before its body is read: under a flood most requests are refused,
+and each costs the event loop next to nothing. Otherwise the check and the submits run on the
+event loop with no await between them: two requests cannot both take the last places.
+
 Bad requests get OpenAI's error JSON ({"error": {"message", "type", "param", "code"}}) with status
 400 (404 for an unknown model or path), and the server goes on serving. A request may ask for
 --max_sequences_per_request sequences (prompts × n) at most (default 256: one request cannot hold
-the engine for everyone else). With --api_key (or the environment variable JAX_PRETRAIN_API_KEY,
-which keeps the key out of `ps`), every /v1 request needs `Authorization: Bearer KEY` (401 without
-it, as vLLM's --api-key; the OpenAI client sends its api_key so); /health stays open.
+the engine for everyone else; --max_queued_sequences must hold one such request). With --api_key
+(or the environment variable JAX_PRETRAIN_API_KEY, which keeps the key out of `ps`), every /v1
+request needs `Authorization: Bearer KEY` (401 without it, as vLLM's --api-key; the OpenAI client
+sends its api_key so); /health stays open.
+
+A client that goes away cancels its sequences, which leave the engine at its next chunk (or when
+they would have been admitted): a stream's when Starlette sees the disconnect, a whole response's
+when the ASGI receive channel says http.disconnect (watched while the request waits).
 
 Failures: nothing that goes wrong reaches a client as exception text; it gets OpenAI's error JSON
 with a generic message (500, server_error) and the traceback goes to the server's log (absl). The
@@ -33,21 +53,32 @@ fails alone; a decoding step that raises fails the requests decoding in it (500)
 goes on; after engine.MAX_FAILURES (3) steps failed in a row, none succeeding between them, the
 engine is broken, not a request: every request still waiting fails (503), /health answers 503,
 and the server exits with status 1 and one `error:` line (for a supervisor to restart it) rather
-than serving errors. Stopping (Ctrl-C, SIGTERM) takes no new connections and lets the requests in
-flight finish (a second Ctrl-C quits at once); Server.stop fails whatever is still waiting or
-decoding with 503 ("the server stopped before this request finished"), and refuses new requests
+than serving errors. An engine whose step hangs raises nothing: /health answers 503 (code
+`engine_stalled`) once the engine has had work and generated no token for --stall_timeout seconds
+(default 300, longer than a compile of a new shape; after `--warmup` no call waits for one), for
+a supervisor's liveness probe; the engine's progress is looked at by /health and by each submit
+(which starts the clock of an engine that was idle).
+
+Stopping (Ctrl-C, SIGTERM): no new connections; the requests in flight have --shutdown_timeout
+seconds (default 20) to finish, then Server.give_up fails every one still waiting with 503 ("the
+server stopped before this request finished"; the openai client retries it), whether or not the
+engine's step ever returns, and uvicorn cancels what is left a moment later
+(timeout_graceful_shutdown); the engine's thread gets a few seconds to end. A second Ctrl-C quits
+at once. Server.stop fails whatever is still waiting or decoding with 503 and refuses new requests
 with 503, so that no request is left hanging.
 """
 import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import secrets
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
 import uuid
+import weakref
 
 from absl import logging
 import fastapi
@@ -57,6 +88,7 @@ import jax
 import numpy as np
 import pydantic
 from starlette import exceptions as starlette_exceptions
+import uvicorn
 
 from jax_pretrain import cli
 from jax_pretrain import engine as engine_lib
@@ -70,8 +102,17 @@ if TYPE_CHECKING:
 MAX_STOP = 4  # stop strings per request, as OpenAI
 MAX_N = 128  # choices per request
 MAX_SEQUENCES = 256  # prompts × n per request (--max_sequences_per_request)
+MAX_QUEUED = 256  # sequences waiting for a slot, over all requests (--max_queued_sequences)
+RETRY_AFTER_S = 1  # a 429's Retry-After
+STALL_TIMEOUT_S = 300.0  # work and no new token this long: /health 503 (--stall_timeout)
+SHUTDOWN_TIMEOUT_S = 20.0  # a shutdown's time for the requests in flight (--shutdown_timeout)
+FORCE_AFTER_S = 2.0  # then uvicorn cancels what is left (answered 503 by then, but for a client
+# that does not read its answer), and the engine's thread gets this long again to end
 API_KEY_ENV = 'JAX_PRETRAIN_API_KEY'  # the key when --api_key is not given
 POLL_S = 1.0  # a request waiting on the engine looks at its sequences this often, update or not
+# What a waiting request hears besides its sequences' _Updates: its client went away (the
+# non-streamed response is not sent), or the shutdown's deadline passed (Server.give_up).
+DISCONNECTED, GIVE_UP = 'disconnected', 'give up'
 # A prompt's logprob of each token after the first, and [(id, logprob) of its top alternatives].
 PromptLogprobs = tuple[list[float], list[list[tuple[int, float]]]]
 INTERNAL = 'The server had an error while processing your request (it is in the server\'s log).'
@@ -111,16 +152,19 @@ class APIError(Exception):
   """A request the server refuses: answered as OpenAI's error JSON."""
 
   def __init__(self, message: str, param: str | None = None, status: int = 400,
-               code: str | None = None, kind: str = 'invalid_request_error'):
+               code: str | None = None, kind: str = 'invalid_request_error',
+               headers: dict[str, str] | None = None):
     super().__init__(message)
     self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+    self.headers = headers
 
   def body(self) -> dict:
     return {'error': {'message': self.message, 'type': self.kind, 'param': self.param,
                       'code': self.code}}
 
   def response(self) -> responses.JSONResponse:
-    return responses.JSONResponse(status_code=self.status, content=self.body())
+    return responses.JSONResponse(status_code=self.status, content=self.body(),
+                                  headers=self.headers)
 
 
 def _internal() -> APIError:
@@ -140,27 +184,50 @@ def _failed(seq: engine_lib.Sequence) -> APIError:
 
 class Server:
   """The engine, its supervised thread, and what a request needs: the tokenizer, the model's
-  name, the limits and the API key ('' or None: none asked)."""
+  name, the limits (see the flags), the timeouts and the API key ('' or None: none asked)."""
 
   def __init__(self, engine: engine_lib.Engine, name: str, *,
-               max_sequences: int = MAX_SEQUENCES, api_key: str | None = None):
+               max_sequences: int = MAX_SEQUENCES, max_queued: int = MAX_QUEUED,
+               api_key: str | None = None, stall_timeout: float = STALL_TIMEOUT_S,
+               shutdown_timeout: float = SHUTDOWN_TIMEOUT_S):
     self.engine, self.name = engine, name
     self.tokenizer = engine.tokenizer
-    self.max_sequences, self.api_key = max_sequences, api_key or None
+    self.max_sequences, self.max_queued, self.api_key = max_sequences, max_queued, api_key or None
+    self.stall_timeout, self.shutdown_timeout = stall_timeout, shutdown_timeout
     self.created = int(time.time())
     self.failure: BaseException | None = None  # why the engine's thread ended on its own
     self.on_failure: Callable[[], None] = lambda: None  # then called (serve: the server exits)
     self._thread = threading.Thread(target=self._run_engine, name='engine', daemon=True)
+    # The update queues of the requests waiting on the engine (for give_up).
+    self._waiting: weakref.WeakSet[asyncio.Queue] = weakref.WeakSet()
+    # The engine's tokens_generated when last looked at, and since when it has not moved while
+    # the engine had work (the time it was last seen to move, or idle).
+    self._tokens, self._progress_at = -1, time.monotonic()
 
   def start(self) -> None:
     self._thread.start()
 
   def stop(self) -> None:
     """Stops the engine: requests still waiting fail at once, those decoding after the current
-    chunk (503, engine.STOPPED), and new ones are refused (503)."""
+    chunk (503, engine.STOPPED), and new ones are refused (503). Waits FORCE_AFTER_S at most for
+    the engine's thread (a daemon: a step that hangs does not keep the process)."""
     self.engine.stop()
     if self._thread.is_alive():
-      self._thread.join(timeout=10)
+      self._thread.join(timeout=FORCE_AFTER_S)
+
+  def give_up(self) -> None:
+    """The shutdown's deadline: stops the engine, and every request still waiting on it fails
+    now (503), whether or not the engine's current step ever ends."""
+    self.engine.stop()
+    for updates in list(self._waiting):
+      updates.put_nowait(GIVE_UP)
+
+  def stalled_for(self) -> float:
+    """Seconds the engine has had work without generating a token (0 while idle or moving)."""
+    stats, now = self.engine.stats(), time.monotonic()
+    if not (stats['busy'] or stats['waiting']) or stats['tokens_generated'] != self._tokens:
+      self._tokens, self._progress_at = stats['tokens_generated'], now
+    return now - self._progress_at
 
   def not_running(self) -> str | None:
     """Why the engine serves no request (for /health's 503), or None while it does."""
@@ -244,8 +311,8 @@ class Server:
             code='context_length_exceeded')
     return max_tokens
 
-  async def complete(self, r: CompletionRequest):
-    prompts = self.prompts(r)
+  async def complete(self, r: CompletionRequest, request: fastapi.Request):
+    prompts = await asyncio.to_thread(self.prompts, r)
     max_tokens = self.check(r, prompts)
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue = asyncio.Queue()
@@ -259,36 +326,73 @@ class Server:
         ids, max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=seed,
         stream=j, stop=_stops(r), alternatives=r.logprobs is not None, on_update=on_update)
         for _, ids in prompts for j in range(r.n)]
-    prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
-    if r.echo and r.logprobs is not None:
-      prompt_logprobs = [await asyncio.to_thread(self._prompt_logprobs, ids) for _, ids in prompts]
+    self._submit(sequences)
+    self._waiting.add(updates)
+    try:
+      prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
+      if r.echo and r.logprobs is not None:  # (while the engine decodes)
+        prompt_logprobs = [await asyncio.to_thread(self._prompt_logprobs, ids)
+                           for _, ids in prompts]
+    except BaseException:
+      _cancel(sequences)
+      raise
     choices = [_Choice(i, prompts[i // r.n], prompt_logprobs[i // r.n], r)
                for i in range(len(sequences))]
     header = {'id': f'cmpl-{uuid.uuid4().hex}', 'object': 'text_completion',
               'created': int(time.time()), 'model': self.name}
+    if r.stream:
+      return responses.StreamingResponse(
+          self._events(r, header, sequences, choices, updates, prompts),
+          media_type='text/event-stream')
+    watcher = asyncio.create_task(_watch_disconnect(request, updates))
+    try:
+      while not all(seq.done for seq in sequences):
+        if any(seq.finish_reason == 'error' for seq in sequences):
+          break
+        update = await _next(updates)
+        if update == DISCONNECTED:  # nobody to answer: the finally cancels its sequences
+          return responses.Response(status_code=499)  # (nginx's "client closed request")
+        if update == GIVE_UP:
+          raise _stopping()
+    finally:
+      watcher.cancel()
+      _cancel(sequences)
+    for seq in sequences:
+      if seq.finish_reason == 'error':
+        raise _failed(seq)
+    return await asyncio.to_thread(self._response, header, choices, sequences, prompts)
+
+  def _submit(self, sequences: list[engine_lib.Sequence]) -> None:
+    """Queues a request's sequences, or refuses them all: 429 when they would take the queue past
+    max_queued, 503 once the engine is stopped. (On the event loop with no await from the check
+    to the submits: no other request queues in between.)"""
+    self.stalled_for()  # an engine that was idle starts its stall clock now
+    if len(sequences) > self.queue_room():
+      raise self.busy()
     try:
       for seq in sequences:
         self.engine.submit(seq)
     except engine_lib.EngineStopped:
       _cancel(sequences)
       raise _stopping() from None
-    if r.stream:
-      return responses.StreamingResponse(
-          self._events(r, header, sequences, choices, updates, prompts),
-          media_type='text/event-stream')
-    try:
-      while not all(seq.done for seq in sequences):
-        if any(seq.finish_reason == 'error' for seq in sequences):
-          break
-        await _next(updates)
-    finally:
-      _cancel(sequences)
-    for seq in sequences:
-      if seq.finish_reason == 'error':
-        raise _failed(seq)
-    return {**header, 'choices': [c.final(seq, self.tokenizer) for c, seq in
-                                  zip(choices, sequences)],
-            'usage': _usage(prompts, sequences)}
+
+  def queue_room(self) -> int:
+    """Sequences the queue takes before a request gets 429."""
+    return self.max_queued - self.engine.stats()['waiting']
+
+  def busy(self) -> APIError:
+    """The answer to a request that the queue has no room for: OpenAI's rate-limit error."""
+    return APIError(
+        f'The server is busy: its queue of sequences waiting for a slot (--max_queued_sequences='
+        f'{self.max_queued}) has no room for this request. Please try again in {RETRY_AFTER_S}s.',
+        status=429, kind='requests', code='rate_limit_exceeded',
+        headers={'Retry-After': str(RETRY_AFTER_S)})
+
+  def _response(self, header, choices, sequences, prompts) -> responses.JSONResponse:
+    """The whole answer, rendered: its text, logprobs (detokenized) and JSON, in a worker thread."""
+    return responses.JSONResponse({
+        **header, 'choices': [c.final(seq, self.tokenizer) for c, seq in zip(choices, sequences)],
+        'usage': _usage(prompts, sequences)})
 
   async def _events(self, r, header, sequences, choices, updates, prompts):
     """Server-sent events: a chunk per choice as its text grows, then the usage if asked, then
@@ -298,7 +402,10 @@ class Server:
       pending = {id(seq): i for i, seq in enumerate(sequences)}
       while pending:
         update = await _next(updates)
-        if update is None:  # no news: a sequence may have ended without its callback's update
+        if update == GIVE_UP:
+          yield _event(_stopping().body())
+          return
+        if not isinstance(update, _Update):  # no news: a sequence may have ended without an update
           ended = [seq for seq in sequences if id(seq) in pending and seq.done]
           if not ended:
             continue
@@ -308,7 +415,8 @@ class Server:
         if update.finish == 'error':
           yield _event(_failed(update.seq).body())
           return
-        chunk = choices[pending[id(update.seq)]].delta(update, self.tokenizer)
+        chunk = await asyncio.to_thread(choices[pending[id(update.seq)]].delta, update,
+                                        self.tokenizer)
         if chunk['text'] or chunk['finish_reason']:
           yield _event({**header, 'choices': [chunk]})
         if chunk['finish_reason']:
@@ -443,12 +551,20 @@ def _usage(prompts, sequences) -> dict:
           'total_tokens': prompt_tokens + completion_tokens}
 
 
-async def _next(updates: asyncio.Queue) -> '_Update | None':
-  """The next update, or None after POLL_S without one."""
+async def _next(updates: asyncio.Queue) -> '_Update | str | None':
+  """The next update (or DISCONNECTED, GIVE_UP), or None after POLL_S without one."""
   try:
     return await asyncio.wait_for(updates.get(), POLL_S)
   except TimeoutError:
     return None
+
+
+async def _watch_disconnect(request: fastapi.Request, updates: asyncio.Queue) -> None:
+  """Tells updates DISCONNECTED when the client goes away: the ASGI receive channel's
+  http.disconnect (the body has been read: nothing else comes on it)."""
+  while (await request.receive())['type'] != 'http.disconnect':
+    pass
+  updates.put_nowait(DISCONNECTED)
 
 
 def _cancel(sequences) -> None:
@@ -463,12 +579,14 @@ def _event(data: dict) -> str:
 
 class _Guard:
   """The app's outer layer (plain ASGI, so that streams pass through untouched): a /v1 request
-  without the API key gets 401 (OpenAI's invalid_api_key); an exception that no handler answered
+  without the API key gets 401 (OpenAI's invalid_api_key); a completion that comes when the queue
+  is full gets 429 at once, before its body is read or parsed (under a flood most requests are
+  refused: they must cost the event loop next to nothing); an exception that no handler answered
   is logged with its traceback and answered with a generic 500 (its text is never sent)."""
 
-  def __init__(self, app, api_key: str | None):
-    self.app = app
-    self.expected = f'Bearer {api_key}'.encode() if api_key else None
+  def __init__(self, app, server: Server):
+    self.app, self.server = app, server
+    self.expected = f'Bearer {server.api_key}'.encode() if server.api_key else None
 
   async def __call__(self, scope, receive, send):
     if scope['type'] != 'http':
@@ -479,6 +597,8 @@ class _Guard:
           'Missing or incorrect API key: send the header "Authorization: Bearer KEY" with the '
           f'key this server was started with (--api_key or {API_KEY_ENV}).', status=401,
           code='invalid_api_key').response()(scope, receive, send)
+    if scope['path'] == '/v1/completions' and self.server.queue_room() < 1:
+      return await self.server.busy().response()(scope, receive, send)
     started = False
 
     async def sending(message):
@@ -502,7 +622,7 @@ def create_app(server: Server) -> fastapi.FastAPI:
     server.stop()
 
   app = fastapi.FastAPI(title='jax_pretrain', lifespan=lifespan)
-  app.add_middleware(_Guard, api_key=server.api_key)
+  app.add_middleware(_Guard, server=server)
 
   @app.exception_handler(APIError)
   async def api_error(_, e: APIError):
@@ -527,7 +647,14 @@ def create_app(server: Server) -> fastapi.FastAPI:
     why = server.not_running()
     if why:
       return APIError(why, status=503, kind='server_error', code='engine_not_running').response()
-    return {'status': 'ok', 'model': server.name, **server.engine.stats()}
+    stalled = server.stalled_for()
+    if stalled > server.stall_timeout:
+      return APIError(
+          f'the engine has had work and generated no token for {stalled:.0f} s (--stall_timeout='
+          f'{server.stall_timeout:g}): its step may hang', status=503, kind='server_error',
+          code='engine_stalled').response()
+    return {'status': 'ok', 'model': server.name, **server.engine.stats(),
+            'max_queued_sequences': server.max_queued}
 
   @app.get('/v1/models')
   async def models():
@@ -536,18 +663,36 @@ def create_app(server: Server) -> fastapi.FastAPI:
                                         'max_model_len': server.engine.context}]}
 
   @app.post('/v1/completions')
-  async def completions(request: CompletionRequest):
-    return await server.complete(request)
+  async def completions(body: CompletionRequest, request: fastapi.Request):
+    return await server.complete(body, request)
 
   return app
 
 
-def listen(server: Server, host: str, port: int):
+class _Uvicorn(uvicorn.Server):
+  """uvicorn's server, whose shutdown gives the requests in flight server.shutdown_timeout
+  seconds, then calls server.give_up (they fail with 503); uvicorn's own
+  timeout_graceful_shutdown, FORCE_AFTER_S later, cancels whatever is left."""
+
+  def __init__(self, config: uvicorn.Config, server: Server):
+    super().__init__(config)
+    self.server = server
+
+  async def shutdown(self, sockets=None) -> None:
+    deadline = asyncio.get_running_loop().call_later(self.server.shutdown_timeout,
+                                                     self.server.give_up)
+    try:
+      await super().shutdown(sockets)
+    finally:
+      deadline.cancel()
+
+
+def listen(server: Server, host: str, port: int) -> uvicorn.Server:
   """A uvicorn server of the app on host:port (its run() serves until a signal), told to exit
   should the engine's thread end on its own (server.failure says why)."""
-  import uvicorn  # noqa: PLC0415
-  uv = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port,
-                                     log_level='warning'))
+  uv = _Uvicorn(uvicorn.Config(
+      create_app(server), host=host, port=port, log_level='warning',
+      timeout_graceful_shutdown=math.ceil(server.shutdown_timeout + FORCE_AFTER_S)), server)
   server.on_failure = lambda: setattr(uv, 'should_exit', True)
   return uv
 
@@ -557,8 +702,7 @@ def main():
 
   from absl import flags  # noqa: PLC0415
   f = flags.FLAGS
-  if f.max_sequences_per_request < 1:
-    raise UserError(f'--max_sequences_per_request={f.max_sequences_per_request}: it must be >= 1')
+  check_flags(f)
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   context = f.context or run.config.data.seq_len
   engine = engine_lib.Engine(run.config.model, run.params, run.tokenizer,
@@ -571,6 +715,8 @@ def main():
     print(f'compiled {len(engine.shapes)} programs in {time.perf_counter() - t0:.1f}s '
           f'({engine.runner.programs.pending()} more in the background)', flush=True)
   server = Server(engine, name, max_sequences=f.max_sequences_per_request,
+                  max_queued=f.max_queued_sequences, stall_timeout=f.stall_timeout,
+                  shutdown_timeout=f.shutdown_timeout,
                   api_key=f.api_key or os.environ.get(API_KEY_ENV))
   print(f'serving {name} on http://{f.host}:{f.port}/v1 ({f.slots} slots of {context} tokens'
         f'{", API key required" if server.api_key else ""})', flush=True)
@@ -588,6 +734,19 @@ def main():
     sys.exit(1)
 
 
+def check_flags(f) -> None:
+  """One error line for a limit or a timeout out of range (f: the flags), before loading the run."""
+  for name, ok, must in [
+      ('max_sequences_per_request', f.max_sequences_per_request >= 1, 'be >= 1'),
+      ('max_queued_sequences', f.max_queued_sequences >= f.max_sequences_per_request,
+       f'be >= --max_sequences_per_request ({f.max_sequences_per_request}), else the largest '
+       'request could never be queued'),
+      ('stall_timeout', f.stall_timeout > 0, 'be > 0 seconds'),
+      ('shutdown_timeout', f.shutdown_timeout >= 0, 'be >= 0 seconds')]:
+    if not ok:
+      raise UserError(f'--{name}={getattr(f, name)}: it must {must}')
+
+
 def define_flags() -> None:
   """The server's flags, after cli.define_run_flags (--workdir, --step)."""
   from absl import flags  # noqa: PLC0415
@@ -603,6 +762,14 @@ def define_flags() -> None:
                     'runs padded until its own program is ready).')
   flags.DEFINE_integer('max_sequences_per_request', MAX_SEQUENCES, 'Sequences (prompts × n) one '
                        'request may ask for; more get 400.')
+  flags.DEFINE_integer('max_queued_sequences', MAX_QUEUED, 'Sequences waiting for a slot, over '
+                       'all requests, at most: a request that would pass it gets 429 (OpenAI\'s '
+                       f'rate-limit error, Retry-After: {RETRY_AFTER_S}). At least '
+                       '--max_sequences_per_request.')
+  flags.DEFINE_float('stall_timeout', STALL_TIMEOUT_S, '/health answers 503 (engine_stalled) once '
+                     'the engine has had work and generated no token for this many seconds.')
+  flags.DEFINE_float('shutdown_timeout', SHUTDOWN_TIMEOUT_S, 'On Ctrl-C or SIGTERM, seconds the '
+                     'requests in flight have to finish; those still waiting then get 503.')
   flags.DEFINE_string('api_key', '', 'Requests to /v1 need "Authorization: Bearer KEY" (401 '
                       f'without); default: ${API_KEY_ENV} if set, else none needed. /health '
                       'stays open.')

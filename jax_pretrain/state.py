@@ -6,7 +6,7 @@ loop, memory.py compiles the same step for a device it does not have (plan.py, t
 fit), workdir.py restores a run into it.
 """
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import flax
 import flax.linen as nn
@@ -20,6 +20,7 @@ from jax_pretrain import config as config_lib
 from jax_pretrain import model as model_lib
 from jax_pretrain import optim
 from jax_pretrain import sharding
+from jax_pretrain.kernels import logprobs
 
 # Dynamic loss scaling (float16 compute only), with PyTorch's GradScaler defaults
 # (torch.amp.GradScaler: init_scale 2**16, growth_factor 2.0, backoff_factor 0.5,
@@ -77,23 +78,13 @@ def target_logprobs(model: nn.Module, params, batch,
   batch {'tokens': int32 [B, T+1]} (optionally 'segments', see make_loss_fn): what the loss and
   GRPO's objective differentiate. One array per temperature, of the distribution at it
   (softmax(logits / temperature): what sampling at that temperature draws from), from one
-  forward pass."""
+  forward pass. The logits are computed a chunk of the sequence at a time and never held whole,
+  nor is their gradient (kernels/logprobs.py)."""
   tokens_BxT1 = batch['tokens']
   inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-  logits_BxTxV = jnp.asarray(model.apply({'params': params}, inputs_BxT,
-                                         segments_BxT=batch.get('segments')), jnp.float32)
-  # A masked sum, not take_along_axis: XLA's SPMD partitioner aborts on that gather when the
-  # vocabulary is split over 'tensor' inside the train step's shard_map.
-  is_target_BxTxV = targets_BxT[..., None] == jnp.arange(logits_BxTxV.shape[-1])
-  target_logit_BxT = jnp.sum(jnp.where(is_target_BxTxV, logits_BxTxV, 0.0), axis=-1)
-  out = []
-  for temperature in temperatures:
-    if temperature == 1.0:
-      out.append(target_logit_BxT - jax.nn.logsumexp(logits_BxTxV, axis=-1))
-    else:
-      out.append(target_logit_BxT / temperature
-                 - jax.nn.logsumexp(logits_BxTxV / temperature, axis=-1))
-  return tuple(out)
+  x_BxTxD, w_DxV = cast(tuple[jax.Array, jax.Array], model.apply(
+      {'params': params}, inputs_BxT, segments_BxT=batch.get('segments'), logits=False))
+  return logprobs.target_logprobs(x_BxTxD, w_DxV, targets_BxT, temperatures, model.mesh)
 
 
 def make_loss_fn(model: nn.Module, pad_id: int):
@@ -168,11 +159,13 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
       x_AxMxT = x_BxT.reshape(B // grad_accum_steps, grad_accum_steps, T).swapaxes(0, 1)
       return sharding.constrain(x_AxMxT, (None, 'batch', None), mesh)
 
+    weights = model_lib.with_compute_weights(model.config, params)  # once, not per micro-batch
+
     def accumulate(carry, micro_batch):
       if scale is None:
-        (loss_i, aux_i), grads_i = loss_and_grad(params, micro_batch)
+        (loss_i, aux_i), grads_i = loss_and_grad(weights, micro_batch)
       else:
-        (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(params, micro_batch, factor)
+        (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(weights, micro_batch, factor)
       loss_sum, aux, grads = carry
       return (loss_sum + loss_i, jax.tree.map(jnp.add, aux, aux_i),
               jax.tree.map(jnp.add, grads, grads_i)), None

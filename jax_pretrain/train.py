@@ -15,6 +15,7 @@ Pretraining and SFT are pretrain.Pretraining (its hooks: evaluation, checkpointi
 end-of-run sample, profiling); GRPO is grpo.program.GRPO (rollouts through the engine in its
 step). This module imports nothing that runs after training (lm_eval, sample, engine, serve).
 """
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -66,6 +67,12 @@ def describe(s: Setup, num_params: int) -> str:
       + runtime.settings(s.mesh.devices.flat[0].platform))
 
 
+def _ready_at(device_metrics) -> float:
+  """perf_counter once the arrays are computed (run on StepLogger's clock thread)."""
+  jax.block_until_ready(device_metrics)
+  return time.perf_counter()
+
+
 class StepLogger:
   """Turns step metrics into scalars, the console line and the writers, one step late.
 
@@ -73,6 +80,15 @@ class StepLogger:
   the next step has been dispatched, so logging never waits for the device to go idle. `report`
   makes the scalars and the console line of the metrics read (a program's own logger overrides
   it: grpo.program.GRPOLogger).
+
+  Speed: each line's tokens/s and step time are those of its own interval: from the moment the
+  previous logged step's metrics were ready (or training resumed after `pause`: an eval, a save)
+  to the moment this step's were. A thread waiting for the metrics takes that moment
+  (`_ready_at`); the moment `flush` reads them varies: after the next step's dispatch, which
+  blocks the host for most of a step where a step launches thousands of kernels (a GPU), or at
+  once at an eval, save, stop or last step. Timed at the reads, those lines were off by up to a
+  step (tests/test_loop.py; on an H100 a run's last line, at an eval, said 54,844 tokens/s where
+  the others said 46,180).
   """
 
   def __init__(self, s: Setup, writer: metrics_lib.MetricWriter, start_step: int):
@@ -83,24 +99,28 @@ class StepLogger:
     self._num_devices = s.mesh.size
     self._peak = metrics_lib.peak_flops_per_device(s.mesh.devices.flat[0].device_kind,
                                                    c.train.peak_flops)
-    self._pending: tuple[int, Any] | None = None  # (step, its metrics on the device)
+    # (step, its metrics on the device, when they were ready: a Future of perf_counter)
+    self._pending: tuple[int, Any, concurrent.futures.Future] | None = None
+    self._clock = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='step_clock')
     self._last_time, self._last_step = time.perf_counter(), start_step
     self.latest: dict[str, float] = {}
 
   def record(self, step: int, device_metrics) -> None:
-    self._pending = (step, device_metrics)
+    if self._pending is None or self._pending[0] != step:
+      self._pending = (step, device_metrics, self._clock.submit(_ready_at, device_metrics))
 
   def pause(self) -> None:
-    """Time spent outside training steps (eval, a blocking save) is not step time."""
+    """Time spent outside training steps (eval, a blocking save) is not step time: the next
+    interval starts now (called with no step pending, the device idle)."""
     self._last_time = time.perf_counter()
 
   def flush(self) -> dict | None:
     if self._pending is None:
       return None
-    step, device_metrics = self._pending
+    step, device_metrics, ready = self._pending
     self._pending = None
     m = jax.device_get(device_metrics)
-    now = time.perf_counter()
+    now = ready.result()
     step_time = (now - self._last_time) / max(step - self._last_step, 1)
     self._last_time, self._last_step = now, step
     scalars, line = self.report(step, m, step_time)
@@ -141,22 +161,23 @@ class StepLogger:
     self.latest.update({k: v for k, v in scalars.items() if v is not None})
 
 
-def _claim(workdir: str):
-  """Process 0 takes the workdir's lock (see workdir.claim); every process learns whether it did,
-  so that all stop together. Returns what to close at the end."""
-  lock, error = contextlib.nullcontext(), None
+def _on_main(workdir: str, fn, *args):
+  """fn(*args) on process 0 (the workdir's lock, its history: see workdir.claim, check_history);
+  every process learns whether it raised a WorkdirError, so that all stop together. Returns fn's
+  result (None on the other processes)."""
+  result, error = None, None
   if multihost.is_main():
     try:
-      lock = workdir_lib.claim(workdir)
+      result = fn(*args)
     except workdir_lib.WorkdirError as e:
       error = e
   if jax.process_count() > 1:
     ok = multihost.from_main(error is None)
     if not ok and error is None:
-      error = workdir_lib.WorkdirError(f'process 0 could not claim {workdir}: see its message.')
+      error = workdir_lib.WorkdirError(f'process 0 stopped at {workdir}: see its message.')
   if error is not None:
     raise error
-  return lock
+  return result
 
 
 def _saved_config(checkpointer) -> dict | None:
@@ -215,6 +236,7 @@ class Context(Generic[DataT, StepT]):
   checkpoints: loop_lib.Checkpointing
   logger: StepLogger
   start_step: int
+  update: Any = None  # the compiled update inside `step` (jax.stages.Compiled): its HLO, profiled
 
   @property
   def config(self) -> config_lib.Config:
@@ -308,9 +330,11 @@ def checkpoint_hooks(ctx: Context) -> list[loop_lib.Hook]:
 
 
 def profile_hooks(ctx: Context) -> list[loop_lib.Hook]:
-  """train.profile_steps: a jax.profiler trace of those steps in WORKDIR/profile."""
+  """train.profile_steps: a jax.profiler trace of those steps in WORKDIR/profile, with the
+  compiled update's HLO (jax_pretrain.profile_summary reads both)."""
+  program = ctx.update.as_text if ctx.update is not None else None
   return loop_lib.Profiler(os.path.join(ctx.workdir, 'profile'),
-                           config_lib.profile_steps(ctx.config.train)).hooks()
+                           config_lib.profile_steps(ctx.config.train), program).hooks()
 
 
 def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, program: Program,
@@ -332,9 +356,11 @@ def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, p
                                            tokenizer_vocab_size=sources.tokenizer.vocab_size)
   is_main = multihost.is_main()
   program.check(resolved, sources)
-  with _claim(workdir):
+  with _on_main(workdir, workdir_lib.claim, workdir) or contextlib.nullcontext():
     ck = resolved.checkpoint
-    stop = signals.StopSignal(check_every=resolved.train.log_every)
+    if not ck.start_over:  # a history without checkpoints: no silent restart (before any write)
+      _on_main(workdir, workdir_lib.check_history, workdir)
+    stop = signals.StopSignal()
     checkpointer = checkpoint_lib.Checkpointer(workdir, keep=ck.keep, keep_best=ck.keep_best,
                                                async_save=ck.async_save)
     aborted = False
@@ -354,6 +380,7 @@ def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, p
       updates = program.updates_per_step(resolved)
       s = state_lib.build(resolved, dataclasses.replace(run_shape, updates_per_step=updates),
                           devices)
+      checkpointer.prepare(s.abstract_state)  # (the first save's programs, in the background)
       for field, (before, after) in changes.items():
         multihost.log(f'config change on resume: {field} {before!r} -> {after!r}')
       multihost.log(describe(s, model_lib.count_params(s.abstract_state.params)))
@@ -377,7 +404,7 @@ def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, p
           logger = program.logger(s, writer, step)
           checkpoints = loop_lib.Checkpointing(checkpointer, config_lib.as_dict(resolved),
                                                every=ck.every_steps, save_final=ck.save_final)
-          ctx = Context(s, workdir, data, train_step, checkpoints, logger, step)
+          ctx = Context(s, workdir, data, train_step, checkpoints, logger, step, update)
           skips_at_start = int(jax.device_get(state.nonfinite_count))
           lp = loop_lib.Loop(train_step, resolved.train.steps, log_every=resolved.train.log_every,
                              metrics=logger, stop=stop,

@@ -8,6 +8,8 @@ evaluation, export and import read.
   WORKDIR/checkpoints/   orbax checkpoints (checkpoint.py)
   WORKDIR/metrics.jsonl, WORKDIR/tensorboard/   scalars (metrics.py)
 
+`check_history(workdir)` refuses training from step 0 where the history above records training
+but `checkpoints/` holds no step (moved, not mounted): no run restarts in silence.
 `load(workdir)` gives a `Trained` run: config, params of its latest (or a given) checkpoint, and
 tokenizer, on this machine's devices. `create(...)` writes a step-0 run from given params (an
 imported Hugging Face model), which training can continue from.
@@ -26,6 +28,7 @@ import ml_collections
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
+from jax_pretrain import metrics as metrics_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.errors import UserError
@@ -77,6 +80,32 @@ def record_launch(workdir: str, step: int, changes: dict[str, tuple]) -> None:
            'changes': {k: list(v) for k, v in changes.items()}}
   with open(os.path.join(workdir, HISTORY_FILE), 'a', encoding='utf-8') as f:
     f.write(json.dumps(entry) + '\n')
+
+
+def check_history(workdir: str) -> None:
+  """Refuses to train from step 0 in a workdir whose history records training (scalars of a step
+  > 0, a launch that resumed from one) while WORKDIR/checkpoints holds no step, complete or set
+  aside: they were moved or deleted, their volume is not mounted, or the run was killed before
+  its first save. Starting over would mix two runs in one history, in silence;
+  checkpoint.start_over=True asks for it. Reads the directory only: nothing is created."""
+  checkpoints = os.path.join(workdir, checkpoint_lib.DIRECTORY)
+  names = os.listdir(checkpoints) if os.path.isdir(checkpoints) else []
+  if any(name.removesuffix(checkpoint_lib.DAMAGED_SUFFIX).isdigit() for name in names):
+    return  # (restored, or each found damaged: checkpoint.Checkpointer says)
+  found = metrics_lib.last_logged_step(workdir)
+  path = os.path.join(workdir, HISTORY_FILE)
+  if found is None and os.path.isfile(path):
+    resumed = max((row.get('start_step', 0) for _, row in metrics_lib.jsonl_rows(path)),
+                  default=0)
+    found = (resumed, path) if resumed > 0 else None
+  if found is not None:
+    step, where = found
+    raise WorkdirError(
+        f'{where} records training to step {step}, but {checkpoints} holds no checkpoint (moved '
+        'or deleted? a volume not mounted? killed before its first save?). Put the checkpoints '
+        'back and run the same command to resume; or, to train from step 0 in this workdir on '
+        'purpose, add --config.checkpoint.start_over=True (the metrics so far move to '
+        'metrics.discarded.jsonl), or give a new --workdir.')
 
 
 def write_config(workdir: str, config: config_lib.Config) -> None:

@@ -2,7 +2,7 @@
 
   python scripts/benchmark_engine.py [--config=configs/default.py] [--sequences=32,128] \
       [--prompt_tokens=64] [--new_tokens=64] [--slots=0] [--chunk=8] [--temperature=1.0] \
-      [--samples=1]
+      [--samples=1] [--markdown]
 
 Random params of the config's model (no checkpoint), prompts of random ids (each the prompt of
 --samples sequences, with streams of their own, as GRPO's num_samples completions), every sequence
@@ -16,9 +16,11 @@ generating exactly --new_tokens tokens (no EOS can end one). For each number of 
 Prints tokens/s of each and their ratio (the engine's time over the reference's), the prompts the
 engine ran through the model in one generate (its prefills; '-' for an engine that does not count
 them), and how many of the engine's greedy tokens the reference reproduces (--temperature=0 checks
-that they decode the same model). The engine here is whatever `jax_pretrain` imports: run the script
-with another checkout first on PYTHONPATH to time that checkout's engine (its Engine(config, params,
-tokenizer, slots=, context=, chunk=) and Sequence).
+that they decode the same model); --markdown: as a Markdown table, without the prompts
+(scripts/gpu_check.sh prints the transformers row of scripts/benchmark_peer.py under it). The
+engine here is whatever `jax_pretrain` imports: run the script with another checkout first on
+PYTHONPATH to time that checkout's engine (its Engine(config, params, tokenizer, slots=, context=,
+chunk=) and Sequence).
 """
 import math
 import time
@@ -37,6 +39,9 @@ _TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'Sampling temperature (0: 
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed runs of each (the fastest is reported).')
 _SAMPLES = flags.DEFINE_integer('samples', 1, 'Sequences per prompt (a divisor of each number of '
                                 'sequences).')
+_MARKDOWN = flags.DEFINE_bool('markdown', False, 'Print the results as a Markdown table.')
+MARKDOWN_HEADER = ('| decoder | sequences × (prompt + new) | slots | tokens/s | reference '
+                   'tokens/s | time / reference | same tokens |\n|---|---|---|---|---|---|---|')
 
 
 class _Tokenizer:
@@ -129,7 +134,7 @@ def timed(fn, repeats: int):
 
 
 def measure(c, params, n: int) -> str:
-  """The table's line for n sequences."""
+  """The table's line (--markdown: row) for n sequences."""
   import numpy as np
 
   from jax_pretrain import engine as engine_lib
@@ -156,6 +161,9 @@ def measure(c, params, n: int) -> str:
   run = reference(c, params, n, P, M, T)
   ref_s, ref_tokens = timed(lambda: np.asarray(run(prompts)), _REPEATS.value)
   same = np.mean([a == b for s, row in zip(seqs, ref_tokens) for a, b in zip(s.tokens, row)])
+  if _MARKDOWN.value:
+    return (f'| engine (jax_pretrain) | {n} × ({P} + {M}) | {slots} | {n * M / engine_s:,.0f} | '
+            f'{n * M / ref_s:,.0f} | {engine_s / ref_s:.2f} | {same:.1%} |')
   return (f'{n:>9}  {slots:>5}  {n * M / engine_s:>12,.0f}  {n * M / ref_s:>15,.0f}  '
           f'{engine_s / ref_s:>23.2f}  {prefilled:>12}  {same:>11.1%}')
 
@@ -178,8 +186,11 @@ def main():
         f'{c.d_model}, {model_lib.count_params(params):,} parameters, {c.dtype}; prompts of '
         f'{_PROMPT.value} tokens + {_NEW.value} new, temperature {_TEMPERATURE.value}, '
         f'{_SAMPLES.value} sequences a prompt')
-  print(f'{"sequences":>9}  {"slots":>5}  {"engine tok/s":>12}  {"reference tok/s":>15}  '
-        f'{"engine / reference time":>23}  {"prompts run":>12}  {"same tokens":>11}')
+  if _MARKDOWN.value:
+    print(f'\n{MARKDOWN_HEADER}')
+  else:
+    print(f'{"sequences":>9}  {"slots":>5}  {"engine tok/s":>12}  {"reference tok/s":>15}  '
+          f'{"engine / reference time":>23}  {"prompts run":>12}  {"same tokens":>11}')
   for n in _SEQUENCES.value:
     print(measure(c, params, int(n)), flush=True)
 

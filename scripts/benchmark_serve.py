@@ -22,11 +22,45 @@ import sys
 import time
 import urllib.request
 
+START_TIMEOUT_S = 1800  # --warmup's background compiles: minutes on a busy CPU
+
 
 def prompts(n: int) -> list[str]:
   """n prompts of 10 to 40 characters: the starts of the manual's topics."""
   texts = [topics.topics[k] for k in sorted(topics.topics)]
   return [texts[i % len(texts)][:10 + (7 * i) % 31] for i in range(n)]
+
+
+def start(workdir: str, serve_args: str = '') -> tuple[subprocess.Popen, str]:
+  """`python -m jax_pretrain.serve --warmup` on a free port, once its /health answers and its
+  background compiles are done (none then competes with the requests): (process, base URL of
+  /v1)."""
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  server = subprocess.Popen([sys.executable, '-m', 'jax_pretrain.serve', '--warmup',
+                             f'--workdir={workdir}', f'--port={port}', *serve_args.split()],
+                            stdout=subprocess.DEVNULL)
+  url = f'http://127.0.0.1:{port}/v1'
+  deadline = time.monotonic() + START_TIMEOUT_S
+  while time.monotonic() < deadline:
+    try:
+      with urllib.request.urlopen(url.replace('/v1', '/health'), timeout=5) as r:
+        if not json.load(r).get('compiling_shapes'):
+          return server, url
+      time.sleep(0.5)
+    except OSError:
+      if server.poll() is not None:
+        sys.exit('error: the server did not start')
+      time.sleep(0.5)
+  server.kill()
+  sys.exit(f'error: the server did not answer /health within {START_TIMEOUT_S} s')
+
+
+def model_name(url: str, api_key: str = '') -> str:
+  auth = {'Authorization': f'Bearer {api_key}'} if api_key else {}
+  with urllib.request.urlopen(urllib.request.Request(f'{url}/models', headers=auth)) as r:
+    return json.load(r)['data'][0]['id']
 
 
 def run(url: str, name: str, clients: int, n: int, max_tokens: int,
@@ -67,28 +101,9 @@ def main():
   p.add_argument('--api_key', default=os.environ.get('JAX_PRETRAIN_API_KEY', ''),
                  help="The server's API key, if it asks for one (default: $JAX_PRETRAIN_API_KEY).")
   a = p.parse_args()
-  server = None
-  url = a.url
-  if not url:
-    with socket.socket() as s:
-      s.bind(('127.0.0.1', 0))
-      port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, '-m', 'jax_pretrain.serve', '--warmup',
-                               f'--workdir={a.workdir}', f'--port={port}', *a.serve_args.split()],
-                              stdout=subprocess.DEVNULL)
-    url = f'http://127.0.0.1:{port}/v1'
-    for _ in range(1200):
-      try:
-        urllib.request.urlopen(url.replace('/v1', '/health'), timeout=5)
-        break
-      except OSError:
-        if server.poll() is not None:
-          sys.exit('error: the server did not start')
-        time.sleep(0.5)
+  server, url = (None, a.url) if a.url else start(a.workdir, a.serve_args)
   try:
-    auth = {'Authorization': f'Bearer {a.api_key}'} if a.api_key else {}
-    with urllib.request.urlopen(urllib.request.Request(f'{url}/models', headers=auth)) as r:
-      name = json.load(r)['data'][0]['id']
+    name = model_name(url, a.api_key)
     print(f'{"clients":>7}  {"requests":>8}  {"seconds":>8}  {"requests/s":>10}  {"tokens/s":>9}  '
           f'{"latency s":>9}')
     for clients in (int(c) for c in a.clients.split(',')):

@@ -115,8 +115,7 @@ DAMAGE = [
     (lambda d: os.path.join(d, 'state', '_METADATA'), 'truncate', json.JSONDecodeError, ''),
     (lambda d: os.path.join(d, 'state', 'array_metadatas', 'process_0'), 'truncate',
      json.JSONDecodeError, ''),
-    (lambda d: os.path.join(d, 'state'), 'rmtree', checkpoint_lib.DamagedCheckpoint,
-     'state directory is missing'),
+    (lambda d: os.path.join(d, 'state'), 'rmtree', FileNotFoundError, 'state directory is missing'),
     (lambda d: os.path.join(d, 'digests', 'metadata'), 'delete', FileNotFoundError, 'not found'),
     (lambda d: os.path.join(d, 'digests', 'metadata'), 'truncate', json.JSONDecodeError, ''),
     (_alter_digest, 'altered', checkpoint_lib.DamagedCheckpoint, 'does not match the digest'),
@@ -144,7 +143,10 @@ def test_damaged_files_set_the_step_aside_and_the_previous_one_is_used(workdir, 
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(_state(1))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert listing(workdir) == ['1', '2.damaged']
-  [error] = seen  # what orbax raised, read once (damage is not retried)
+  # What orbax raised: read once, or twice for a file not found (after a new listing).
+  error = seen[0]
+  reads = 2 if kind(error) == 'missing' else 1
+  assert [type(e) for e in seen] == [type(error)] * reads
   assert type(error) is error_type and text in str(error), repr(error)[:500]
   [warning] = [r.getMessage() for r in caplog.records if 'is damaged' in r.getMessage()]
   assert '/checkpoints/2 is damaged (' in warning and 'trying the previous one' in warning
@@ -248,6 +250,49 @@ def test_tensorstores_io_error_is_tried_again(workdir, monkeypatch):
   calls = fail_restore(monkeypatch, error, times=2)
   _, (step, _) = restore(workdir)
   assert step == 2 and calls == [2, 2, 2] and listing(workdir) == ['1', '2']
+
+
+@pytest.mark.parametrize('error', [
+    FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT)),
+    ValueError('NOT_FOUND: Error opening "ocdbt" driver: Manifest not found'),
+    ValueError('UNKNOWN: Error reading "w/0.0" in OCDBT database at local file "/x/": Failed to '
+               'open: "/x/d/0": No such file or directory [os_error_code=\'2\']'),
+])
+def test_a_file_not_found_once_is_read_again_after_a_new_listing_and_nothing_is_set_aside(
+    workdir, monkeypatch, caplog, error):
+  """A network file system's client may answer from a stale cache: a file not found is read
+  again, after the checkpoints and the step's directories were listed again, before any step is
+  set aside."""
+  events = []
+  calls = fail_restore(monkeypatch, error, times=1)
+  reload = ocp.CheckpointManager.reload
+  monkeypatch.setattr(ocp.CheckpointManager, 'reload',
+                      lambda self: events.append(('listed', len(calls))) or reload(self))
+  _, (step, state) = restore(workdir)
+  assert step == 2 and calls == [2, 2] and ('listed', 1) in events  # between the two reads
+  np.testing.assert_array_equal(np.asarray(state['params']['b']),
+                                np.asarray(_state(2)['params']['b']))
+  assert listing(workdir) == ['1', '2']
+  [warning] = [r.getMessage() for r in caplog.records if 'listed again' in r.getMessage()]
+  assert warning.startswith(f'restoring checkpoint {workdir}/checkpoints/2: read after its '
+                            'directories were listed again (a file was not found at first: ')
+
+
+def test_a_step_gone_between_the_listing_and_its_read_is_not_set_aside(workdir, monkeypatch,
+                                                                       tmp_path_factory):
+  """Another program moved the newest step away while it was being read: the one before is
+  restored, and nothing is renamed (there is nothing to set aside)."""
+  elsewhere = tmp_path_factory.mktemp('elsewhere')
+  restore_ = ocp.CheckpointManager.restore
+
+  def moved_away(self, step, *args, **kwargs):
+    if step == 2 and (workdir / 'checkpoints' / '2').exists():
+      shutil.move(workdir / 'checkpoints' / '2', elsewhere / '2')
+      raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
+    return restore_(self, step, *args, **kwargs)
+  monkeypatch.setattr(ocp.CheckpointManager, 'restore', moved_away)
+  (config_step, _), (step, _) = restore(workdir)
+  assert (config_step, step) == (1, 1) and listing(workdir) == ['1']
 
 
 def test_a_persistent_io_error_stops_after_the_retries_and_moves_nothing(workdir, monkeypatch):

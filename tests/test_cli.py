@@ -38,10 +38,22 @@ def train(tmp_path, *overrides, workdir=None):
                                   '"steps" instead of "stepz"?)'),
     (('--config.train.learning_rate=0.1',), '--config.train.learning_rate: no such config field '
                                             '(it moved to optim.learning_rate)'),
+    # (train.batch_size is a field: only the grpo override is named)
+    (('--config.train.batch_size=128', '--config.grpo.num_samples=16'),
+     'error: --config.grpo.num_samples: no such config field (the grpo group comes with '
+     '--config=configs/grpo.py:PRESET, the config of python -m jax_pretrain.grpo)'),
     (('--config.data.train=/nonexistent/*.jsonl',), '/nonexistent/*.jsonl: matches no files'),
 ])
 def test_config_and_data_mistakes(tmp_path, overrides, expected):
   assert expected in one_error_line(train(tmp_path, *overrides))
+
+
+def test_plan_grpo_on_a_pretraining_preset_names_the_grpo_override_alone():
+  line = one_error_line(run('-m', 'jax_pretrain.plan', '--grpo', '--config=configs/xlarge.py',
+                            '--config.train.batch_size=128', '--config.grpo.num_samples=16'))
+  assert line.startswith('error: --config.grpo.num_samples: no such config field (the grpo group '
+                         'comes with --config=configs/grpo.py:PRESET, the config of python -m '
+                         'jax_pretrain.grpo); ')
 
 
 def test_a_bad_record_names_the_file_and_line(tmp_path):

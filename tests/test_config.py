@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import pytest
 
+from jax_pretrain import cli
 from jax_pretrain import config as config_lib
 from jax_pretrain import model as model_lib
 from jax_pretrain.grpo import config as grpo_config
@@ -147,6 +148,31 @@ def test_runs_saved_with_optimizer_fields_in_train_still_load():
   assert 'learning_rate' not in c.train and 'removed_field' not in c.train
   r, _ = config_lib.resolve(c, num_devices=1, backend='cpu')
   assert r.optim.learning_rate == 0.123
+
+
+_NO_SUCH_FIELD = ('{}: no such config field{}; all fields and their defaults are in '
+                  'jax_pretrain/config.py.')
+_GRPO_HINT = (' (the grpo group comes with --config=configs/grpo.py:PRESET, the config of python '
+              '-m jax_pretrain.grpo)')
+
+
+@pytest.mark.parametrize('overrides, expected', [
+    (('--config.train.batch_size=128', '--config.grpo.num_samples=16'),
+     _NO_SUCH_FIELD.format('--config.grpo.num_samples', _GRPO_HINT)),
+    (('--config.grpo.num_samples=16', '--config.train.steps=3', '--config.grpo.beta=0.1'),
+     _NO_SUCH_FIELD.format('--config.grpo.num_samples, --config.grpo.beta', _GRPO_HINT)),
+    (('--config.train.steps=3', '--config.train.stepz=3'),
+     _NO_SUCH_FIELD.format('--config.train.stepz', ' (Did you mean "steps" instead of "stepz"?)')),
+    (('--config.model.d_model=8', '--config.model.nope.x=1'),
+     _NO_SUCH_FIELD.format('--config.model.nope.x', '')),
+])
+def test_an_unknown_override_is_named_alone(overrides, expected):
+  """The overrides that name fields are not blamed; a group of another program's config says
+  which config brings it (ml_collections' error names only the unknown part)."""
+  argv = ['prog', f'--config={ROOT}/configs/xlarge.py', *overrides]
+  with pytest.raises((AttributeError, KeyError)) as e:
+    parse(*argv[1:])
+  assert str(cli.unknown_config_field(e.value, argv)) == expected
 
 
 def test_a_typo_in_a_config_file_is_refused_naming_the_field():

@@ -208,3 +208,15 @@ def test_pallas_attention_model_matches_xla_attention_model():
   assert rel_err(l_pallas, l_ref) < 1e-5
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
     assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.parametrize('remat, kernels', [('dots', 3), ('dots_no_batch', 3), ('full', 4)])
+def test_dots_remat_keeps_the_fused_attention_forward_for_the_backward(remat, kernels):
+  """The gradient's program runs the Pallas forward kernel once per layer and its two backward
+  kernels: 'dots' keeps the forward's output and logsumexp (attention.forward_saveable) where
+  'full' recomputes them (cuDNN's: tests/test_plan.py counts them in the compiled H100 step)."""
+  cfg = small_config(attention='pallas', remat=remat)
+  model, params = init(cfg, T=32)
+  tokens = random_tokens(10, 2, 32, cfg.vocab_size)
+  grad = jax.grad(lambda p: jnp.sum(model.apply({'params': p}, tokens)))
+  assert str(jax.make_jaxpr(grad)(params)).count('pallas_call[') == kernels

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -104,28 +105,57 @@ def test_two_processes_match_one_process_and_checkpoint_restores_in_one(tmp_path
                              [two_losses[s] for s in range(5, 9)], rtol=1e-5)
 
 
-def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
-  """A preemption notice reaching only one host: both stop after the same step and save together
-  (a disagreement would leave one process waiting forever in the collective save)."""
+def start_two(workdir, *args):
   port = free_port()
-  args = ['--config.train.steps=400', '--config.checkpoint.every_steps=0',
-          f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2']
-  procs = [subprocess.Popen(command(tmp_path, *args, f'--process_id={i}'), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=ROOT)
-           for i in range(2)]
-  out0 = []
-  for line in procs[0].stdout:
-    out0.append(line)
-    if line.startswith('step 6/'):
-      procs[1].send_signal(signal.SIGTERM)  # only the second process is told
-  out1 = procs[1].communicate(timeout=300)[0]
-  procs[0].wait(timeout=300)
-  assert procs[0].returncode == 0 and procs[1].returncode == 0, ''.join(out0) + out1
-  stopped = [line for line in out0 if line.startswith('received a stop signal on another process')]
-  assert stopped, ''.join(out0)
-  step = int(stopped[0].split('saved step ')[1].split(' ')[0])
-  assert 6 <= step < 400
-  assert sorted(int(p) for p in os.listdir(tmp_path / 'checkpoints') if p.isdigit()) == [step]
+  return [subprocess.Popen(command(workdir, *args, f'--coordinator_address=127.0.0.1:{port}',
+                                   '--num_processes=2', f'--process_id={i}'),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=subprocess_env(), cwd=ROOT) for i in range(2)]
+
+
+def test_a_stop_to_one_process_or_both_is_agreed_within_two_steps_and_resumed(tmp_path):
+  """A preemption's SIGTERM to one process only, then (resumed) to both, with train.log_every
+  longer than the run: both stop after the step two after the one the (first) signal came in, save
+  it together and exit 0; the same command resumes there, and at last finishes. (Before, the
+  processes agreed only at multiples of log_every: they trained on to the end.)"""
+  steps = 200
+  args = (f'--config.train.steps={steps}', '--config.train.log_every=1000',
+          '--config.train.eval_every=1000', '--config.checkpoint.every_steps=10')
+
+  def run(signalled=(), once_saved=0) -> tuple[str, int]:
+    """Process 0's output, and the step saved last."""
+    procs = start_two(tmp_path, *args)
+    if signalled:
+      while not (tmp_path / 'checkpoints' / str(once_saved)).is_dir():  # training past it
+        assert procs[0].poll() is None, procs[0].communicate()[0]
+        time.sleep(0.02)
+      for i in signalled:
+        procs[i].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+      assert p.returncode == 0, out
+    saved = max(int(p) for p in os.listdir(tmp_path / 'checkpoints') if p.isdigit())
+    return outputs[0], saved
+
+  def stopped(out: str, who: str, saved: int) -> None:
+    # Process 0 says when each signal it hears of came (its own, and an earlier one's post).
+    heard = [(int(k), int(s)) for k, s in re.findall(
+        r'received SIGTERM during step (\d+): stopping after step (\d+) \(every process stops '
+        r'there\)', out)]
+    assert heard, out
+    signal_step = min(k for k, _ in heard)
+    assert f'received {who}: saved step {saved} to ' in out
+    assert signal_step <= saved <= signal_step + 2 < steps, out
+
+  out, first = run(signalled=(1,), once_saved=10)
+  stopped(out, 'SIGTERM on process 1', first)
+  out, second = run(signalled=(0, 1), once_saved=first // 10 * 10 + 10)
+  assert f'resuming from step {first} ' in out
+  stopped(out, 'SIGTERM', second)
+  out, last = run()
+  assert f'resuming from step {second} ' in out and last == steps
+  # Logged at the saves, the stops and the end; each step once (later lines were set aside).
+  assert sorted(losses(tmp_path)) == sorted({*range(10, steps + 1, 10), first, second})
 
 
 def test_a_lost_process_stops_the_other_with_one_line_and_both_resume_exactly(tmp_path):

@@ -121,6 +121,39 @@ def test_resume_with_grain_workers_draws_the_same_batches(tmp_path, uninterrupte
   assert all(tokens[s] == s * 16 * 32 for s in tokens)
 
 
+def test_a_workdir_whose_checkpoints_are_gone_stops_and_writes_nothing_until_told(tmp_path):
+  """Checkpoints moved away (a volume not mounted, a wrong path): the same command stops with one
+  line naming what records the training and where the checkpoints should be, whichever of the
+  history's records is left, and appends nothing; checkpoint.start_over=True trains from step 0,
+  setting the old metrics aside."""
+  run(tmp_path, **{'train.steps': 5})
+  run(tmp_path)  # resumed from step 5, to step 10
+  shutil.move(tmp_path / 'checkpoints', tmp_path / 'moved')
+  history = (tmp_path / 'config_history.jsonl').read_text()
+  advice = (f', but {tmp_path}/checkpoints holds no checkpoint (moved or deleted? a volume not '
+            'mounted? killed before its first save?). Put the checkpoints back and run the same '
+            'command to resume; or, to train from step 0 in this workdir on purpose, add '
+            '--config.checkpoint.start_over=True (the metrics so far move to '
+            'metrics.discarded.jsonl), or give a new --workdir.')
+  for record, step in (('metrics.jsonl', 10), ('tensorboard', 10), ('config_history.jsonl', 5)):
+    with pytest.raises(workdir_lib.WorkdirError) as e:
+      run(tmp_path)
+    assert str(e.value) == f'{tmp_path}/{record} records training to step {step}{advice}'
+    assert (tmp_path / 'config_history.jsonl').read_text() == history  # nothing appended
+    assert not (tmp_path / 'metrics.discarded.jsonl').exists()
+    assert not (tmp_path / 'checkpoints').exists()  # (nothing to trip a `mv` putting them back)
+    if record != 'config_history.jsonl':
+      shutil.move(tmp_path / record, tmp_path / f'moved.{record}')  # the next record alone
+  assert not (tmp_path / 'metrics.jsonl').exists() and not (tmp_path / 'tensorboard').exists()
+  shutil.move(tmp_path / 'moved.metrics.jsonl', tmp_path / 'metrics.jsonl')
+  run(tmp_path, **{'checkpoint.start_over': True})
+  assert sorted(logged_losses(tmp_path)) == list(range(1, 11))
+  with open(tmp_path / 'metrics.discarded.jsonl', encoding='utf-8') as f:
+    assert [json.loads(line)['step'] for line in f] == list(range(1, 11))  # the old run's
+  with open(tmp_path / 'config_history.jsonl', encoding='utf-8') as f:
+    assert [json.loads(line)['start_step'] for line in f] == [0, 5, 0]
+
+
 # 3. Save failures.
 
 @pytest.fixture

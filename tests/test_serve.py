@@ -3,10 +3,15 @@ queried with the official openai client: completions, batches of prompts with n 
 streaming, stop sequences, seeds, echo and logprobs, temperature 0 equal to `jax_pretrain.sample
 --temperature 0`, 16 concurrent clients, bucketed shapes, and bad requests answered with 400 while
 the server goes on serving. Then a server built in this process (so that its engine can be broken
-on purpose): the API key, the cap on sequences per request, failures that fail their own requests
-only and never show their text, stopping; and a server whose every step fails, which exits 1."""
+or held on purpose): the API key, the cap on sequences per request, failures that fail their own
+requests only and never show their text, stopping; a server whose every step fails, which exits
+1; and backpressure: a burst beyond the queue (429s, all answered), the openai client retrying a
+429, a client that disconnects, /health on a stalled engine, no tokenizer call on the event loop,
+and a shutdown that answers every request in flight in time."""
+import asyncio
 import concurrent.futures
 import contextlib
+import email.message
 import json
 import random
 import socket
@@ -14,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -25,6 +31,7 @@ import pytest
 from jax_pretrain import engine
 from jax_pretrain import serve
 from jax_pretrain import workdir as workdir_lib
+from jax_pretrain.errors import UserError
 from tests import tiny_run
 from tests.conftest import ROOT
 from tests.conftest import run_cli
@@ -89,14 +96,22 @@ def _status(url: str) -> tuple[int, dict]:
     return e.code, json.load(e)
 
 
-def _post(url: str, body: bytes, path: str = '/v1/completions') -> tuple[int, dict]:
-  request = urllib.request.Request(url + path, data=body,
-                                   headers={'Content-Type': 'application/json'})
+def _answer(url: str, body: bytes, path: str = '/v1/completions', key: str = ''
+            ) -> tuple[int, dict, email.message.Message]:
+  """A POST's status, JSON and headers (case-insensitive), whatever the status."""
+  request = urllib.request.Request(url + path, data=body, headers={
+      'Content-Type': 'application/json', **({'Authorization': f'Bearer {key}'} if key else {})})
   try:
     with urllib.request.urlopen(request, timeout=120) as r:
-      return r.status, json.load(r)
+      return r.status, json.load(r), r.headers
   except urllib.error.HTTPError as e:
-    return e.code, json.load(e)
+    return e.code, json.load(e), e.headers
+
+
+def _post(url: str, body: bytes, path: str = '/v1/completions', key: str = ''
+          ) -> tuple[int, dict]:
+  status, answer, _ = _answer(url, body, path, key)
+  return status, answer
 
 
 def greedy(client, prompt, max_tokens=24, **kw):
@@ -290,7 +305,8 @@ def trained(run):
 @contextlib.contextmanager
 def _serving(trained, **kw):
   """A server in this process, on a free port (4 slots, chunks of 4): (base URL, its Server, to
-  break on purpose). kw: Server's."""
+  break on purpose, and shut_down(): uvicorn's shutdown, as on a signal; whether its thread ended
+  within 60 s). kw: Server's."""
   eng = engine.Engine(trained.config.model, trained.params, trained.tokenizer,
                       slots=4, context=tiny_run.SEQ_LEN, chunk=4)
   srv = serve.Server(eng, NAME, **kw)
@@ -303,19 +319,24 @@ def _serving(trained, **kw):
   while not uv.started:
     assert thread.is_alive() and time.monotonic() < deadline
     time.sleep(0.05)
-  try:
-    yield f'http://127.0.0.1:{sock.getsockname()[1]}', srv
-  finally:
+
+  def shut_down() -> bool:
     uv.should_exit = True
     thread.join(timeout=60)
+    return not thread.is_alive()
+
+  try:
+    yield f'http://127.0.0.1:{sock.getsockname()[1]}', srv, shut_down
+  finally:
+    shut_down()
     sock.close()
 
 
 @pytest.fixture(scope='module')
 def local(trained):
   """The in-process server, with an API key and at most 4 sequences per request."""
-  with _serving(trained, max_sequences=4, api_key=KEY) as served:
-    yield served
+  with _serving(trained, max_sequences=4, api_key=KEY) as (url, srv, _):
+    yield url, srv
 
 
 def _client(url: str, key: str = KEY) -> openai.OpenAI:
@@ -429,7 +450,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(local, monkeyp
 
 
 def test_stopping_fails_the_waiting_and_the_running_requests(trained, monkeypatch):
-  with _serving(trained) as (url, srv):
+  with _serving(trained) as (url, srv, _):
     decode, gate = srv.engine.runner.decode, threading.Event()
 
     def held(*args):  # the first decode waits for the test
@@ -499,3 +520,214 @@ def test_an_engine_whose_steps_keep_failing_stops_the_server_with_status_1(run):
       f'error: the engine stopped ({engine.MAX_FAILURES} engine steps failed in a row; the last '
       'error: RuntimeError: secret detail); the tracebacks are in the log above.')
   assert stderr.count('an engine step failed') == engine.MAX_FAILURES
+
+
+@contextlib.contextmanager
+def _stepping(eng: engine.Engine):
+  """The engine's steps (each decodes a chunk) wait for a permit of the yielded semaphore:
+  release(n) lets n steps run (a step waits 60 s at most: nothing hangs for good). On exit they
+  run freely again."""
+  step, permits, free = eng.step, threading.Semaphore(0), threading.Event()
+
+  def held():
+    if not free.is_set():
+      permits.acquire(timeout=60)
+    return step()
+
+  eng.step = held
+  try:
+    yield permits
+  finally:
+    free.set()
+    permits.release(100)
+    del eng.step
+
+
+def _address(url: str) -> tuple[str, int]:
+  return '127.0.0.1', int(url.rsplit(':', 1)[1])
+
+
+def _refused(url: str) -> bool:
+  """Whether the server at url refuses connections (it stopped listening)."""
+  try:
+    socket.create_connection(_address(url), timeout=5).close()
+  except ConnectionRefusedError:
+    return True
+  return False
+
+
+def _until(condition, what: str, timeout: float = 60):
+  """Waits until condition() is true (a hang fails the test after timeout seconds)."""
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert time.monotonic() < deadline, f'timed out waiting until {what}'
+    time.sleep(0.02)
+
+
+@pytest.fixture
+def queued(local, monkeypatch):
+  """The in-process server, its queue holding 4 sequences (as many as a request may ask for)."""
+  url, srv = local
+  monkeypatch.setattr(srv, 'max_queued', 4)
+  return url, srv
+
+
+def _completion(prompt='The ', **kw) -> bytes:
+  return json.dumps({'model': NAME, 'prompt': prompt, 'max_tokens': 4, **kw}).encode()
+
+
+def test_a_burst_beyond_the_queue_gets_429_and_every_request_an_answer(queued):
+  url, srv = queued
+  with concurrent.futures.ThreadPoolExecutor(12) as pool, _stepping(srv.engine) as permits:
+    burst = [pool.submit(_answer, url, _completion(f'{i} '), key=KEY) for i in range(12)]
+    # The engine decodes nothing meanwhile: 4 wait in the queue, the 8 others are refused.
+    _until(lambda: sum(f.done() for f in burst) == 8, '8 requests are answered')
+    assert srv.engine.stats()['waiting'] == 4
+    permits.release(100)
+    answers = [f.result(timeout=120) for f in burst]
+  assert sorted(status for status, _, _ in answers) == [200] * 4 + [429] * 8
+  for status, answer, headers in answers:
+    if status == 200:
+      assert answer['choices'][0]['text']
+      continue
+    assert headers['Retry-After'] == str(serve.RETRY_AFTER_S)
+    assert answer == {'error': {
+        'message': 'The server is busy: its queue of sequences waiting for a slot '
+                   '(--max_queued_sequences=4) has no room for this request. Please try again in '
+                   '1s.', 'type': 'requests', 'param': None, 'code': 'rate_limit_exceeded'}}
+  health = _get(f'{url}/health')
+  assert health['busy'] == health['waiting'] == 0 and health['max_queued_sequences'] == 4
+
+
+def test_the_openai_client_retries_a_429_and_then_gets_its_answer(queued):
+  url, srv = queued
+  statuses = []
+
+  def seen(response):  # the client's HTTP responses: the queue drains after the first 429
+    statuses.append(response.status_code)
+    if response.status_code == 429:
+      permits.release(100)
+
+  client = openai.OpenAI(base_url=f'{url}/v1', api_key=KEY, max_retries=4, timeout=120,
+                         http_client=openai.DefaultHttpxClient(event_hooks={'response': [seen]}))
+  with concurrent.futures.ThreadPoolExecutor(1) as pool, _stepping(srv.engine) as permits:
+    first = pool.submit(_post, url, _completion(['a', 'b', 'c']), key=KEY)
+    _until(lambda: srv.engine.stats()['waiting'] == 3, '3 of the 4 places are taken')
+    answer = greedy(client, 'The ', max_tokens=4, n=2)  # a 429, retried after Retry-After
+    assert first.result(timeout=120)[0] == 200
+  assert statuses[0] == 429 and statuses[-1] == 200, statuses
+  assert len(answer.choices) == 2 and all(c.finish_reason in ('length', 'stop') and c.text
+                                          for c in answer.choices)
+
+
+def test_a_client_that_disconnects_cancels_its_sequences(local, monkeypatch):
+  url, srv = local
+  submitted, submit = [], srv.engine.submit
+  monkeypatch.setattr(srv.engine, 'submit', lambda seq: submit(submitted.append(seq) or seq))
+  body = _completion(max_tokens=40)
+  with _stepping(srv.engine) as permits, socket.create_connection(_address(url)) as sock:
+    sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer %s\r\n'
+                 b'Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s' % (
+                     KEY.encode(), len(body), body))
+    _until(lambda: submitted, 'the request is queued')
+    # Two steps: the first dispatches a chunk of 4 tokens, the second the next chunk and reads the
+    # first (the device never waits for the host); then the engine waits again.
+    permits.release(2)
+    [seq] = submitted
+    _until(lambda: seq.tokens, 'the first chunk is decoded')
+    sock.close()
+    _until(lambda: seq.cancelled, 'the server cancels the sequence of the client gone')
+    generated = srv.engine.stats()['tokens_generated']
+  _until(lambda: seq.done, 'the sequence ends')
+  # The chunk in flight when it was cancelled is dropped: nothing more for it.
+  assert seq.finish_reason == 'cancelled' and len(seq.tokens) == 4
+  assert srv.engine.stats()['tokens_generated'] == generated
+
+
+def test_health_answers_503_while_the_engine_has_work_and_makes_no_progress(local, monkeypatch):
+  url, srv = local
+  monkeypatch.setattr(srv, 'stall_timeout', 1.0)
+  time.sleep(1.5)  # idle for longer than that: not stalled
+  assert _status(f'{url}/health')[0] == 200
+  with concurrent.futures.ThreadPoolExecutor(1) as pool, _stepping(srv.engine):
+    asked = pool.submit(greedy, _client(url), 'The ', max_tokens=4)
+    _until(lambda: _status(f'{url}/health')[0] == 503, '/health says the engine is stalled')
+    status, answer = _status(f'{url}/health')
+    assert answer['error']['code'] == 'engine_stalled' and answer['error']['type'] == (
+        'server_error') and 'generated no token' in answer['error']['message']
+  assert asked.result(timeout=120).choices[0].text
+  assert _status(f'{url}/health')[0] == 200
+
+
+class _OffTheLoop:
+  """A tokenizer that counts its encode/decode calls, and those made in a thread that runs an
+  event loop (the server's: where nothing heavy belongs)."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer, self.calls, self.on_the_loop = tokenizer, 0, []
+
+  def __getattr__(self, name):
+    attribute = getattr(self.tokenizer, name)
+    if name not in ('encode', 'decode'):
+      return attribute
+
+    def counted(*args, **kw):
+      self.calls += 1
+      with contextlib.suppress(RuntimeError):  # (no loop in this thread)
+        asyncio.get_running_loop()
+        self.on_the_loop.append(name)
+      return attribute(*args, **kw)
+
+    return counted
+
+
+def test_tokenizing_and_detokenizing_run_off_the_event_loop(local, monkeypatch):
+  url, srv = local
+  tokenizer = _OffTheLoop(srv.tokenizer)
+  monkeypatch.setattr(srv, 'tokenizer', tokenizer)
+  c = _client(url)  # (the same shapes twice: one compile)
+  whole = greedy(c, [list(b'The'), list(b'A')], max_tokens=8, logprobs=1)  # ids: decoded
+  assert all(choice.logprobs.tokens for choice in whole.choices)
+  streamed = greedy(c, ['The', 'A'], max_tokens=8, stream=True, logprobs=1)  # text: encoded
+  assert ''.join(e.choices[0].text for e in streamed)
+  assert tokenizer.calls > 20 and tokenizer.on_the_loop == []
+
+
+def test_a_shutdown_answers_every_request_in_flight_within_shutdown_timeout(trained):
+  with concurrent.futures.ThreadPoolExecutor(4) as pool, \
+      _serving(trained, shutdown_timeout=2.0) as (url, srv, shut_down), \
+      _stepping(srv.engine) as permits:
+    c = _client(url)
+    # One chunk: dispatched by the first step, read (done) by the second.
+    short = pool.submit(greedy, c, 'The ', max_tokens=4)
+    long = pool.submit(greedy, c, 'A ', max_tokens=40)
+    streamed = pool.submit(lambda: list(greedy(c, 'An ', max_tokens=40, stream=True)))
+    _until(lambda: srv.engine.stats()['waiting'] == 3, 'the 3 requests are queued')
+    started = time.monotonic()
+    stopping = pool.submit(shut_down)
+    _until(lambda: _refused(url), 'uvicorn closes its socket')
+    permits.release(2)  # the first two steps; the next one hangs (for 60 s)
+    assert short.result(timeout=60).choices[0].finish_reason == 'length'  # finished in time
+    with pytest.raises(openai.InternalServerError, match='stopped before this request') as e:
+      long.result(timeout=60)
+    assert e.value.status_code == 503 and e.value.code == 'server_stopping'
+    with pytest.raises(openai.APIError, match='stopped before this request') as e:
+      streamed.result(timeout=60)
+    assert e.value.body['code'] == 'server_stopping'
+    assert stopping.result(timeout=60)  # uvicorn's thread ended
+    # Within the 2 s, uvicorn's FORCE_AFTER_S and the engine's, not the step's 60 s.
+    assert time.monotonic() - started < 30
+
+
+def test_limits_and_timeouts_out_of_range_are_one_error_line():
+  flags = types.SimpleNamespace(max_sequences_per_request=8, max_queued_sequences=8,
+                                stall_timeout=300.0, shutdown_timeout=0.0)
+  serve.check_flags(flags)
+  for name, value, message in [
+      ('max_queued_sequences', 4, '--max_queued_sequences=4: it must be >= '
+       '--max_sequences_per_request (8), else the largest request could never be queued'),
+      ('stall_timeout', 0.0, '--stall_timeout=0.0: it must be > 0 seconds'),
+      ('shutdown_timeout', -1.0, '--shutdown_timeout=-1.0: it must be >= 0 seconds')]:
+    with pytest.raises(UserError) as e:
+      serve.check_flags(types.SimpleNamespace(**{**vars(flags), name: value}))
+    assert str(e.value) == message

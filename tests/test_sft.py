@@ -41,11 +41,17 @@ def stack(rows) -> dict:
 
 
 class _LogitsAsParams:
-  """A stand-in model whose logits are its params: the loss as a function of the logits."""
+  """A stand-in model whose logits are its params: the loss as a function of the logits. As the
+  loss asks it (logits=False), its final hidden states are the logits and its output projection
+  the identity, which gives the same logits exactly."""
+  mesh = None
 
-  def apply(self, variables, inputs_BxT, segments_BxT=None):
+  def apply(self, variables, inputs_BxT, segments_BxT=None, logits=True):
     del inputs_BxT, segments_BxT
-    return variables['params']
+    logits_BxTxV = variables['params']
+    if logits:
+      return logits_BxTxV
+    return logits_BxTxV, jnp.eye(logits_BxTxV.shape[-1], dtype=logits_BxTxV.dtype)
 
 
 def test_loss_counts_completion_tokens_only_and_prompt_positions_get_no_gradient():

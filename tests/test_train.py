@@ -73,3 +73,38 @@ def test_the_logged_rate_after_skipped_steps_is_the_one_the_optimizer_applied(tm
     applied = step - 1 - skips[step - 1]  # updates applied before this step
     assert r['train/lr'] == pytest.approx(float(schedule(applied)), rel=1e-6), step
   assert rows[6]['train/lr'] != pytest.approx(float(schedule(5)), rel=1e-3)  # schedule(step)
+
+
+def test_weights_cast_once_a_step_train_exactly_as_casting_them_at_use(monkeypatch):
+  """model.with_compute_weights (the layers' matmul weights in bfloat16 once a step, not in every
+  micro-batch): the same losses, gradient norms and params, bit for bit, as the model's own casts
+  at use, over steps of 4 micro-batches."""
+  from jax_pretrain import model as model_lib  # noqa: PLC0415
+  from jax_pretrain import state as state_lib  # noqa: PLC0415
+  c = config_lib.preset('test')
+  c.model.dtype = 'bfloat16'
+  c.train.batch_size, c.train.micro_batch_size = 16, 4
+  s = build_setup(c, devices=jax.devices()[:1])
+  cast = jax.eval_shape(lambda p: model_lib.with_compute_weights(s.config.model, p),
+                        s.abstract_state.params)
+  dtypes = {jax.tree_util.keystr(path): x.dtype
+            for path, x in jax.tree_util.tree_leaves_with_path(cast)}
+  assert dtypes["['layers']['attn']['wq']"] == dtypes["['layers']['mlp']['w_down']"] == 'bfloat16'
+  assert dtypes["['layers']['attn_norm']['scale']"] == dtypes["['embedding']"] == 'float32'
+  batches = [np.random.default_rng(i).integers(0, 256, (16, 33)).astype(np.int32)
+             for i in range(3)]
+
+  def run():
+    state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
+    metrics = []
+    for tokens in batches:
+      state, m = step(state, {'tokens': tokens})
+      metrics.append((float(m['loss']), float(m['grad_norm'])))
+    return metrics, jax.tree.leaves(state.params)
+
+  ours = run()
+  monkeypatch.setattr(model_lib, 'with_compute_weights', lambda c, params: params)
+  theirs = run()
+  assert ours[0] == theirs[0]
+  for a, b in zip(ours[1], theirs[1]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

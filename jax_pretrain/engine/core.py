@@ -154,7 +154,7 @@ class Engine:
           if failures >= max_failures:
             raise EngineFailed(f'{failures} engine steps failed in a row') from e
     finally:
-      self.runner.programs.stop()
+      self.runner.programs.stop(wait=False)  # (a shutdown does not wait for a compile)
       for seq in [*self.scheduler.stop(), *self._abandon()]:
         output_lib.fail(seq, STOPPED)
 

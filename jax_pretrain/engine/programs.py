@@ -98,12 +98,12 @@ class Programs:
     """Shapes queued for the background compiler (the one it is compiling included)."""
     return len(self._queue) + (self._compiling is not None)
 
-  def stop(self) -> None:
-    """Stops the background compiler after the program it is compiling (waits for it)."""
+  def stop(self, wait: bool = True) -> None:
+    """Stops the background compiler after the program it is compiling (`wait`: for it)."""
     with self._lock:
       self._stopping = True
       self._queue.clear()
-    if self._thread is not None:
+    if wait and self._thread is not None:
       self._thread.join()
 
   def join(self) -> None:

@@ -61,6 +61,9 @@ from jax_pretrain.engine.scheduler import Prefill
 from jax_pretrain.engine.sequence import Sequence
 
 CallT = TypeVar('CallT', Prefill, Decode)
+# Every runner's compiled programs (ModelRunner.compile): engines of one model, mesh and sizes share
+# them, e.g. the engines a process makes one after another (the tests, GRPO's evals).
+_COMPILED: dict[tuple, Any] = {}
 Array = Any  # a call's inputs: numpy arrays made on the host, then jax.Arrays on the mesh
 
 
@@ -301,7 +304,7 @@ class ModelRunner:
                             np.int32(tokenizer.eos_id))
     self._constants: tuple | None = None
     self._state: State | None = None  # allocated at the first call (state())
-    self.programs = programs_lib.Programs(lambda shape: self.lower(shape).compile())
+    self.programs = programs_lib.Programs(self.compile)
     self.prompts_prefilled = 0  # prompts run through the model (once for all their sequences)
     self.set_params(params)
 
@@ -368,6 +371,17 @@ class ModelRunner:
         multihost.global_array(np.int32(call.steps), self._replicated),
         multihost.global_array(np.bool_(call.top_n > 0), self._replicated))
     return out if call.top_n else out[:2]
+
+  def compile(self, shape: programs_lib.Shape):
+    """The call of this shape compiled, once per process for this model, mesh, cache and params'
+    shapes: runners that share them share their programs (_COMPILED), as jit's cache would."""
+    key = (shape, self.model, self.mesh, self.slots, self.context, self.chunk,
+           jax.tree.structure(self.params),
+           tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(self.params)))
+    program = _COMPILED.get(key)
+    if program is None:
+      program = _COMPILED[key] = self.lower(shape).compile()
+    return program
 
   def lower(self, shape: programs_lib.Shape):
     """The call of this shape lowered (lower_prefill or lower_decode)."""

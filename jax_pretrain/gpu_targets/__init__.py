@@ -29,6 +29,11 @@ The roofline's speeds are not in those files. Where each number comes from:
             B300/GB200/GB300, RTX A6000, RTX PRO 6000, V100, P100): those cannot be planned here.
   h100 FP8  matmuls at twice the measured bf16 rate: the datasheet's dense FP8 peak is twice its
             bf16 peak (1979 vs 989 TFLOP/s); not measured. A100s have no FP8 GEMMs.
+  float32   matmuls of float32 operands run as TF32 GEMMs: on the H100 at 275 TFLOP/s, measured
+            (issue 30's profile of xlarge: 8 `sm90_xmma_gemm_f32f32_tf32f32` GEMMs of the output
+            head's backward, 16.5 TFLOP, 60 ms a step); other cards: that fraction of their peak
+            (their datasheets' dense TF32 is half their bf16, as the H100's), not measured. The
+            V100 has no TF32: its float32 peak, 15.7 TFLOP/s (datasheet).
 Collectives are assumed to reach COLLECTIVE_EFFICIENCY of the link (NCCL ring bus bandwidth, as in
 docs/scaling.md).
 """
@@ -43,6 +48,7 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 _H100_PEAK, _A100_PEAK = 989e12, 312e12
 _V100_PEAK, _A6000_PEAK = 125e12, 154.8e12
 _H100_MATMUL, _H100_ATTENTION = 794e12, (430e12, 333e12)
+_H100_F32_MATMUL = 16.5e12 / 0.060  # TF32, issue 30's profile (the module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,7 @@ class Target:
   devices_per_node: int = 8
   memory_override: float | None = None  # bytes: a card of this family with less memory
   fp8_matmul_flops: float | None = None  # FP8 matmul FLOP/s (None: the card has no FP8 GEMMs)
+  f32_matmul_flops: float | None = None  # float32-operand (TF32) matmul FLOP/s
 
   def config_text(self) -> str:
     if self.file is None:
@@ -91,11 +98,14 @@ class Target:
     return m.group(1)
 
 
-def _scaled(name: str, file: str, peak: float, link: float, network: float) -> Target:
-  """A card whose matmul and attention speeds are the H100's measured fractions of its peak."""
+def _scaled(name: str, file: str, peak: float, link: float, network: float,
+            f32_matmul: float | None = None) -> Target:
+  """A card whose matmul and attention speeds are the H100's measured fractions of its peak
+  (float32 matmuls too, unless f32_matmul says otherwise)."""
   scale = peak / _H100_PEAK
   return Target(name, file, peak, _H100_MATMUL * scale,
-                (_H100_ATTENTION[0] * scale, _H100_ATTENTION[1] * scale), link, network)
+                (_H100_ATTENTION[0] * scale, _H100_ATTENTION[1] * scale), link, network,
+                f32_matmul_flops=f32_matmul or _H100_F32_MATMUL * scale)
 
 
 def _a100(name: str, file: str) -> Target:
@@ -104,11 +114,11 @@ def _a100(name: str, file: str) -> Target:
 
 TARGETS = {
     'h100': Target('h100', 'h100_sxm.txtpb', _H100_PEAK, _H100_MATMUL, _H100_ATTENTION, 450e9,
-                   50e9, fp8_matmul_flops=2 * _H100_MATMUL),
+                   50e9, fp8_matmul_flops=2 * _H100_MATMUL, f32_matmul_flops=_H100_F32_MATMUL),
     'a100-80': _a100('a100-80', 'a100_sxm_80.txtpb'),
     'a100-40': _a100('a100-40', 'a100_sxm_40.txtpb'),
     # Older cards (model.dtype 'auto' gives float16 on the V100, bfloat16 on the A6000).
-    'v100': _scaled('v100', 'v100_sxm2_16.txtpb', _V100_PEAK, 150e9, 12.5e9),
+    'v100': _scaled('v100', 'v100_sxm2_16.txtpb', _V100_PEAK, 150e9, 12.5e9, 15.7e12),
     'rtx-a6000': _scaled('rtx-a6000', 'rtx_a6000.txtpb', _A6000_PEAK, 32e9, 12.5e9),
     'cpu': Target('cpu', None),
 }
@@ -118,6 +128,7 @@ TARGETS = {
 class Roofline:
   compute_s: float  # kernels: max(FLOPs / speed, HBM bytes / bandwidth), summed
   communication_s: float  # collectives: wire bytes / link (or network) bandwidth
+  by_kind: dict[str, float] = dataclasses.field(default_factory=dict)  # compute_s by kernel kind
 
   @property
   def step_s(self) -> float:
@@ -134,16 +145,19 @@ def roofline(stats, target: Target) -> Roofline | None:
   # The backward kernel alone, from forward and forward+backward (2.5× and 3.5× forward's FLOPs).
   backward = 2.5 / (3.5 / both - 1.0 / forward)
   speed = {'matmul': target.matmul_flops, 'attention': forward, 'attention_backward': backward,
-           'matmul_fp8': target.fp8_matmul_flops or target.matmul_flops}
+           'matmul_fp8': target.fp8_matmul_flops or target.matmul_flops,
+           'matmul_f32': target.f32_matmul_flops or target.matmul_flops}
   hbm = target.hbm_bandwidth  # (read from the file: once, not per kernel)
-  compute = sum(k.times * max(k.flops / speed.get(k.kind, target.matmul_flops),
-                              k.hbm_bytes / hbm) for k in stats.kernels)
+  by_kind: dict[str, float] = {}
+  for k in stats.kernels:
+    seconds = k.times * max(k.flops / speed.get(k.kind, target.matmul_flops), k.hbm_bytes / hbm)
+    by_kind[k.kind] = by_kind.get(k.kind, 0.0) + seconds
   link = COLLECTIVE_EFFICIENCY * target.link_bandwidth
   network = COLLECTIVE_EFFICIENCY * target.network_bandwidth
   communication = sum((c.wire_bytes - c.cross_node_wire_bytes) / link
                       + c.cross_node_wire_bytes / network
                       for c in stats.collectives.values())
-  return Roofline(compute, communication)
+  return Roofline(sum(by_kind.values()), communication, by_kind)
 
 
 def for_device_kind(kind: str) -> Target | None:

@@ -90,7 +90,9 @@ def _resolve(g: GrpoConfig) -> None:
   choice(g, 'grpo', 'task_format', tuple(tasks.FORMATS))
 
 
-GROUP = config_lib.register(config_lib.Group('grpo', GrpoTrainConfig, _resolve))
+GROUP = config_lib.register(config_lib.Group('grpo', GrpoTrainConfig, _resolve,
+                                             config_file='configs/grpo.py:PRESET',
+                                             program='python -m jax_pretrain.grpo'))
 
 
 def defaults() -> ml_collections.ConfigDict:

@@ -2,7 +2,9 @@
 
 'xla'    jax.nn.dot_product_attention's XLA path (any backend; GSPMD partitions it).
 'cudnn'  jax.nn.dot_product_attention(implementation='cudnn'), the fused cuDNN kernel (GPU only).
-'pallas' our own flash-attention kernel (jax_pretrain/kernels/flash_attention.py).
+'pallas' our own flash-attention kernel (jax_pretrain/kernels/flash_attention.py): a reference
+         kernel that 'auto' never picks (measured on one H100: its backward runs at half cuDNN's
+         speed; the kernel's docstring says why).
 'auto'   (the default) resolved once, at start-up, by `choose`: cuDNN on an NVIDIA GPU where it
          supports the dtype and head_dim, else XLA. On one H100 (scripts/gpu_check.sh,
          BENCHMARKS.md: B8 T2048 16 heads × 128) cuDNN ran 250 / 291 TFLOP/s forward /
@@ -71,6 +73,21 @@ def choose(backend: str, device_kind: str, capability: tuple[int, int] | None, d
   if head_dim % 8 or head_dim > 128:
     return 'xla', f'cuDNN fused attention needs head_dim <= 128 and a multiple of 8, not {head_dim}'
   return 'cudnn', f'{device_kind}, {dtype}, head_dim {head_dim}'
+
+
+# The primitives that run the fused kernels' forward passes, their outputs what the backward
+# reads: jax's cuDNN attention binds this one in its custom_vjp's forward rule (the attention
+# output and the softmax statistics: jax._src.cudnn.fused_attention_stablehlo), our Pallas kernel
+# its forward's pallas_call (the output and the logsumexp: kernels/flash_attention.py).
+_FORWARD_PRIMITIVES = ('dot_product_attention_fwd_wrapper', 'pallas_call')
+
+
+def forward_saveable(prim, *_, **__) -> bool:
+  """A remat policy (jax.checkpoint_policies' signature) that keeps the fused kernels' forward
+  outputs, so that the backward pass does not run the forward kernel again for them. It costs
+  their size per layer: the output B·T·N·H in the compute dtype and the statistics B·N·T float32
+  (xlarge, micro-batch 8: 64 MB a layer)."""
+  return prim.name in _FORWARD_PRIMITIVES
 
 
 def unavailable_reason(implementation: str, backend: str | None = None) -> str | None:

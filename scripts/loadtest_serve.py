@@ -1,0 +1,160 @@
+"""A load test of the OpenAI-compatible server at several times its capacity, with locust: every
+request must be answered 200 or 429 (none lost, none hung), /health must answer quickly
+throughout, and the server's memory must stay bounded.
+
+  python -m venv /work/loadtest-venv && /work/loadtest-venv/bin/pip install locust  # once
+  python scripts/loadtest_serve.py --workdir=runs/default --locust=/work/loadtest-venv/bin/locust
+
+Steps: starts `python -m jax_pretrain.serve --warmup` on a free port (--serve_args adds flags);
+measures its capacity C (requests/s) as scripts/benchmark_serve.py does with --clients
+concurrent clients; then runs locust headless for --seconds (after RAMP_S seconds starting its
+users) with --users users, each pacing
+completions (benchmark_serve's prompts, --max_tokens each) so that together they offer
+--factor × C requests/s (locust's constant_throughput: a user whose answer takes longer than its
+interval offers less, so the rate offered is measured, not assumed). Meanwhile a thread asks
+/health every --health_every seconds (a new connection each time, 10 s timeout) and samples the
+server's resident memory (/proc/PID/status). After locust (its users finish the request in
+flight: --stop-timeout) the server is stopped with SIGTERM and the seconds until it exits are
+measured. Prints a summary and exits 1 when a check fails.
+"""
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import benchmark_serve
+
+HEALTH_LIMIT_S = 0.5
+RAMP_S = 5  # locust starts its users over this many seconds, before the --seconds of full load
+
+
+def rss_mib(pid: int) -> float:
+  with open(f'/proc/{pid}/status') as f:
+    kib = next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))
+  return kib / 1024
+
+
+class Watch(threading.Thread):
+  """Asks /health every `every` seconds and samples the server's RSS, until stop is set."""
+
+  def __init__(self, health_url: str, pid: int, every: float):
+    super().__init__(daemon=True)
+    self.health_url, self.pid, self.every = health_url, pid, every
+    self.stop = threading.Event()
+    self.latencies: list[float] = []
+    self.not_ok: list[str] = []  # what /health said when it was not 200 in time
+    self.rss: list[float] = []
+
+  def run(self):
+    while not self.stop.is_set():
+      t0 = time.perf_counter()
+      try:
+        with urllib.request.urlopen(self.health_url, timeout=10) as r:
+          r.read()
+      except OSError as e:
+        self.not_ok.append(f'{type(e).__name__}: {e}')
+      self.latencies.append(time.perf_counter() - t0)
+      self.rss.append(rss_mib(self.pid))
+      self.stop.wait(self.every)
+
+
+def percentile(xs: list[float], q: float) -> float:
+  return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float('nan')
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--workdir', default='runs/default', help='Run to serve.')
+  p.add_argument('--locust', default='/work/loadtest-venv/bin/locust', help="locust's command.")
+  p.add_argument('--serve_args', default='', help='Extra flags for jax_pretrain.serve.')
+  p.add_argument('--factor', type=float, default=10, help='Load offered, in capacities.')
+  p.add_argument('--capacity', type=float, default=0,
+                 help='Requests/s the server sustains (0: measure it first).')
+  p.add_argument('--clients', type=int, default=16, help='Concurrent clients measuring capacity.')
+  p.add_argument('--seconds', type=int, default=60, help='Duration of the load.')
+  p.add_argument('--users', type=int, default=0,
+                 help='Locust users (0: 4 × the requests/s offered, so that a user waiting for a '
+                 'queued answer leaves the rate to the others).')
+  p.add_argument('--max_tokens', type=int, default=64, help='Tokens generated per request.')
+  p.add_argument('--health_every', type=float, default=0.2, help='Seconds between /health asks.')
+  a = p.parse_args()
+
+  server, url = benchmark_serve.start(a.workdir, a.serve_args)
+  health_url = url.replace('/v1', '/health')
+  try:
+    name = benchmark_serve.model_name(url)
+    capacity = a.capacity
+    if not capacity:
+      benchmark_serve.run(url, name, a.clients, a.clients, a.max_tokens)  # compiles what it needs
+      seconds, _, _ = benchmark_serve.run(url, name, a.clients, 8 * a.clients, a.max_tokens)
+      capacity = 8 * a.clients / seconds
+    rate = a.factor * capacity
+    users = a.users or math.ceil(4 * rate)
+    rss_before = rss_mib(server.pid)
+    print(f'capacity {capacity:.1f} requests/s; offering {a.factor:g} × = {rate:.0f} requests/s '
+          f'from {users} locust users for {a.seconds} s; server RSS {rss_before:.0f} MiB',
+          flush=True)
+    watch = Watch(health_url, server.pid, a.health_every)
+    watch.start()
+    with tempfile.TemporaryDirectory() as tmp:
+      out = os.path.join(tmp, 'latencies.json')
+      t0 = time.perf_counter()
+      subprocess.run(
+          [a.locust, '-f', os.path.join(os.path.dirname(__file__), 'locustfile_serve.py'),
+           '--headless', '--host', url.removesuffix('/v1'), '--users', str(users),
+           '--spawn-rate', str(users / RAMP_S), '--run-time', f'{a.seconds + RAMP_S}s',
+           '--stop-timeout', '300',
+           '--only-summary', '--loglevel', 'WARNING', '--model', name],
+          env={**os.environ, 'LOADTEST_USER_RATE': str(rate / users), 'LOADTEST_OUT': out,
+               'LOADTEST_MAX_TOKENS': str(a.max_tokens)},
+          check=False, timeout=a.seconds + 600)
+      elapsed = time.perf_counter() - t0
+      with open(out) as f:
+        latencies = json.load(f)
+    during = list(watch.rss)
+    time.sleep(5)  # the queue drains, then memory after
+    watch.stop.set()
+    watch.join()
+    rss_after = rss_mib(server.pid)
+    health = json.load(urllib.request.urlopen(health_url, timeout=10))
+  finally:
+    t0 = time.perf_counter()
+    server.send_signal(signal.SIGTERM)
+    try:
+      server.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+      server.kill()
+    exit_s = time.perf_counter() - t0
+
+  sent = sum(len(v) for v in latencies.values())
+  print(f'\n{sent} requests in {elapsed:.0f} s ({sent / elapsed:.0f}/s offered, '
+        f'{sent / elapsed / capacity:.1f} × capacity):')
+  for status, xs in sorted(latencies.items()):
+    print(f'  {status}: {len(xs)} ({len(xs) / elapsed:.1f}/s), latency median '
+          f'{statistics.median(xs):.3f} s, p99 {percentile(xs, 0.99):.3f} s, max {max(xs):.3f} s')
+  print(f'/health: {len(watch.latencies)} asks, median {statistics.median(watch.latencies):.3f} '
+        f's, p99 {percentile(watch.latencies, 0.99):.3f} s, max {max(watch.latencies):.3f} s; '
+        f'{len(watch.not_ok)} not answered 200 {watch.not_ok[:3]}')
+  print(f'server RSS: before {rss_before:.0f} MiB, during max {max(during):.0f} MiB, after '
+        f'{rss_after:.0f} MiB; queue after: busy {health["busy"]}, waiting {health["waiting"]}')
+  print(f'SIGTERM to exit: {exit_s:.1f} s (exit status {server.returncode})')
+  failed = [what for what, bad in [
+      ('a request was not answered 200 or 429', set(latencies) - {'200', '429'}),
+      (f'/health took over {HEALTH_LIMIT_S} s or failed',
+       max(watch.latencies) > HEALTH_LIMIT_S or watch.not_ok),
+      ('the queue did not drain', health['busy'] or health['waiting'])] if bad]
+  for what in failed:
+    print(f'FAILED: {what}')
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == '__main__':
+  main()
