@@ -379,7 +379,10 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   for live, calls in sorted(rollout_calls(prompt_tokens, g.max_new_tokens, eng.chunk,
                                           context).items()):
     t0 = time.perf_counter()
-    decode = eng.lower_decode(eng.local_slots, live).compile()
+    # The decode holds a sort (sampling's top-k/top-p branch): CUB's sort asks the GPU at compile
+    # time, which a machine without one lacks ('invalid device ordinal'); XLA's own compiles.
+    decode = eng.lower_decode(eng.local_slots, live).compile(
+        compiler_options=None if target == 'cpu' else {'xla_gpu_enable_cub_radix_sort': False})
     decode_reports[live] = {'live': live, 'calls_per_wave': calls, **call_report(
         decode, t, during_rollout, eng.slots * eng.chunk, time.perf_counter() - t0,
         unknown_trips=eng.chunk)}
