@@ -9,15 +9,19 @@ statistics and the logits returned to the loss are float32. Every parameter carr
 names (see sharding.LOGICAL_AXIS_RULES). Layers are stacked on a leading 'layers' axis and scanned,
 so compile time does not grow with depth.
 
-Decoding (engine.py): the model runs unscanned (scan_layers=False, params per layer) with a
+Decoding (engine/runner.py): the model runs unscanned (scan_layers=False, params per layer) with a
 `KVCache` of one buffer per layer, which each call updates in place (scatter of the new positions;
-under jit with the cache donated, no copy of it is made). Two calls:
+under jit with the cache donated, no copy of it is made), and with the engine's params
+(runner.decoding_params): each layer's query, key and value projections one matrix `wqkv`
+[D, N + 2K, H] and its gate and up projections one `w_gate_up` [D, 2, F], so that a step reads
+few, large operands (the model reads the projections as its params hold them: init makes them
+apart, as the trainer and checkpoints keep them). Two calls:
   prefill  tokens [B, P] at positions 0..P-1 of fresh sequences: causal self-attention over them
            (model.attention's kernel, as in training), their keys and values written into cache
            rows `slots_B`, and the logits at `last_B` only;
   decode   tokens [B, T] (T = 1 a step) at positions_BxT of cache rows 0..B-1: attention over the
            first `live` positions of those rows (the live context, a static bucket), with a causal
-           mask on absolute positions.
+           mask on absolute positions, reading the cache's dtype with float32 accumulation.
 Training never passes a cache.
 
 Shape suffixes: B batch, T length, D d_model, N query heads, K kv heads, H head_dim, F mlp_dim,
@@ -149,15 +153,20 @@ class Attention(nn.Module):
     c = self.config
     D, N, K, H = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
-    wq_DxNxH = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), c.init_std)
-    wk_DxKxH = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
-    wv_DxKxH = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
-    wo_NxHxD = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), out_std)
-
     dt, dense = c.compute_dtype, _dense_einsum(c)
-    q_BxTxNxH = dense('btd,dnh->btnh', x_BxTxD, wq_DxNxH.astype(dt))
-    k_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wk_DxKxH.astype(dt))
-    v_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wv_DxKxH.astype(dt))
+    if self.has_variable('params', 'wqkv'):  # the engine's: one matrix, one matmul
+      wqkv_DxJxH = _param(self, 'wqkv', (D, N + 2 * K, H), ('embed', None, 'head_dim'),
+                          c.init_std)
+      qkv_BxTxJxH = dense('btd,djh->btjh', x_BxTxD, wqkv_DxJxH.astype(dt))
+      q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxJxH, [N, N + K], axis=2)
+    else:  # (init makes these: the trainer's params, a checkpoint's)
+      wq_DxNxH = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), c.init_std)
+      wk_DxKxH = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
+      wv_DxKxH = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
+      q_BxTxNxH = dense('btd,dnh->btnh', x_BxTxD, wq_DxNxH.astype(dt))
+      k_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wk_DxKxH.astype(dt))
+      v_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wv_DxKxH.astype(dt))
+    wo_NxHxD = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), out_std)
     q_BxTxNxH = sharding.constrain(q_BxTxNxH, ('batch', 'length', 'act_heads', None), self.mesh)
     k_BxTxKxH = sharding.constrain(k_BxTxKxH, ('batch', 'length', 'act_kv_heads', None), self.mesh)
     v_BxTxKxH = sharding.constrain(v_BxTxKxH, ('batch', 'length', 'act_kv_heads', None), self.mesh)
@@ -184,20 +193,24 @@ class Attention(nn.Module):
 
 
 def _cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, positions_BxT):
-  """Attention of the new queries over the cache, float32: a query at position p sees slots <= p.
+  """Attention of the new queries over the cache: a query at position p sees slots <= p.
 
-  Plain einsums: decoding is one query per row, so no fused kernel is needed.
+  Plain einsums: decoding is one query per row, so no fused kernel is needed. They read the
+  cache's keys and values as they are (the compute dtype) and accumulate in float32
+  (preferred_element_type), the softmax in float32 and its probabilities in the cache's dtype for
+  the second product, as flash attention does: no float32 copy of the window is made.
   """
   B, T, N, H = q_BxTxNxH.shape
   S, K = k_BxSxKxH.shape[1], k_BxSxKxH.shape[2]
   # Query head n uses kv head n // (N // K), as in the training path.
-  q_BxTxKxGxH = q_BxTxNxH.astype(jnp.float32).reshape(B, T, K, N // K, H)
-  scores_BxKxGxTxS = jnp.einsum('btkgh,bskh->bkgts', q_BxTxKxGxH,
-                                k_BxSxKxH.astype(jnp.float32)) / math.sqrt(H)
+  q_BxTxKxGxH = q_BxTxNxH.astype(k_BxSxKxH.dtype).reshape(B, T, K, N // K, H)
+  scores_BxKxGxTxS = jnp.einsum('btkgh,bskh->bkgts', q_BxTxKxGxH, k_BxSxKxH,
+                                preferred_element_type=jnp.float32) / math.sqrt(H)
   visible_BxTxS = jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None]
   scores_BxKxGxTxS = jnp.where(visible_BxTxS[:, None, None], scores_BxKxGxTxS, -jnp.inf)
-  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
-  o_BxTxKxGxH = jnp.einsum('bkgts,bskh->btkgh', probs_BxKxGxTxS, v_BxSxKxH.astype(jnp.float32))
+  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxH.dtype)
+  o_BxTxKxGxH = jnp.einsum('bkgts,bskh->btkgh', probs_BxKxGxTxS, v_BxSxKxH,
+                           preferred_element_type=jnp.float32)
   return o_BxTxKxGxH.reshape(B, T, N, H)
 
 
@@ -209,13 +222,18 @@ class Mlp(nn.Module):
   def __call__(self, x_BxTxD):
     c = self.config
     D, F = c.d_model, c.mlp_dim
-    w_gate_DxF = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), c.init_std)
-    w_up_DxF = _param(self, 'w_up', (D, F), ('embed', 'mlp'), c.init_std)
+    dt, dense = c.compute_dtype, _dense_einsum(c)
+    if self.has_variable('params', 'w_gate_up'):  # the engine's: one matrix, one matmul
+      w_gate_up_Dx2xF = _param(self, 'w_gate_up', (D, 2, F), ('embed', None, 'mlp'), c.init_std)
+      gate_up_BxTx2xF = dense('btd,dgf->btgf', x_BxTxD, w_gate_up_Dx2xF.astype(dt))
+      gate_BxTxF, up_BxTxF = gate_up_BxTx2xF[:, :, 0], gate_up_BxTx2xF[:, :, 1]
+    else:  # (init makes these)
+      w_gate_DxF = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), c.init_std)
+      w_up_DxF = _param(self, 'w_up', (D, F), ('embed', 'mlp'), c.init_std)
+      gate_BxTxF = dense('btd,df->btf', x_BxTxD, w_gate_DxF.astype(dt))
+      up_BxTxF = dense('btd,df->btf', x_BxTxD, w_up_DxF.astype(dt))
     w_down_FxD = _param(self, 'w_down', (F, D), ('mlp', 'embed'),
                         c.init_std / math.sqrt(2 * c.num_layers))
-    dt, dense = c.compute_dtype, _dense_einsum(c)
-    gate_BxTxF = dense('btd,df->btf', x_BxTxD, w_gate_DxF.astype(dt))
-    up_BxTxF = dense('btd,df->btf', x_BxTxD, w_up_DxF.astype(dt))
     h_BxTxF = nn.silu(gate_BxTxF) * up_BxTxF
     h_BxTxF = sharding.constrain(h_BxTxF, ('batch', 'length', 'act_mlp'), self.mesh)
     h_BxTxF = checkpoint_name(h_BxTxF, 'mlp_hidden')

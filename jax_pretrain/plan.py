@@ -28,12 +28,14 @@ programs of a GRPO step (jax_pretrain/grpo/) instead, for --grpo_prompt_tokens-t
                the prompt + max_new_tokens, rounded up to 8), reported as above, its micro-batch
                chosen as the trainer chooses it (memory.fit_micro_batch, with room left for the
                engine's cache);
-  rollout      the engine's calls (engine.py) as GRPO makes them: its compute-dtype copy of the
+  rollout      the engine's calls (engine/) as GRPO makes them: its compute-dtype copy of the
                params on every device, its KV cache of grpo.rollout_slots rows × (prompt +
-               max_new_tokens) split over the devices; the largest prefill call such prompts ask
-               for, and a decode call of every slot (`chunk` steps) at each live length a rollout
-               reaches,
-               each with its memory and roofline; the decode's HBM bytes per generated token
+               max_new_tokens) split over the devices; the largest prefill call a step's rollout
+               makes (its scheduler's: each prompt run once, its keys and values copied into the
+               slots of its other grpo.num_samples - 1 completions) and the prefill FLOPs of a
+               step, and a decode call of every slot (`chunk` steps) at each live length a
+               rollout reaches, each with its memory and roofline; the decode's HBM bytes per
+               generated token
                beside the least it could read (the weights once a step, the live cache once).
 Each program's memory counts what stays on the device beside its own buffers while it runs: the
 engine's cache (kept between rollouts) during the update, the train state during the rollout,
@@ -206,11 +208,11 @@ def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | Non
 
 
 class _Vocabulary:
-  """What the engine reads of a tokenizer, for a plan without one: the ids it may sample (values
-  of a mask, not shapes)."""
+  """What the engine reads of a tokenizer, for a plan without one: the ids it may sample and EOS
+  (values, not shapes)."""
 
   def __init__(self, vocab_size: int):
-    self.vocab_size, self.pad_id = vocab_size, -1
+    self.vocab_size, self.pad_id, self.eos_id = vocab_size, -1, -1
 
 
 def call_report(compiled, target: gpu_targets.Target, alongside: dict[str, float], tokens: int,
@@ -253,6 +255,27 @@ def rollout_calls(prompt_tokens: int, max_new_tokens: int, chunk: int,
   return calls
 
 
+def rollout_prefills(eng, prompts: int, num_samples: int, prompt_tokens: int,
+                     max_new_tokens: int) -> list:
+  """The prefill calls (scheduler.Prefill) of a GRPO step's rollout as the engine's scheduler
+  makes them: `prompts` distinct prompts of prompt_tokens tokens, num_samples sequences each
+  (together, as rollout.rollouts submits them), a wave of slots at a time (every sequence decodes
+  max_new_tokens: a wave ends together)."""
+  from jax_pretrain.engine import scheduler as scheduler_lib  # noqa: PLC0415
+  from jax_pretrain.engine.sequence import Sequence  # noqa: PLC0415
+  s = scheduler_lib.Scheduler(local_slots=eng.local_slots, devices=eng.devices,
+                              context=eng.context, chunk=eng.chunk,
+                              prefill_tokens=eng.scheduler.prefill_tokens)
+  for p in range(prompts):
+    for _ in range(num_samples):
+      s.submit(Sequence(prompt=[p] * prompt_tokens, max_new_tokens=max_new_tokens))
+  calls = []
+  while s.waiting:
+    calls += s.admit()[0]
+    s.release()
+  return calls
+
+
 def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens: int = 0,
               hlo_path: str | None = None, memory_gib: float | None = None) -> dict:
   """Compiles the programs of a GRPO step of `config` (the module docstring) for `num_devices` of
@@ -261,7 +284,8 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   update, 'prefill' and 'decode': `call_report`'s dicts of the engine's largest prefill and its
   decode call at the longest live context, 'decode_by_live': each live bucket's, 'score': the
   scoring pass's with the calls a step makes (None without one), 'rollout': the calls a step
-  makes at most, their roofline time (the step's: the rollout, the scoring passes and
+  makes at most, the prompts its prefills run and their FLOPs (per device, at most), their
+  roofline time (the step's: the rollout, the scoring passes and
   num_iterations updates) and bytes per generated token}. hlo_path: the
   update's HLO text.
 
@@ -339,17 +363,26 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
 
   # The rollout: the train state stays beside the engine's calls (its params copy is theirs).
   during_rollout = {'train state': state_bytes, **reference}
-  rows, length = eng.largest_prefill(prompt_tokens)
+  # The completions of one prompt share its prefill: the prompt is run once and its keys and
+  # values copied into the slots of the others (of its wave, on its device).
+  prefills = rollout_prefills(eng, B // g.num_samples, g.num_samples, prompt_tokens,
+                              g.max_new_tokens)
+  largest = max(prefills, key=lambda p: (p.rows * p.length, p.copies))
+  rows, length = largest.rows, largest.length
   t0 = time.perf_counter()
-  prefill = eng.lower_prefill(rows, length).compile()
+  prefill = eng.lower_prefill(rows, length, largest.copies).compile()
   prefill_report = call_report(prefill, t, during_rollout, rows * length * eng.devices,
                                time.perf_counter() - t0)
+  prompts_run = sum(len({i for _, i, _ in x}) for p in prefills for x in p.slots)
   waves = -(-B // eng.slots)
   decode_reports = {}
   for live, calls in sorted(rollout_calls(prompt_tokens, g.max_new_tokens, eng.chunk,
                                           context).items()):
     t0 = time.perf_counter()
-    decode = eng.lower_decode(eng.local_slots, live).compile()
+    # The decode holds a sort (sampling's top-k/top-p branch): CUB's sort asks the GPU at compile
+    # time, which a machine without one lacks ('invalid device ordinal'); XLA's own compiles.
+    decode = eng.lower_decode(eng.local_slots, live).compile(
+        compiler_options=None if target == 'cpu' else {'xla_gpu_enable_cub_radix_sort': False})
     decode_reports[live] = {'live': live, 'calls_per_wave': calls, **call_report(
         decode, t, during_rollout, eng.slots * eng.chunk, time.perf_counter() - t0,
         unknown_trips=eng.chunk)}
@@ -357,7 +390,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
 
   # At most: every completion decodes max_new_tokens, a wave of `slots` at a time.
   decode_calls = waves * sum(d['calls_per_wave'] for d in decode_reports.values())
-  prefill_calls = waves * -(-min(B, eng.slots) // (rows * eng.devices))
+  prefill_calls = len(prefills)
   if longest['call_s'] is not None:
     rollout_s = (waves * sum(d['calls_per_wave'] * d['call_s'] for d in decode_reports.values())
                  + prefill_calls * prefill_report['call_s'])
@@ -389,11 +422,13 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
                'engine_cache_gib': cache / memory.GIB,
                'reference_gib': params / memory.GIB if g.beta else 0.0},
       'update': update_report,
-      'prefill': {'rows': rows, 'length': length, **prefill_report},
+      'prefill': {'rows': rows, 'length': length, 'copies': largest.copies, **prefill_report},
       'decode': {'rows': eng.local_slots, 'steps': eng.chunk, **longest},
       'decode_by_live': list(decode_reports.values()),
       'score': score_report and {'calls_per_step': scorings, **score_report},
       'rollout': {'decode_calls': decode_calls, 'prefill_calls': prefill_calls,
+                  'prompts_prefilled': prompts_run,
+                  'prefill_flops': prefill_calls * prefill_report['compute_flops_per_call'],
                   'rollout_s': rollout_s, 'update_s': update_report['step_s'],
                   'updates_per_step': g.num_iterations,
                   'scoring_s': scoring_s,
@@ -484,8 +519,11 @@ def format_grpo_report(r: dict) -> str:
       f'{g["devices"]} devices ({g["slots_per_device"]} each): KV cache '
       f'{g["engine_cache_gib"]:.1f} GiB and bf16 weights {g["engine_params_gib"]:.1f} GiB per '
       'device',
-      call('prefill', p, f'{p["rows"]} prompts × {p["length"]:,} tokens a device (the largest '
-           'call)')]
+      call('prefill', p, f'{p["rows"]} prompts × {p["length"]:,} tokens a device' + (
+          f' and their keys and values into {p["copies"]} more slots' if p['copies'] else '') +
+          f' (the largest call; {ro["prefill_calls"]} a step, {ro["prompts_prefilled"]} prompts '
+          f'run once for {g["completions_per_step"]} completions: at most '
+          f'{ro["prefill_flops"] / 1e12:,.1f} TFLOP a step)')]
   lines += [call('decode', d, f'{g["slots_per_device"]} slots a device × {g["chunk"]} steps over '
                  f'{d["live"]:,} positions ({d["calls_per_wave"]} calls a wave)')
             for d in r['decode_by_live']]

@@ -1,15 +1,15 @@
-"""Text generation from a trained run, through the engine (engine.py, the one decoder).
+"""Text generation from a trained run, through the engine (engine/, the one decoder).
 
   python -m jax_pretrain.sample --workdir=runs/x --prompt "The for statement " \
       [--prompt "Another prompt" ...] [--max_new_tokens 200 --temperature 0.8 --top_k 50 \
       --top_p 0.95 --seed 0]
 
 Each prompt decodes in a slot of its own (row b samples with the seed and stream b, as the server's
-n choices of one request do). Sampling: temperature 0 is greedy (argmax); otherwise the logits are
-divided by the temperature, cut to the top_k most likely tokens (0: no cut) and then to the
-smallest set whose probability reaches top_p (1.0: no cut), and sampled. Ids the tokenizer cannot
-produce (the padding rows of the embedding, and pad itself) are never sampled. A row stops at EOS
-or after max_new_tokens.
+n choices of one request do), sampling as engine/sampling.py says: temperature 0 is greedy
+(argmax); otherwise the logits are divided by the temperature, cut to the top_k most likely tokens
+(0: no cut) and then to the smallest set whose probability reaches top_p (1.0: no cut), and
+sampled; ids the tokenizer cannot produce are never sampled. A row stops at EOS or after
+max_new_tokens.
 """
 import dataclasses
 
@@ -44,7 +44,7 @@ def generate(model_config: model_lib.ModelConfig, params, prompts: list, max_new
              eos_id: int, pad_id: int, vocab_size: int | None = None,
              sampling: Sampling = Sampling(), seed: int = 0) -> list[list[int]]:
   """New token ids for each prompt (a sequence of ids, at least one), EOS excluded: the engine's
-  (engine.py), every prompt in a slot of its own, row b sampling with `seed` and stream b.
+  (engine/), every prompt in a slot of its own, row b sampling with `seed` and stream b.
 
   vocab_size: ids at or above it are never sampled (default: the model's vocabulary).
   """

@@ -48,14 +48,14 @@ when the ASGI receive channel says http.disconnect (watched while the request wa
 
 Failures: nothing that goes wrong reaches a client as exception text; it gets OpenAI's error JSON
 with a generic message (500, server_error) and the traceback goes to the server's log (absl). The
-engine's thread is supervised (engine.py's module docstring): a request whose callback raises
+engine's thread is supervised (engine/core.py's docstring): a request whose callback raises
 fails alone; a decoding step that raises fails the requests decoding in it (500) and the engine
 goes on; after engine.MAX_FAILURES (3) steps failed in a row, none succeeding between them, the
 engine is broken, not a request: every request still waiting fails (503), /health answers 503,
 and the server exits with status 1 and one `error:` line (for a supervisor to restart it) rather
 than serving errors. An engine whose step hangs raises nothing: /health answers 503 (code
 `engine_stalled`) once the engine has had work and generated no token for --stall_timeout seconds
-(default 300, longer than a compile of a new shape; `--warmup` compiles them all beforehand), for
+(default 300, longer than a compile of a new shape; after `--warmup` no call waits for one), for
 a supervisor's liveness probe; the engine's progress is looked at by /health and by each submit
 (which starts the clock of an engine that was idle).
 
@@ -711,8 +711,9 @@ def main():
   name = f.model_name or os.path.basename(os.path.normpath(f.workdir))
   if f.warmup:
     t0 = time.perf_counter()
-    engine.warmup()
-    print(f'compiled {len(engine.shapes)} shapes in {time.perf_counter() - t0:.1f}s', flush=True)
+    engine.warmup(background=True, report=lambda line: print(line, flush=True))
+    print(f'compiled {len(engine.shapes)} programs in {time.perf_counter() - t0:.1f}s '
+          f'({engine.runner.programs.pending()} more in the background)', flush=True)
   server = Server(engine, name, max_sequences=f.max_sequences_per_request,
                   max_queued=f.max_queued_sequences, stall_timeout=f.stall_timeout,
                   shutdown_timeout=f.shutdown_timeout,
@@ -756,8 +757,9 @@ def define_flags() -> None:
   flags.DEFINE_integer('slots', 16, 'Sequences decoded together at most (KV cache rows).')
   flags.DEFINE_integer('context', 0, "Tokens per sequence, prompt included; 0: the run's seq_len.")
   flags.DEFINE_integer('chunk', 8, 'Tokens decoded per compiled call (requests join between).')
-  flags.DEFINE_bool('warmup', False, 'Compile every bucketed shape before serving (no request '
-                    'then waits for a compile; takes a while for a large model).')
+  flags.DEFINE_bool('warmup', False, 'Compile the programs that cover every call before '
+                    'serving, the others in the background: no request waits for a compile (one '
+                    'runs padded until its own program is ready).')
   flags.DEFINE_integer('max_sequences_per_request', MAX_SEQUENCES, 'Sequences (prompts × n) one '
                        'request may ask for; more get 400.')
   flags.DEFINE_integer('max_queued_sequences', MAX_QUEUED, 'Sequences waiting for a slot, over '

@@ -1,10 +1,11 @@
-"""Generation throughput of the engine (engine.py) against a minimal decode loop written here.
+"""Generation throughput of the engine (engine/) against a minimal decode loop written here.
 
   python scripts/benchmark_engine.py [--config=configs/default.py] [--sequences=32,128] \
       [--prompt_tokens=64] [--new_tokens=64] [--slots=0] [--chunk=8] [--temperature=1.0] \
-      [--markdown]
+      [--samples=1] [--markdown]
 
-Random params of the config's model (no checkpoint), prompts of random ids, every sequence
+Random params of the config's model (no checkpoint), prompts of random ids (each the prompt of
+--samples sequences, with streams of their own, as GRPO's num_samples completions), every sequence
 generating exactly --new_tokens tokens (no EOS can end one). For each number of sequences:
   engine     Engine.generate of them all (--slots at once; 0: all), prefill included, after one
              untimed run of the same (its compiles);
@@ -12,12 +13,14 @@ generating exactly --new_tokens tokens (no EOS can end one). For each number of 
              (cast once), one cache buffer per layer written in place and donated, the prompts
              prefilled in one call and every new token in one jitted loop (no host round trip),
              attending over the whole context (prompt + new tokens).
-Prints tokens/s of each and their ratio (the engine's time over the reference's), and how many of
-the engine's greedy tokens the reference reproduces (--temperature=0 checks that they decode the
-same model); --markdown: as a Markdown table (scripts/gpu_check.sh prints the transformers row of
-scripts/benchmark_peer.py under it). The engine here is whatever `jax_pretrain` imports: run the
-script with another checkout first on PYTHONPATH to time that checkout's engine (its
-Engine(config, params, tokenizer, slots=, context=, chunk=) and Sequence).
+Prints tokens/s of each and their ratio (the engine's time over the reference's), the prompts the
+engine ran through the model in one generate (its prefills; '-' for an engine that does not count
+them), and how many of the engine's greedy tokens the reference reproduces (--temperature=0 checks
+that they decode the same model); --markdown: as a Markdown table, without the prompts
+(scripts/gpu_check.sh prints the transformers row of scripts/benchmark_peer.py under it). The
+engine here is whatever `jax_pretrain` imports: run the script with another checkout first on
+PYTHONPATH to time that checkout's engine (its Engine(config, params, tokenizer, slots=, context=,
+chunk=) and Sequence).
 """
 import math
 import time
@@ -34,6 +37,8 @@ _SLOTS = flags.DEFINE_integer('slots', 0, "The engine's slots (0: as many as seq
 _CHUNK = flags.DEFINE_integer('chunk', 8, "The engine's steps per call.")
 _TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'Sampling temperature (0: greedy).')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed runs of each (the fastest is reported).')
+_SAMPLES = flags.DEFINE_integer('samples', 1, 'Sequences per prompt (a divisor of each number of '
+                                'sequences).')
 _MARKDOWN = flags.DEFINE_bool('markdown', False, 'Print the results as a Markdown table.')
 MARKDOWN_HEADER = ('| decoder | sequences × (prompt + new) | slots | tokens/s | reference '
                    'tokens/s | time / reference | same tokens |\n|---|---|---|---|---|---|---|')
@@ -133,8 +138,9 @@ def measure(c, params, n: int) -> str:
   import numpy as np
 
   from jax_pretrain import engine as engine_lib
-  P, M, T = _PROMPT.value, _NEW.value, _TEMPERATURE.value
-  prompts = np.random.default_rng(n).integers(0, c.vocab_size - 1, (n, P), dtype=np.int32)
+  P, M, T, k = _PROMPT.value, _NEW.value, _TEMPERATURE.value, _SAMPLES.value
+  distinct = np.random.default_rng(n).integers(0, c.vocab_size - 1, (n // k, P), dtype=np.int32)
+  prompts = np.repeat(distinct, k, axis=0)
   slots = _SLOTS.value or n
   eng = [engine_lib.Engine(c, params, _Tokenizer(c.vocab_size), slots=slots, context=P + M,
                            chunk=_CHUNK.value)]
@@ -147,6 +153,10 @@ def measure(c, params, n: int) -> str:
 
   engine_s, seqs = timed(generate, _REPEATS.value)
   assert all(len(s.tokens) == M for s in seqs), 'a sequence ended early'
+  before = eng[0].stats().get('prompts_prefilled')
+  generate()
+  run = eng[0].stats().get('prompts_prefilled')
+  prefilled = '-' if run is None else f'{run - before:,}'
   eng.clear()  # its cache: the reference allocates its own
   run = reference(c, params, n, P, M, T)
   ref_s, ref_tokens = timed(lambda: np.asarray(run(prompts)), _REPEATS.value)
@@ -155,7 +165,7 @@ def measure(c, params, n: int) -> str:
     return (f'| engine (jax_pretrain) | {n} × ({P} + {M}) | {slots} | {n * M / engine_s:,.0f} | '
             f'{n * M / ref_s:,.0f} | {engine_s / ref_s:.2f} | {same:.1%} |')
   return (f'{n:>9}  {slots:>5}  {n * M / engine_s:>12,.0f}  {n * M / ref_s:>15,.0f}  '
-          f'{engine_s / ref_s:>23.2f}  {same:>11.1%}')
+          f'{engine_s / ref_s:>23.2f}  {prefilled:>12}  {same:>11.1%}')
 
 
 def main():
@@ -174,12 +184,13 @@ def main():
                         is_leaf=lambda x: hasattr(x, 'value'))
   print(f'{jax.devices()[0].device_kind}, jax {jax.__version__}: {c.num_layers} layers × '
         f'{c.d_model}, {model_lib.count_params(params):,} parameters, {c.dtype}; prompts of '
-        f'{_PROMPT.value} tokens + {_NEW.value} new, temperature {_TEMPERATURE.value}')
+        f'{_PROMPT.value} tokens + {_NEW.value} new, temperature {_TEMPERATURE.value}, '
+        f'{_SAMPLES.value} sequences a prompt')
   if _MARKDOWN.value:
     print(f'\n{MARKDOWN_HEADER}')
   else:
     print(f'{"sequences":>9}  {"slots":>5}  {"engine tok/s":>12}  {"reference tok/s":>15}  '
-          f'{"engine / reference time":>23}  {"same tokens":>11}')
+          f'{"engine / reference time":>23}  {"prompts run":>12}  {"same tokens":>11}')
   for n in _SEQUENCES.value:
     print(measure(c, params, int(n)), flush=True)
 

@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.request
 
-START_TIMEOUT_S = 1800  # --warmup compiles every shape: minutes on a busy CPU
+START_TIMEOUT_S = 1800  # --warmup's background compiles: minutes on a busy CPU
 
 
 def prompts(n: int) -> list[str]:
@@ -32,8 +32,9 @@ def prompts(n: int) -> list[str]:
 
 
 def start(workdir: str, serve_args: str = '') -> tuple[subprocess.Popen, str]:
-  """`python -m jax_pretrain.serve --warmup` on a free port, once its /health answers: (process,
-  base URL of /v1)."""
+  """`python -m jax_pretrain.serve --warmup` on a free port, once its /health answers and its
+  background compiles are done (none then competes with the requests): (process, base URL of
+  /v1)."""
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
@@ -44,8 +45,10 @@ def start(workdir: str, serve_args: str = '') -> tuple[subprocess.Popen, str]:
   deadline = time.monotonic() + START_TIMEOUT_S
   while time.monotonic() < deadline:
     try:
-      urllib.request.urlopen(url.replace('/v1', '/health'), timeout=5)
-      return server, url
+      with urllib.request.urlopen(url.replace('/v1', '/health'), timeout=5) as r:
+        if not json.load(r).get('compiling_shapes'):
+          return server, url
+      time.sleep(0.5)
     except OSError:
       if server.poll() is not None:
         sys.exit('error: the server did not start')

@@ -5,6 +5,7 @@ import dataclasses
 from pydoc_data import topics
 import random
 import re
+import threading
 
 from flax.linen import meta
 import jax
@@ -18,6 +19,8 @@ from jax_pretrain import hlo
 from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
 from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.engine import runner
+from jax_pretrain.grpo import rollout
 
 
 @pytest.fixture(scope='module')
@@ -70,7 +73,7 @@ def test_on_a_mesh_each_device_holds_and_decodes_its_slots(tiny):
   eng = engine.Engine(cfg, replicated, tokenizer_lib.ByteTokenizer(), slots=16, context=64,
                       mesh=mesh)
   assert (eng.slots, eng.local_slots, eng.devices) == (16, 2, 8)
-  cache, _ = eng._state()  # noqa: SLF001
+  cache = eng.runner.state().cache
   assert cache.k[0].sharding.shard_shape(cache.k[0].shape) == (2, 64, cfg.num_kv_heads,
                                                                cfg.head_dim)
   compiled = eng.lower_decode(2, live=64).compile()
@@ -148,8 +151,167 @@ def test_a_stop_string_before_an_unfinished_character_ends_the_sequence_at_once(
   seq = engine.Sequence(prompt=[0], max_new_tokens=len(ids), stop=('\n',))
   for start in range(0, len(ids), 4):
     chunk = np.asarray(ids[start:start + 4])
-    eng._extend(seq, chunk, np.zeros(len(chunk), np.float32), None, None)  # noqa: SLF001
+    eng.output.extend(seq, chunk, np.zeros(len(chunk), np.float32), None, None)
     if seq.done:
       break
   assert (seq.finish_reason, seq.text, seq.tokens) == ('stop', 'ab', ids[:3])
   assert len(seq.logprobs) == 3
+
+
+class _RaisesOn(tokenizer_lib.ByteTokenizer):
+  """The byte tokenizer, but its decode raises on any ids that hold `bad`."""
+
+  def __init__(self, bad: int):
+    self.bad = bad
+
+  def decode(self, ids) -> str:
+    if self.bad in list(ids):
+      raise ValueError(f'cannot decode {self.bad}')
+    return super().decode(ids)
+
+
+PROMPTS = [[72, 101, 108], [1, 2, 3], [200, 5], [9]]
+
+
+def _greedy(prompts, max_new_tokens=12, **kw):
+  return [engine.Sequence(prompt=list(p), max_new_tokens=max_new_tokens, **kw) for p in prompts]
+
+
+def test_a_sequence_whose_handling_raises_fails_alone(tiny):
+  """A tokenizer that raises on a token of one sequence: that sequence fails, the others decode
+  their tokens; it is no failure of the engine (run_forever with max_failures=1 goes on)."""
+  cfg, params = tiny
+  fine = engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=4, context=64,
+                       chunk=4).generate(_greedy(PROMPTS))
+  bad = next(t for t in fine[0].tokens if all(t not in s.tokens for s in fine[1:]))
+  eng = engine.Engine(cfg, params, _RaisesOn(bad), slots=4, context=64, chunk=4)
+  seqs = eng.generate(_greedy(PROMPTS))
+  assert seqs[0].finish_reason == 'error' and seqs[0].error == f'ValueError: cannot decode {bad}'
+  assert [s.tokens for s in seqs[1:]] == [s.tokens for s in fine[1:]]
+  assert [s.text for s in seqs[1:]] == [s.text for s in fine[1:]]
+  assert eng.stats()['busy'] == 0
+
+  ended, done = [], threading.Event()
+
+  def serve():
+    try:
+      eng.run_forever(max_failures=1)
+    except Exception as e:  # noqa: BLE001  (what the test looks at)
+      ended.append(e)
+
+  def on_update(seq):
+    if all(s.done for s in seqs):
+      done.set()
+
+  thread = threading.Thread(target=serve)
+  thread.start()
+  seqs = _greedy(PROMPTS, on_update=on_update)
+  for seq in seqs:
+    eng.submit(seq)
+  assert done.wait(120)
+  assert not eng.stopped and thread.is_alive()
+  eng.stop()
+  thread.join(60)
+  assert ended == [] and seqs[0].finish_reason == 'error'
+  assert [s.tokens for s in seqs[1:]] == [s.tokens for s in fine[1:]]
+
+
+@pytest.mark.parametrize('max_new_tokens', [3, 12])  # (3: every token in the first call)
+def test_a_failed_generate_frees_its_slots(tiny, monkeypatch, max_new_tokens):
+  cfg, params = tiny
+  eng = engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=2, context=64, chunk=4)
+  expected = [s.tokens for s in eng.generate(_greedy(PROMPTS, max_new_tokens))]
+  decode = eng.runner.decode
+
+  def fails(*args):
+    raise RuntimeError('broken')
+
+  monkeypatch.setattr(eng.runner, 'decode', fails)
+  seqs = _greedy(PROMPTS, max_new_tokens)  # 4 sequences, 2 slots: two wait
+  with pytest.raises(RuntimeError, match='broken'):
+    eng.generate(seqs)
+  assert all(s.finish_reason == 'error' and s.error == 'RuntimeError: broken' for s in seqs)
+  assert eng.stats()['busy'] == eng.stats()['waiting'] == 0
+  monkeypatch.setattr(eng.runner, 'decode', decode)
+  assert [s.tokens for s in eng.generate(_greedy(PROMPTS, max_new_tokens))] == expected
+
+
+def _mixed(on_update=None):
+  """Sequences of every kind: greedy and sampled (top-k, top-p), short and long, stop strings,
+  alternatives; more of them than slots, so that some join while others decode."""
+  return [engine.Sequence(prompt=[(7 * i + j) % 250 + 1 for j in range(1 + i % 9)],
+                          max_new_tokens=3 + (5 * i) % 17, temperature=(i % 3) * 0.7, seed=11,
+                          stream=i, top_k=5 if i % 4 == 1 else 0, top_p=0.8 if i % 5 == 2 else 1.0,
+                          stop=('e',) if i % 6 == 5 else (), alternatives=i % 7 == 3,
+                          on_update=on_update) for i in range(14)]
+
+
+def test_each_row_decodes_what_it_decodes_alone_and_the_next_call_goes_before_the_read(tiny):
+  """A sequence's tokens do not depend on its neighbours, on when it was admitted or on the
+  calls in flight; the host reads a call's tokens only after it has dispatched the next one."""
+  cfg, params = tiny
+  tok = tokenizer_lib.ByteTokenizer()
+  alone = [engine.Engine(cfg, params, tok, slots=1, context=64, chunk=4).generate([seq])[0]
+           for seq in _mixed()]
+  eng = engine.Engine(cfg, params, tok, slots=4, context=64, chunk=4)
+  events = []
+  decode, read = eng.runner.decode, eng.runner.read
+  eng.runner.decode = lambda call: events.append('decode') or decode(call)
+  eng.runner.read = lambda out: events.append('read') or read(out)
+  together = eng.generate(_mixed())
+  assert [s.tokens for s in together] == [s.tokens for s in alone]
+  assert [(s.text, s.finish_reason) for s in together] == [(s.text, s.finish_reason) for s in alone]
+  logprobs = lambda seqs: np.concatenate([[*s.logprobs, s.eos_logprob or 0.0] for s in seqs])
+  np.testing.assert_allclose(logprobs(together), logprobs(alone), atol=1e-5)
+  assert {s.finish_reason for s in together} == {'length', 'stop'}
+  top = lambda seqs: [[[i for i, _ in t] for t in s.top_logprobs] for s in seqs]
+  assert top(together) == top(alone)
+  assert [len(s.top_logprobs) for s in together] == [
+      len(s.tokens) if s.alternatives else 0 for s in together]
+  # Every read but the last comes after the next call's dispatch: decode, decode, read, ...
+  assert events[:2] == ['decode', 'decode'] and events.count('read') >= 4
+  reads = [i for i, e in enumerate(events) if e == 'read']
+  assert all(events[i - 1] == 'decode' for i in reads[:-1]), events
+  assert eng.stats()['busy'] == 0
+
+
+def test_the_engines_params_fuse_the_projections_and_leave_the_models_alone(tiny):
+  """decoding_params: each layer's query, key and value one matrix and its gate and up one, read
+  in one matmul each; the model's params (the trainer's, a checkpoint's) are not touched."""
+  cfg, params = tiny
+  before = jax.tree.map(np.array, params)
+  decoding = runner.decoding_params(cfg, params)
+  D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  for i in range(cfg.num_layers):
+    attn, mlp = decoding[f'layers_{i}']['attn'], decoding[f'layers_{i}']['mlp']
+    assert set(attn) == {'wqkv', 'wo'} and set(mlp) == {'w_gate_up', 'w_down'}
+    assert attn['wqkv'].shape == (D, N + 2 * K, H) and mlp['w_gate_up'].shape == (D, 2, F)
+    layer = jax.tree.map(lambda x, i=i: x[i], params['layers'])
+    np.testing.assert_array_equal(attn['wqkv'], np.concatenate(
+        [layer['attn'][w] for w in ('wq', 'wk', 'wv')], axis=1))
+    np.testing.assert_array_equal(mlp['w_gate_up'][:, 1], layer['mlp']['w_up'])
+  jax.tree.map(np.testing.assert_array_equal, params, before)
+  # The engine scores (lm_eval, echoed prompts) with its copy as the model does with its params.
+  tokens = np.array([[256, 72, 101, 108, 108, 111, 32, 119]])
+  eng = engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=1, context=16)
+  np.testing.assert_allclose(eng.score(tokens)[0], engine.token_logprobs(
+      model_lib.Transformer(cfg), params, tokens)[0], atol=1e-5)
+
+
+def test_the_completions_of_one_prompt_share_its_prefill(tiny):
+  """GRPO's rollouts: a prompt is run through the model once for its num_samples completions (its
+  keys and values copied into their slots), and the rollouts are those of a prefill each."""
+  cfg, params = tiny
+  tok = tokenizer_lib.ByteTokenizer()
+  prompts = [[72, 101, 108, 108], [1, 2, 3], [200, 5, 9, 9, 9, 9, 1]]
+  kw = {'max_new_tokens': 10, 'temperature': 1.0, 'seed': 5, 'pad_id': tok.pad_id,
+        'eos_id': tok.eos_id}
+  shared = engine.Engine(cfg, params, tok, slots=8, context=64, chunk=4)
+  r = rollout.rollouts(shared, prompts, 4, **kw)
+  assert shared.stats()['prompts_prefilled'] == 3  # (12 completions in waves of 8 slots)
+  alone = engine.Engine(cfg, params, tok, slots=1, context=64, chunk=4)
+  expected = rollout.rollouts(alone, prompts, 4, **kw)
+  assert alone.stats()['prompts_prefilled'] == 12
+  np.testing.assert_array_equal(r.tokens_BxT1, expected.tokens_BxT1)
+  np.testing.assert_allclose(r.logp_BxT, expected.logp_BxT, atol=1e-5)
+  assert r.completions == expected.completions and len(set(r.completions)) > 3

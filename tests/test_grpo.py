@@ -20,6 +20,7 @@ from jax_pretrain import hf
 from jax_pretrain import model as model_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.engine import output
 from jax_pretrain.grpo import config as grpo_config
 from jax_pretrain.grpo import objective
 from jax_pretrain.grpo import program
@@ -210,20 +211,19 @@ def test_a_completion_cut_at_its_stop_string_keeps_no_later_eos():
   completion ends at the stop string, so the EOS (sampled elsewhere) is not its last token."""
   from jax_pretrain.data import tokenizer as tokenizer_lib  # noqa: PLC0415
   tok = tokenizer_lib.ByteTokenizer()
-  eng = engine.Engine.__new__(engine.Engine)  # _extend needs only the tokenizer and a count
-  eng.tokenizer, eng.tokens_generated = tok, 0
+  out = output.OutputProcessor(tok)
   chunk = [*tok.encode('cba\nQ:').tolist(), tok.eos_id]
   seq = engine.Sequence(prompt=[1], max_new_tokens=8, stop=('\n',))
-  eng._extend(seq, np.array(chunk), np.linspace(-1, -2, len(chunk)), np.zeros((8, 5)),  # noqa: SLF001
-              np.zeros((8, 5), np.int32))
+  out.extend(seq, np.array(chunk), np.linspace(-1, -2, len(chunk)), np.zeros((8, 5)),
+             np.zeros((8, 5), np.int32))
   assert (seq.text, seq.finish_reason, seq.eos_logprob) == ('cba', 'stop', None)
   assert tok.decode(seq.tokens) == 'cba\n' and len(seq.logprobs) == 4
   r = rollout.rollouts(_Engine([(seq.tokens, seq.logprobs, seq.eos_logprob, seq.text)]), [[1, 2]],
                     1, max_new_tokens=8, temperature=1.0, seed=0, pad_id=0, eos_id=tok.eos_id)
   assert r.tokens_BxT1[0].tolist() == [1, 2, *tok.encode('cba\n').tolist()]  # no EOS after it
   seq = engine.Sequence(prompt=[1], max_new_tokens=8, stop=('\n',))  # EOS first: it is kept
-  eng._extend(seq, np.array([*tok.encode('ab').tolist(), tok.eos_id, 65]), np.full(4, -0.5),  # noqa: SLF001
-              np.zeros((8, 5)), np.zeros((8, 5), np.int32))
+  out.extend(seq, np.array([*tok.encode('ab').tolist(), tok.eos_id, 65]), np.full(4, -0.5),
+             np.zeros((8, 5)), np.zeros((8, 5), np.int32))
   assert (seq.text, seq.eos_logprob) == ('ab', -0.5)
 
 

@@ -484,9 +484,11 @@ def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta, num_itera
   assert update['alongside_gib'] == {'engine cache': g['engine_cache_gib'], **reference}
   assert update['total_memory_gib'] == pytest.approx(
       update['peak_memory_gib'] + g['engine_cache_gib'] + (g['params_gib'] if beta else 0))
-  # Prompts of 10 tokens pad to 16; a device's 4 slots fit one prefill call; the decode reads the
-  # 18 positions of the context.
-  assert (prefill['rows'], prefill['length'], decode['rows'], decode['steps']) == (4, 16, 4, 16)
+  # Prompts of 10 tokens pad to 16; each device takes the 4 completions of one prompt, run once
+  # into one slot and copied into 3 more (the bucket: 4); the decode reads the 18 positions of
+  # the context.
+  assert (prefill['rows'], prefill['length'], prefill['copies']) == (1, 16, 4)
+  assert (decode['rows'], decode['steps']) == (4, 16)
   assert decode['live'] == 18
   for call in (prefill, decode):
     assert call['argument_gib'] >= g['engine_cache_gib'] + g['engine_params_gib']
@@ -494,6 +496,7 @@ def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta, num_itera
     assert call['fits'] and call['call_s'] is None  # no roofline for the CPU
   # 16 completions in waves of 8 slots, 8 new tokens in one call (of up to 16 steps).
   assert (r['rollout']['decode_calls'], r['rollout']['prefill_calls']) == (2, 2)
+  assert r['rollout']['prompts_prefilled'] == 4  # once each, not once a completion
   assert update['fits'] and r['rollout']['rollout_s'] is None
   # The scoring passes: logp_ref with beta > 0, logp_old with num_iterations > 1, each a forward
   # of the 16 rows; the params it scores are its argument, and beside it the engine's cache and
@@ -518,26 +521,26 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   arrays) and lower the programs that the engine's calls on real arrays lower."""
   from jax_pretrain import engine as engine_lib  # noqa: PLC0415
   from jax_pretrain import state as state_lib  # noqa: PLC0415
+  from jax_pretrain.engine import runner as runner_lib  # noqa: PLC0415
+  from jax_pretrain.engine import scheduler as scheduler_lib  # noqa: PLC0415
   resolved, run = config_lib.resolve(_grpo_test_config(), 2, backend='cpu')
   s = state_lib.build(resolved, run, jax.devices()[:2])
   params = state_lib.init_state(s).params
-  vocabulary = types.SimpleNamespace(vocab_size=resolved.model.vocab_size, pad_id=0)
+  vocabulary = types.SimpleNamespace(vocab_size=resolved.model.vocab_size, pad_id=0, eos_id=1)
   make = lambda p: engine_lib.Engine(resolved.model, p, vocabulary, slots=8,
                                      context=32, mesh=s.mesh)
   eng, abstract = make(params), make(s.abstract_state.params)
-  # What Engine._prefill and Engine._decode pass (the params, cache and logits as the engine
-  # holds them, the host arrays as warmup and step make them).
-  prefill, decode = engine_lib._prefill, engine_lib._decode  # noqa: SLF001
-  (cache, logits), allowed = eng._state(), eng._allowed_V  # noqa: SLF001
-  put = lambda x: jax.device_put(x, eng._rows)  # noqa: SLF001
-  rows = [put(x) for x in eng._decode_inputs(4, [])]  # noqa: SLF001
-  prompts = [put(x) for x in eng._prefill_inputs([[], []], 16, 2)]  # noqa: SLF001
-  real = prefill.lower(eng.params, cache, logits, *prompts, allowed, model=eng.model,
-                       mesh=eng.mesh)
+  # What ModelRunner.prefill and decode pass (the params, cache and logits as the runner holds
+  # them, the host arrays as warmup and step make them).
+  r = eng.runner
+  prefill, decode = runner_lib._prefill, runner_lib._decode  # noqa: SLF001
+  state, (allowed, eos) = r.state(), r.constants()
+  admitted = r._place(r.admitted(scheduler_lib.Prefill(16, 2, 0, ((), ()))))  # noqa: SLF001
+  real = prefill.lower(eng.params, state, admitted, allowed, model=eng.model, mesh=eng.mesh)
   assert abstract.lower_prefill(2, 16).as_text() == real.as_text()
-  steps = jax.device_put(np.int32(3), eng._replicated)  # noqa: SLF001
-  real = decode.lower(eng.params, cache, logits, *rows, allowed, steps, model=eng.model,
-                      mesh=eng.mesh, chunk=eng.chunk, live=24, top_n=0, cuts=False)
+  steps, top = (jax.device_put(x, r._replicated) for x in (np.int32(3), np.bool_(True)))  # noqa: SLF001
+  real = decode.lower(eng.params, state, allowed, eos, steps, top, model=eng.model,
+                      mesh=eng.mesh, rows=4, chunk=eng.chunk, live=24)
   assert abstract.lower_decode(4, 24).as_text() == real.as_text()
 
 
@@ -550,7 +553,10 @@ def test_grpo_plan_cli_prints_the_update_and_the_rollout():
   assert 'grpo' in lines and 'update' in lines and 'rows of 25 tokens' in lines['update']
   assert 'engine cache' in lines['memory'] and lines['memory'].endswith('fits')
   assert '16 slots × 18 tokens over 2 devices (8 each)' in lines['rollout']
-  assert lines['prefill'].startswith('prefill      8 prompts × 16 tokens a device')
+  # 4 prompts × 4 completions, one wave: each device runs 2 prompts and copies them into 6 slots.
+  assert lines['prefill'].startswith('prefill      2 prompts × 16 tokens a device and their keys '
+                                     'and values into 8 more slots (the largest call; 1 a step, 4 '
+                                     'prompts run once for 16 completions')
   assert lines['decode'].startswith('decode       8 slots a device × 16 steps over 18 positions')
 
 

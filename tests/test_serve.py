@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 
 import jax
+import numpy as np
 import openai
 import pytest
 
@@ -256,20 +257,44 @@ def test_client_errors_unknown_model_and_path(client, server):
 
 def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
   trained = workdir_lib.load(run, devices=jax.devices()[:1])
-  eng = engine.Engine(trained.config.model, trained.params, trained.tokenizer,
-                      slots=8, context=tiny_run.SEQ_LEN, chunk=4)
-  eng.warmup()
-  # Prompts pad to 16, 32 or 64 tokens, 1, 2, 4 or 8 of them per prefill; decodes cover 1, 2, 4
-  # or 8 slots over 16, 24, 32, 48 or 64 positions, with and without the top-k/top-p cut and
-  # the top-5 alternatives.
-  assert len(eng.shapes) == 3 * 4 + 4 * 5 * 2 * 2
+  make = lambda slots: engine.Engine(trained.config.model, trained.params, trained.tokenizer,
+                                     slots=slots, context=32, chunk=4)
+  eng = make(4)
+  lines = []
+  eng.warmup(report=lines.append)
+  # Prompts pad to 16 or 32 tokens, 1, 2 or 4 of them per prefill (and the covers: 4 of them
+  # with 4 copies); decodes cover 1, 2 or 4 slots over 16, 24 or 32 positions (the top-k/top-p
+  # cut and the top-5 alternatives: runtime branches, not programs).
+  assert len(eng.shapes) == 2 * 3 + 2 + 3 * 3
+  assert len(lines) == len(eng.shapes) and lines[-1].startswith('warmup: 17/17 programs compiled')
   warm = set(eng.shapes)
   rng = random.Random(0)
-  sequences = [engine.Sequence([rng.randrange(256) for _ in range(rng.randrange(1, 50))], 10,
-                               temperature=1.0, seed=i, top_p=0.9 if i % 3 else 1.0,
-                               alternatives=i % 2 == 0) for i in range(20)]
-  eng.generate(sequences)
-  assert all(seq.done and seq.tokens for seq in sequences) and eng.shapes == warm
+  sequences = lambda: [engine.Sequence([rng.randrange(256) for _ in range(rng.randrange(1, 22))],
+                                       10, temperature=1.0, seed=i, top_p=0.9 if i % 3 else 1.0,
+                                       alternatives=i % 2 == 0) for i in range(12)]
+  first = sequences()
+  eng.generate(first)
+  assert all(seq.done and seq.tokens for seq in first) and eng.shapes == warm
+  assert eng.runner.programs.pending() == 0  # no call asked for a program of its own
+
+  # Warmed in the background: the covering programs (2 prefills, 1 decode) before it returns;
+  # until a call's own program is compiled it runs padded to one, with the same tokens.
+  eng = make(2)
+  lines = []
+  eng.warmup(background=True, report=lines.append)
+  assert lines[0].startswith('warmup: 1/') and 'ETA' in lines[0]
+  assert any(line.startswith('warmup: 3 covering programs ready') for line in lines)
+  eng.runner.programs.stop()  # (the covers alone from here)
+  covering = set(eng.shapes)
+  rng = random.Random(0)
+  again = sequences()
+  eng.generate(again)
+  assert eng.shapes == covering
+  assert [s.tokens for s in again] == [s.tokens for s in first]
+  for a, b in zip(again, first):
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert [[i for i, _ in x] for x in a.top_logprobs] == [[i for i, _ in x]
+                                                            for x in b.top_logprobs]
 
 
 @pytest.fixture(scope='module')
@@ -405,7 +430,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(local, monkeyp
   url, srv = local
   c = _client(url)
   before = greedy(c, 'The for ').choices[0].text
-  decode, calls = srv.engine._decode, []  # noqa: SLF001
+  decode, calls = srv.engine.runner.decode, []
 
   def fails_once(*args):
     calls.append(args)
@@ -413,7 +438,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(local, monkeyp
       raise RuntimeError('secret detail')
     return decode(*args)
 
-  monkeypatch.setattr(srv.engine, '_decode', fails_once)
+  monkeypatch.setattr(srv.engine.runner, 'decode', fails_once)
   with pytest.raises(openai.InternalServerError) as e:
     c.completions.create(model=NAME, prompt=['The for ', 'A'], max_tokens=12, temperature=0)
   assert e.value.status_code == 500
@@ -426,13 +451,13 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(local, monkeyp
 
 def test_stopping_fails_the_waiting_and_the_running_requests(trained, monkeypatch):
   with _serving(trained) as (url, srv, _):
-    decode, gate = srv.engine._decode, threading.Event()  # noqa: SLF001
+    decode, gate = srv.engine.runner.decode, threading.Event()
 
     def held(*args):  # the first decode waits for the test
       gate.wait(60)
       return decode(*args)
 
-    monkeypatch.setattr(srv.engine, '_decode', held)
+    monkeypatch.setattr(srv.engine.runner, 'decode', held)
     c = _client(url)
     with concurrent.futures.ThreadPoolExecutor(6) as pool, contextlib.ExitStack() as opened:
       opened.callback(gate.set)  # (should an assertion fail first)
@@ -465,10 +490,11 @@ def test_stopping_fails_the_waiting_and_the_running_requests(trained, monkeypatc
     assert e.value.status_code == 503
 
 
-BROKEN = """from jax_pretrain import cli, engine, serve
+BROKEN = """from jax_pretrain import cli, serve
+from jax_pretrain.engine import runner
 def broken(*args):
   raise RuntimeError('secret detail')
-engine.Engine._decode = broken
+runner.ModelRunner.decode = broken
 cli.define_run_flags()
 serve.define_flags()
 cli.run(serve.main)
@@ -604,15 +630,18 @@ def test_a_client_that_disconnects_cancels_its_sequences(local, monkeypatch):
                  b'Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s' % (
                      KEY.encode(), len(body), body))
     _until(lambda: submitted, 'the request is queued')
-    permits.release()  # one chunk of 4 tokens, then the engine waits again
+    # Two steps: the first dispatches a chunk of 4 tokens, the second the next chunk and reads the
+    # first (the device never waits for the host); then the engine waits again.
+    permits.release(2)
     [seq] = submitted
     _until(lambda: seq.tokens, 'the first chunk is decoded')
     sock.close()
     _until(lambda: seq.cancelled, 'the server cancels the sequence of the client gone')
     generated = srv.engine.stats()['tokens_generated']
   _until(lambda: seq.done, 'the sequence ends')
+  # The chunk in flight when it was cancelled is dropped: nothing more for it.
   assert seq.finish_reason == 'cancelled' and len(seq.tokens) == 4
-  assert srv.engine.stats()['tokens_generated'] == generated  # nothing decoded for it since
+  assert srv.engine.stats()['tokens_generated'] == generated
 
 
 def test_health_answers_503_while_the_engine_has_work_and_makes_no_progress(local, monkeypatch):
@@ -669,14 +698,15 @@ def test_a_shutdown_answers_every_request_in_flight_within_shutdown_timeout(trai
       _serving(trained, shutdown_timeout=2.0) as (url, srv, shut_down), \
       _stepping(srv.engine) as permits:
     c = _client(url)
-    short = pool.submit(greedy, c, 'The ', max_tokens=4)  # one chunk: done in the first step
+    # One chunk: dispatched by the first step, read (done) by the second.
+    short = pool.submit(greedy, c, 'The ', max_tokens=4)
     long = pool.submit(greedy, c, 'A ', max_tokens=40)
     streamed = pool.submit(lambda: list(greedy(c, 'An ', max_tokens=40, stream=True)))
     _until(lambda: srv.engine.stats()['waiting'] == 3, 'the 3 requests are queued')
     started = time.monotonic()
     stopping = pool.submit(shut_down)
     _until(lambda: _refused(url), 'uvicorn closes its socket')
-    permits.release()  # the first step; the next one hangs (for 60 s)
+    permits.release(2)  # the first two steps; the next one hangs (for 60 s)
     assert short.result(timeout=60).choices[0].finish_reason == 'length'  # finished in time
     with pytest.raises(openai.InternalServerError, match='stopped before this request') as e:
       long.result(timeout=60)

@@ -3,7 +3,7 @@ scores and updates (its objective: objective.py).
 
 Each step (train.py's setup and loop.py's loop, as pretraining): the next batch_size /
 num_samples prompts of the task (a new seeded order every pass), num_samples completions of each
-sampled by the KV-cached engine (engine.py, rollout.py; the rollout's log-probabilities kept),
+sampled by the KV-cached engine (engine/, rollout.py; the rollout's log-probabilities kept),
 scored by the task's reward (tasks.py), their group-relative advantages, then grpo.num_iterations
 updates on that batch (state.make_train_step with objective.make_loss_fn: micro-batches, meshes,
 loss scaling, the non-finite guard as in pretraining; one by default). Checkpoints, resume, signals,

@@ -1,4 +1,4 @@
-"""GRPO's rollouts: completions sampled by the engine (engine.py), as a training batch."""
+"""GRPO's rollouts: completions sampled by the engine (engine/), as a training batch."""
 import dataclasses
 
 import numpy as np

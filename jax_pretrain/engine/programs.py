@@ -1,0 +1,143 @@
+"""The engine's compiled programs: one per call shape, ('prefill', rows, length, copies) or
+('decode', rows, live) (scheduler.Prefill, scheduler.Decode), compiled ahead of time and kept.
+
+Without a warmup a shape is compiled when a call first asks for it (the call waits). Warmup
+(Engine.warmup) compiles the covering programs first (Scheduler.programs: per prompt length
+bucket its largest prefill with every copy, and the decode of every slot over the whole context),
+which can run any call padded (more rows, longer prompts, more copies, a wider window: padding
+rows write nothing, pad positions are overwritten before they are read, masked positions weigh
+nothing); then the others, in the background or before it returns. From then on no call waits for
+a compile: a call whose own shape is not ready runs as the smallest ready program that covers it
+(`fit`), and its shape goes to the front of the background compiler's queue (what traffic asks
+for first); once compiled, calls of that shape run as themselves. Padding changes the numbers
+only by float rounding (other shapes sum in other orders).
+
+The background compiler is one thread: it lowers and compiles one shape at a time (XLA compiles
+outside the GIL) and reports its progress with an ETA.
+"""
+from collections.abc import Callable
+import threading
+import time
+from typing import Any
+
+from absl import logging
+
+Shape = tuple  # ('prefill', rows, length, copies) or ('decode', rows, live)
+
+
+def covers(big: Shape, small: Shape) -> bool:
+  """Whether a program of shape `big` can run a call of shape `small` (padded)."""
+  return big[0] == small[0] and all(a >= b for a, b in zip(big[1:], small[1:]))
+
+
+def cost(shape: Shape) -> tuple:
+  """What a call of this shape computes, for picking the smallest cover: rows × tokens (prompt
+  length or live window), then the rest."""
+  return shape[1] * shape[2], shape[1:]
+
+
+class Programs:
+  """The compiled program of each shape (the module docstring). compile: lowers and compiles a
+  shape (ModelRunner.lower(shape).compile)."""
+
+  def __init__(self, compile: Callable[[Shape], Any]):
+    self._compile = compile
+    self.ready: dict[Shape, Any] = {}
+    self.warm = False  # after a warmup: calls never wait for a compile (fit)
+    self._queue: list[Shape] = []  # shapes the background compiler is to compile, next first
+    self._lock = threading.Condition()
+    self._thread: threading.Thread | None = None
+    self._stopping = False
+    self._report: Callable[[str], None] = lambda line: None
+    self._done, self._total, self._t0 = 0, 0, 0.0
+    self._compiling: Shape | None = None  # what the background compiler compiles now
+
+  def get(self, shape: Shape):
+    """The program of this shape, compiled now if it is not ready."""
+    program = self.ready.get(shape)
+    if program is None:
+      program = self.ready[shape] = self._compile(shape)
+    return program
+
+  def fit(self, shape: Shape) -> Shape:
+    """The shape a call of `shape` runs as: itself once ready (or when not warm: compiled at the
+    call); else the smallest ready shape that covers it, and it goes first in the queue."""
+    if not self.warm or shape in self.ready:
+      return shape
+    with self._lock:
+      ready = [s for s in self.ready if covers(s, shape)]
+      if shape != self._compiling:
+        if shape in self._queue:
+          self._queue.remove(shape)
+        else:
+          self._total += 1
+        self._queue.insert(0, shape)
+        self._start()
+    return min(ready, key=cost) if ready else shape
+
+  def warmup(self, covering: list[Shape], rest: list[Shape], background: bool,
+             report: Callable[[str], None]) -> None:
+    """Compiles `covering` now, then `rest` (in the background, or now), reporting each with the
+    count, the time so far and an ETA; calls never wait for a compile from then on."""
+    self._report, self._done, self._t0 = report, 0, time.perf_counter()
+    todo = [s for s in covering if s not in self.ready]
+    later = [s for s in rest if s not in self.ready and s not in covering]
+    self._total = len(todo) + len(later)
+    for shape in todo + ([] if background else later):
+      self.ready[shape] = self._compile(shape)
+      self._progress(shape)
+    self.warm = True
+    if background and later:
+      with self._lock:
+        self._queue += later
+        self._start()
+      report(f'warmup: {len(todo)} covering programs ready in {self._elapsed():.1f}s (any call '
+             f'runs padded to one); {len(later)} more compiling in the background')
+
+  def pending(self) -> int:
+    """Shapes queued for the background compiler (the one it is compiling included)."""
+    return len(self._queue) + (self._compiling is not None)
+
+  def stop(self, wait: bool = True) -> None:
+    """Stops the background compiler after the program it is compiling (`wait`: for it)."""
+    with self._lock:
+      self._stopping = True
+      self._queue.clear()
+    if wait and self._thread is not None:
+      self._thread.join()
+
+  def join(self) -> None:
+    """Waits until the background compiler has compiled every queued shape."""
+    while self._thread is not None and self._thread.is_alive():
+      self._thread.join()
+
+  def _start(self) -> None:
+    """Starts the background compiler unless it runs (the caller holds the lock)."""
+    if (self._thread is None or not self._thread.is_alive()) and not self._stopping:
+      self._thread = threading.Thread(target=self._run, name='engine-compiler', daemon=True)
+      self._thread.start()
+
+  def _run(self) -> None:
+    while True:
+      with self._lock:
+        if self._stopping or not self._queue:
+          self._compiling = None
+          return
+        shape = self._compiling = self._queue.pop(0)
+      if shape not in self.ready:
+        try:
+          self.ready[shape] = self._compile(shape)
+        except Exception:  # noqa: BLE001 (its calls keep running as a cover)
+          logging.exception('the engine could not compile %s', shape)
+          continue
+        self._progress(shape)
+
+  def _elapsed(self) -> float:
+    return time.perf_counter() - self._t0
+
+  def _progress(self, shape: Shape) -> None:
+    self._done += 1
+    s = self._elapsed()
+    eta = s / self._done * max(0, self._total - self._done)
+    self._report(f'warmup: {self._done}/{self._total} programs compiled '
+                 f'({" ".join(map(str, shape))}), {s:.1f}s, ETA {eta:.0f}s')

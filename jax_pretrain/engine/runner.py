@@ -1,0 +1,463 @@
+"""The engine's model runner: the params it decodes with, the KV cache, and the compiled prefill
+and decode calls (and the scoring pass).
+
+The device keeps the slots' state between calls (State: the cache, each slot's last logits and
+Rows, its position, token count, limit, sampling settings and whether it ended), so that a decode
+call needs nothing from the host but its shape and steps: the engine dispatches it before reading
+the tokens of the call before (core.py). A prefill starts its rows; each decoding step advances
+the rows that have not ended, and ends a row at EOS or at its max_new_tokens (it then writes
+nothing more); a call stops early once all its rows have ended.
+
+One prefill per prompt: a prefill call runs each distinct prompt of its sequences once, into the
+slot of the first, and copies its keys and values (positions [0, P)), last logits and a Rows of
+their own into the slots of the others (the scheduler puts them on the same device), so the
+num_samples completions of a GRPO prompt cost one prefill, and decode what they would alone.
+
+What a decoding step moves, and nothing more: the runner holds its own copy of the params, every
+matrix in the compute dtype and the layers apart (decoding_params: converted once, when the params
+change: GRPO, once a step), so a step reads bf16 weights (on a GPU) once instead of casting float32
+ones; the cache (one buffer [slots, context, kv_heads, head_dim] per layer, model.KVCache) is
+allocated once and donated to each call, which writes the new positions in place (a scatter),
+never copying it; and the attention reads only the live part of each row (positions [0, live)),
+not the whole context.
+
+On a mesh (GRPO on the trainer's devices) the slots and the cache are split over every device of
+it, and each device prefills and decodes its own rows with a whole copy of the weights (shard_map:
+no communication but gathering the new tokens). Several processes run the same host logic on the
+same (replicated) tokens.
+
+Positions: each row has its own length and positions in its own cache row. A prefill runs its
+prompts right-padded to P (pad positions write junk into the row beyond its prompt); a row's first
+new token is sampled from the logits at its position len - 1, and decode step i writes its token at
+position len + i, overwriting that junk before any query can see it (the causal mask only shows a
+query the positions at or before its own). The same holds for what the slot's previous sequence
+left, or wrote in a call still in flight when the slot was given to the next (the device runs the
+calls in order: its prefill comes after). So every row sees exactly its own prompt and its own
+continuation, at the positions it would have alone.
+
+Scoring (token_logprobs, ModelRunner.score): the log-probability of every next token of a batch of
+rows in one forward pass, for lm_eval's loglikelihood requests and for the logprobs of an echoed
+prompt.
+"""
+import dataclasses
+import functools
+from typing import Any, TypeVar
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from jax_pretrain import model as model_lib
+from jax_pretrain import multihost
+from jax_pretrain.engine import programs as programs_lib
+from jax_pretrain.engine import sampling
+from jax_pretrain.engine.sampling import TOP_N
+from jax_pretrain.engine.scheduler import Decode
+from jax_pretrain.engine.scheduler import Prefill
+from jax_pretrain.engine.sequence import Sequence
+
+CallT = TypeVar('CallT', Prefill, Decode)
+# Every runner's compiled programs (ModelRunner.compile): engines of one model, mesh and sizes share
+# them, e.g. the engines a process makes one after another (the tests, GRPO's evals).
+_COMPILED: dict[tuple, Any] = {}
+Array = Any  # a call's inputs: numpy arrays made on the host, then jax.Arrays on the mesh
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'top_n'))
+def token_logprobs(model, params, tokens_BxT1, *, top_n: int = 0):
+  """For inputs tokens[:, :-1] and targets tokens[:, 1:]: (log-probability of each target, float32
+  [B, T]; whether it is the most likely token, [B, T]; and when top_n, the top_n most likely tokens
+  (logprobs [B, T, top_n], ids [B, T, top_n])). Over the whole vocabulary, as Hugging Face
+  models score, so that the numbers compare."""
+  logits_BxTxV = model.apply({'params': params}, tokens_BxT1[:, :-1]).astype(jnp.float32)
+  logprobs_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
+  targets_BxT = tokens_BxT1[:, 1:]
+  target_BxT = jnp.take_along_axis(logprobs_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+  greedy_BxT = jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
+  top = jax.lax.top_k(logprobs_BxTxV, top_n) if top_n else None
+  return target_BxT, greedy_BxT, top
+
+
+def decoding_params(config: model_lib.ModelConfig, params):
+  """The engine's copy of a model's params (a checkpoint's and the trainer's stay as they are):
+  the layers apart (layers_0, layers_1, ...: the unscanned model writes each layer's cache in
+  place), each layer's query, key and value projections concatenated into one matrix (wqkv
+  [D, N + 2K, H]) and its gate and up projections into one (w_gate_up [D, 2, F]), so that a step
+  reads few, large operands, and every matrix in the compute dtype (the model casts it there at
+  every use: the same numbers, cast once). Vectors (norm scales) stay."""
+  params = dict(params)
+  if 'layers' in params:
+    layers = params.pop('layers')
+    for i in range(config.num_layers):
+      params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], layers)
+  for i in range(config.num_layers):
+    layer = params[f'layers_{i}']
+    attn, mlp = dict(layer['attn']), dict(layer['mlp'])
+    attn['wqkv'] = jnp.concatenate([attn.pop('wq'), attn.pop('wk'), attn.pop('wv')], axis=1)
+    mlp['w_gate_up'] = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_up')], axis=1)
+    params[f'layers_{i}'] = {**layer, 'attn': attn, 'mlp': mlp}
+  cast = lambda x: x.astype(config.compute_dtype) if x.ndim >= 2 and jnp.issubdtype(
+      x.dtype, jnp.floating) else x
+  return jax.tree.map(cast, params)
+
+
+def decoding_model(config: model_lib.ModelConfig) -> model_lib.Transformer:
+  """No remat (nothing is differentiated), unscanned (each layer's cache apart), no mesh (the
+  engine maps it over its devices)."""
+  return model_lib.Transformer(dataclasses.replace(config, remat='none', scan_layers=False))
+
+
+def cache_bytes(config: model_lib.ModelConfig, slots: int, context: int, devices: int) -> float:
+  """Bytes one device holds of an engine's cache and last logits (`slots` over `devices`)."""
+  local = -(-slots // devices)
+  kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * (
+      config.compute_dtype.itemsize)
+  return float(local * (context * kv + config.vocab_size * 4))
+
+
+@struct.dataclass
+class Rows:
+  """Each slot's decoding state, [slots] each, kept on the device between calls (split over the
+  mesh as the cache is): a prefill starts its rows, each decoding step advances the rows that have
+  not ended. A row ends on the device (done) at EOS or at its limit; it then writes nothing more.
+  Rows that no sequence ever held are done."""
+  positions: Array  # int32: where the row's next token goes (its prompt + tokens so far)
+  counts: Array  # int32: tokens it generated so far (its next token's random key)
+  limits: Array  # int32: its max_new_tokens
+  done: Array  # bool: it ended (EOS, or its limit)
+  seeds: Array  # uint32: its sequence's seed
+  streams: Array  # int32: its stream (sampling.row_streams)
+  temperature: Array  # float32 (0: greedy)
+  top_k: Array  # int32 (0: no cut)
+  top_p: Array  # float32 (1: no cut)
+
+  @classmethod
+  def start(cls, sequences: list[Sequence | None]) -> 'Rows':
+    """Host arrays of the rows of these sequences at their start (None: a row that is done)."""
+    n = len(sequences)
+    rows = cls(positions=np.zeros(n, np.int32), counts=np.zeros(n, np.int32),
+               limits=np.zeros(n, np.int32), done=np.ones(n, bool), seeds=np.zeros(n, np.uint32),
+               streams=np.zeros(n, np.int32), temperature=np.zeros(n, np.float32),
+               top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32))
+    for q, seq in enumerate(sequences):
+      if seq is not None:
+        rows.positions[q], rows.limits[q], rows.done[q] = len(seq.prompt), seq.max_new_tokens, False
+        rows.seeds[q], rows.streams[q] = seq.seed % 2**32, seq.stream
+        rows.temperature[q], rows.top_k[q], rows.top_p[q] = seq.temperature, seq.top_k, seq.top_p
+    return rows
+
+
+@struct.dataclass
+class State:
+  """What the device keeps of the slots between calls: the KV cache, each slot's last logits
+  (float32 [slots, V]: its next token's) and its Rows."""
+  cache: model_lib.KVCache
+  logits_SxV: Array
+  rows: Rows
+
+
+@struct.dataclass
+class Admitted:
+  """A prefill call's inputs, rows [devices × rows] and copies [devices × copies] (device d's
+  at d × rows + r and d × copies + c): the distinct prompts, right-padded, each with the local
+  slot of its first sequence (where it is run) and the Rows that sequence starts; and each other
+  sequence of those prompts with its slot, the row of its prompt and its Rows. Padding: the
+  device's slot count as the slot, dropped."""
+  tokens_NxP: Array
+  slots_N: Array
+  rows_N: Rows
+  slots_C: Array
+  prompt_C: Array  # int32: the row (0 .. rows - 1, the device's) of its prompt
+  rows_C: Rows
+
+
+def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V) -> State:
+  """One device's prefill: its prompts, right-padded, run through the model (causal attention over
+  themselves), their keys and values written into their first slots' rows, each one's last logits
+  kept and its Rows started; then the copies: each takes the keys and values of its prompt's first
+  [0, P) positions, its last logits, and starts its own Rows (its own seed and stream)."""
+  N, P_ = admitted.tokens_NxP.shape
+  positions_NxP = jnp.broadcast_to(jnp.arange(P_, dtype=jnp.int32), (N, P_))
+  slots_N, slots_C = admitted.slots_N, admitted.slots_C
+  use = model_lib.CacheUse(positions_NxP, slots_B=slots_N,
+                           logits_at_B=admitted.rows_N.positions - 1)
+  logits_Nx1xV, cache = model.apply({'params': params}, admitted.tokens_NxP, state.cache, use)
+  last_NxV = jnp.where(allowed_V, logits_Nx1xV[:, 0], -jnp.inf)
+  start = lambda rows, slots, new: jax.tree.map(
+      lambda x, y: x.at[slots].set(y, mode='drop'), rows, new)
+  logits_SxV = state.logits_SxV.at[slots_N].set(last_NxV, mode='drop')
+  rows = start(state.rows, slots_N, admitted.rows_N)
+  if slots_C.shape[0]:
+    from_C = slots_N[admitted.prompt_C]
+    copy = lambda x: x.at[slots_C, :P_].set(x[from_C, :P_], mode='drop')
+    cache = model_lib.KVCache(tuple(map(copy, cache.k)), tuple(map(copy, cache.v)))
+    logits_SxV = logits_SxV.at[slots_C].set(last_NxV[admitted.prompt_C], mode='drop')
+    rows = start(rows, slots_C, admitted.rows_C)
+  return State(cache, logits_SxV, rows)
+
+
+def _decode_local(model, params, state: State, allowed_V, eos, steps, want_top, *, rows: int,
+                  chunk: int, live: int):
+  """One device's decoding steps of its first `rows` (R) slots, up to `steps` (<= chunk) of them
+  and no more once every row has ended: each step samples a token per row from its logits and
+  runs it at the row's next position, attending over positions [0, live). A row that ends (EOS,
+  or its limit) runs no more tokens (its writes go out of range: dropped). Returns the updated
+  state, the tokens [R, chunk], their logprobs [R, chunk] and the TOP_N alternatives ([R, chunk,
+  TOP_N] logprobs and ids: zeros unless want_top); a row's entries after its end are not its own.
+  Sampling's variants are runtime branches, not programs: the top-k/top-p cut runs when a row
+  asks for it (sampling.filter_logits), the alternatives when want_top (a traced bool)."""
+  R = rows
+  context = state.cache.k[0].shape[1]
+  r = jax.tree.map(lambda x: x[:R], state.rows)
+  streams_R = sampling.row_streams(r.seeds, r.streams)
+
+  def body(carry):
+    i, cache, logits_RxV, positions_R, counts_R, done_R, tokens_RxC, logprobs_RxC, *top = carry
+    keys_R = sampling.token_keys(streams_R, counts_R)
+    token_R = sampling.sample_rows(logits_RxV, keys_R, r.temperature, r.top_k, r.top_p)
+    all_RxV = jax.nn.log_softmax(logits_RxV, axis=-1)
+    top_lp_RxN, top_ids_RxN = jax.lax.cond(
+        want_top, lambda: tuple(jax.lax.top_k(all_RxV, TOP_N)),
+        lambda: (jnp.zeros((R, TOP_N), jnp.float32), jnp.zeros((R, TOP_N), jnp.int32)))
+    top_lp_RxCxN, top_ids_RxCxN = top
+    top = [top_lp_RxCxN.at[:, i].set(top_lp_RxN), top_ids_RxCxN.at[:, i].set(top_ids_RxN)]
+    counts_R = counts_R + jnp.where(done_R, 0, 1)
+    done_R = done_R | (token_R == eos) | (counts_R >= r.limits)
+    at_Rx1 = jnp.where(done_R, context, positions_R)[:, None]  # (ended: out of range, dropped)
+    logits_Rx1xV, cache = model.apply({'params': params}, token_R[:, None], cache,
+                                      model_lib.CacheUse(at_Rx1, live=live))
+    return (i + 1, cache, jnp.where(allowed_V, logits_Rx1xV[:, 0], -jnp.inf),
+            positions_R + jnp.where(done_R, 0, 1), counts_R, done_R,
+            tokens_RxC.at[:, i].set(token_R),
+            logprobs_RxC.at[:, i].set(jnp.take_along_axis(all_RxV, token_R[:, None], -1)[:, 0]),
+            *top)
+
+  top = [jnp.zeros((R, chunk, TOP_N), jnp.float32), jnp.zeros((R, chunk, TOP_N), jnp.int32)]
+  carry = (jnp.int32(0), state.cache, state.logits_SxV[:R], r.positions, r.counts, r.done,
+           jnp.zeros((R, chunk), jnp.int32), jnp.zeros((R, chunk), jnp.float32), *top)
+  _, cache, logits_RxV, positions_R, counts_R, done_R, *out = jax.lax.while_loop(
+      lambda c: (c[0] < steps) & jnp.any(~c[5]), body, carry)
+  advanced = dataclasses.replace(state.rows, positions=state.rows.positions.at[:R].set(positions_R),
+                                 counts=state.rows.counts.at[:R].set(counts_R),
+                                 done=state.rows.done.at[:R].set(done_R))
+  return State(cache, state.logits_SxV.at[:R].set(logits_RxV), advanced), *out
+
+
+def _slots_spec(mesh) -> P:
+  """Rows split over every device of the mesh."""
+  return P(tuple(mesh.axis_names))
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'mesh'), donate_argnums=1)
+def _prefill(params, state: State, admitted: Admitted, allowed_V, *, model, mesh) -> State:
+  """_prefill_local on every device of the mesh, each on its rows of the prompts and the state."""
+  split = _slots_spec(mesh)
+  return jax.shard_map(functools.partial(_prefill_local, model), mesh=mesh,
+                       in_specs=(P(), split, split, P()), out_specs=split,
+                       check_vma=False)(params, state, admitted, allowed_V)
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'mesh', 'rows', 'chunk', 'live'),
+                   donate_argnums=1)
+def _decode(params, state: State, allowed_V, eos, steps, want_top, *, model, mesh, rows: int,
+            chunk: int, live: int):
+  """_decode_local on every device of the mesh, each on its first `rows` slots; the tokens,
+  logprobs and alternatives gathered to every device."""
+  split, axes = _slots_spec(mesh), tuple(mesh.axis_names)
+
+  def local(*args):
+    state, *out = _decode_local(model, *args, rows=rows, chunk=chunk, live=live)
+    return state, *(jax.lax.all_gather(x, axes, tiled=True) for x in out)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(), split, P(), P(), P(), P()),
+                       out_specs=(split,) + (P(),) * 4, check_vma=False)(
+      params, state, allowed_V, eos, steps, want_top)
+
+
+class ModelRunner:
+  """The params copy, the state on the device and the compiled calls of an engine (the module
+  docstring).
+
+  params: the model's (float32, stacked layers, on their devices), abstract ones (for lowering),
+  or None (set later: set_params); mesh: the devices that decode (default: those of the params,
+  else the first device); slots: over all of them (rounded up to a multiple of the device count).
+  """
+
+  def __init__(self, model_config: model_lib.ModelConfig, params, tokenizer, *, slots: int,
+               context: int, chunk: int, mesh: Mesh | None = None):
+    self.model = decoding_model(model_config)
+    self.mesh = mesh if mesh is not None else _mesh_of(params)
+    self.devices = self.mesh.size
+    self.local_slots = -(-slots // self.devices)  # each device's rows of the cache
+    self.slots, self.context, self.chunk = self.local_slots * self.devices, context, chunk
+    self.pad_id = tokenizer.pad_id
+    self._replicated = NamedSharding(self.mesh, P())
+    self._split = NamedSharding(self.mesh, _slots_spec(self.mesh))
+    self._convert = jax.jit(functools.partial(decoding_params, self.model.config),
+                            out_shardings=self._replicated)
+    # What every call reads beside the state (host values; placed at the first call).
+    self._constants_host = (sampling.allowed_ids(model_config.vocab_size, tokenizer),
+                            np.int32(tokenizer.eos_id))
+    self._constants: tuple | None = None
+    self._state: State | None = None  # allocated at the first call (state())
+    self.programs = programs_lib.Programs(self.compile)
+    self.prompts_prefilled = 0  # prompts run through the model (once for all their sequences)
+    self.set_params(params)
+
+  def set_params(self, params) -> None:
+    """Takes new params (the model's, or abstract ones for lowering; None frees the copy):
+    converted once (decoding_params) and gathered onto every device of the mesh."""
+    if params is None:
+      self.params = None
+    elif all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+      self.params = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated),
+          jax.eval_shape(functools.partial(decoding_params, self.model.config), params))
+    else:
+      self.params = self._convert(params)
+
+  def reset(self) -> None:
+    """Drops the state (donated buffers may be gone after a failed call): the next call starts
+    afresh, every row done."""
+    self._state = None
+
+  def state(self) -> State:
+    """The state, allocated at the first use (every row done), each device's rows on it."""
+    if self._state is None:
+      self._state = jax.jit(self._zeros, out_shardings=self._split)()
+    return self._state
+
+  def abstract_state(self) -> State:
+    """The state as state() places it, abstract (ShapeDtypeStructs with their sharding):
+    nothing is allocated."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._split),
+                        jax.eval_shape(self._zeros))
+
+  def constants(self, abstract: bool = False) -> tuple:
+    """(the ids a row may sample, bool [V]; EOS, int32), on every device (or abstract)."""
+    if abstract:
+      return _abstract(self._constants_host, self._replicated)
+    if self._constants is None:
+      self._constants = tuple(multihost.global_array(x, self._replicated)
+                              for x in self._constants_host)
+    return self._constants
+
+  def fit(self, call: CallT) -> CallT:
+    """The call as it runs: its own shape, or after a warmup, until that one is compiled, the
+    smallest compiled one that covers it (programs.Programs.fit)."""
+    kind, *sizes = self.programs.fit(call.shape)
+    names = ('rows', 'length', 'copies') if kind == 'prefill' else ('rows', 'live')
+    return dataclasses.replace(call, **dict(zip(names, sizes)))
+
+  def prefill(self, call: Prefill) -> None:
+    """Writes the call's prompts into their slots' rows of the cache, their last logits and their
+    Rows (dispatched: the device runs it after the calls before it)."""
+    program = self.programs.get(call.shape)
+    self.prompts_prefilled += sum(len({i for _, i, _ in x}) for x in call.slots)
+    allowed_V, _ = self.constants()
+    self._state = program(self.params, self.state(), self._place(self.admitted(call)), allowed_V)
+
+  def decode(self, call: Decode) -> list[jax.Array]:
+    """Dispatches the call's steps (the device runs them after the calls before it, the host goes
+    on): its rows' tokens [rows × devices, chunk], logprobs and with top_n the alternatives, on
+    the device (read: to the host; row d × rows + j is device d's slot j)."""
+    program = self.programs.get(call.shape)
+    self._state, *out = program(
+        self.params, self.state(), *self.constants(),
+        multihost.global_array(np.int32(call.steps), self._replicated),
+        multihost.global_array(np.bool_(call.top_n > 0), self._replicated))
+    return out if call.top_n else out[:2]
+
+  def compile(self, shape: programs_lib.Shape):
+    """The call of this shape compiled, once per process for this model, mesh, cache and params'
+    shapes: runners that share them share their programs (_COMPILED), as jit's cache would."""
+    key = (shape, self.model, self.mesh, self.slots, self.context, self.chunk,
+           jax.tree.structure(self.params),
+           tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(self.params)))
+    program = _COMPILED.get(key)
+    if program is None:
+      program = _COMPILED[key] = self.lower(shape).compile()
+    return program
+
+  def lower(self, shape: programs_lib.Shape):
+    """The call of this shape lowered (lower_prefill or lower_decode)."""
+    kind, *sizes = shape
+    return self.lower_prefill(*sizes) if kind == 'prefill' else self.lower_decode(*sizes)
+
+  @staticmethod
+  def read(out: list[jax.Array]) -> list[np.ndarray]:
+    """A decode call's outputs on the host (waits for the device to finish it)."""
+    return jax.device_get(out)
+
+  def lower_prefill(self, rows: int, length: int, copies: int = 0):
+    """The prefill call of `rows` prompts a device padded to `length` tokens (and `copies` more
+    slots that take their keys and values), lowered (not run) with these params and
+    abstract_state: what that call compiles, e.g. for a GPU this machine does not have (plan.py).
+    As warmup's prefills, it writes to no slot."""
+    call = Prefill(length, rows, copies, ((),) * self.devices)
+    return _prefill.lower(self.params, self.abstract_state(),
+                          _abstract(self.admitted(call), self._split),
+                          self.constants(abstract=True)[0], model=self.model, mesh=self.mesh)
+
+  def lower_decode(self, rows: int, live: int):
+    """The decode call of each device's first `rows` slots (up to `chunk` steps) attending over
+    `live` positions, lowered as lower_prefill lowers its call."""
+    return _decode.lower(self.params, self.abstract_state(), *self.constants(abstract=True),
+                         _abstract(np.int32(self.chunk), self._replicated),
+                         _abstract(np.bool_(False), self._replicated), model=self.model,
+                         mesh=self.mesh, rows=rows, chunk=self.chunk, live=live)
+
+  def score(self, tokens_BxT1, top_n: int = 0):
+    """token_logprobs with these params (on the mesh's devices)."""
+    return token_logprobs(self.model, self.params, multihost.global_array(np.asarray(tokens_BxT1),
+                                                        self._replicated), top_n=top_n)
+
+  def admitted(self, call: Prefill) -> Admitted:
+    """The call's inputs (Admitted): each device's prompts in its rows, in the order of their
+    index, and its other sequences in its copies."""
+    N, C = call.rows, call.copies
+    tokens_NxP = np.full((self.devices * N, call.length), self.pad_id, np.int32)
+    slots_N, slots_C = (np.full(self.devices * n, self.local_slots, np.int32) for n in (N, C))
+    prompt_C = np.zeros(self.devices * C, np.int32)
+    first: list[Sequence | None] = [None] * (self.devices * N)
+    others: list[Sequence | None] = [None] * (self.devices * C)
+    for d, triples in enumerate(call.slots):
+      c = d * C
+      for j, i, seq in triples:
+        if first[d * N + i] is None:
+          q = d * N + i
+          tokens_NxP[q, :len(seq.prompt)], slots_N[q], first[q] = seq.prompt, j, seq
+        else:
+          slots_C[c], prompt_C[c], others[c] = j, i, seq
+          c += 1
+    return Admitted(tokens_NxP, slots_N, Rows.start(first), slots_C, prompt_C, Rows.start(others))
+
+  def _zeros(self) -> State:
+    c = self.model.config
+    return State(model_lib.KVCache.zeros(c, self.slots, self.context),
+                 jnp.zeros((self.slots, c.vocab_size), jnp.float32),
+                 jax.tree.map(jnp.asarray, Rows.start([None] * self.slots)))
+
+  def _place(self, tree):
+    """Host arrays onto the mesh, their rows split over its devices."""
+    return jax.tree.map(lambda x: multihost.global_array(x, self._split), tree)
+
+
+def _abstract(tree, sharding):
+  """ShapeDtypeStructs of host arrays, placed as the runner places them."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding),
+                      tree)
+
+
+def _mesh_of(params) -> Mesh:
+  """The devices the params are on, as a mesh (a named sharding's own; else one device)."""
+  leaves = jax.tree.leaves(params)
+  where = getattr(leaves[0], 'sharding', None) if leaves else None
+  if isinstance(where, NamedSharding) and isinstance(where.mesh, Mesh):  # (placed: not abstract)
+    return where.mesh
+  device = next(iter(where.device_set)) if where is not None else jax.devices()[0]
+  return Mesh(np.array([device]), ('slots',))

@@ -1,0 +1,261 @@
+"""The engine's scheduler: which sequence decodes in which slot, and the shape of each call. Plain
+Python (no jax): tests drive it without a model (tests/test_engine_scheduler.py).
+
+Slots: the KV cache has `local_slots` rows on each of `devices` devices; slot g = d × local_slots
++ j is device d's row j. A submitted sequence waits (first in, first out) until a slot is free; it
+then takes the free slot of lowest local index, over the devices in turn (spreading the sequences
+over the devices), is prefilled there and decodes with every other busy slot until it ends; its
+slot is then free for the next one (continuous batching: sequences join and leave every call, so
+a short request never waits for a long one to finish).
+
+Shapes are bucketed, so that traffic does not recompile: a prefill pads its prompts to a power of
+two tokens (MIN_BUCKET at least, the context at most) and its rows to a power of two, at most
+`prefill_tokens` prompt tokens a device (most_rows); a decode call covers each device's first 1,
+2, 4, ... slots, as many as cover the busy ones, with a live length (the positions its attention
+reads) of a power of two or 1.5 × one that covers the longest busy row after the call's steps
+(live_bucket). A call's steps (at most `chunk`) are traced, not static, and so are sampling's
+variants (the top-k/top-p cut, the TOP_N alternatives): one program per (rows, live).
+"""
+import collections
+import dataclasses
+import threading
+
+from jax_pretrain.engine.sampling import TOP_N
+from jax_pretrain.engine.sequence import Sequence
+
+MIN_BUCKET = 16
+
+
+class EngineStopped(RuntimeError):
+  """submit after stop() or after run_forever ended: the engine takes no more sequences."""
+
+
+def bucket(n: int, limit: int, smallest: int = 1) -> int:
+  """The power of two >= n (and >= smallest), or limit when that is smaller: few distinct shapes."""
+  return min(limit, max(smallest, 1 << (max(n, 1) - 1).bit_length()))
+
+
+def live_bucket(n: int, context: int) -> int:
+  """Positions a decode call's attention reads: the smallest power of two or 1.5 × a power of
+  two that is >= n (MIN_BUCKET at least, the context at most): at most a third more than the
+  longest row needs (half with powers of two alone), for twice the compiled shapes."""
+  p = bucket(n, 1 << 62, MIN_BUCKET)
+  return min(context, 3 * p // 4 if 3 * p // 4 >= n and p > MIN_BUCKET else p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+  """One prefill call: `rows` distinct prompts a device, padded to `length` tokens, each run
+  through the model once into the slot of its first sequence, and `copies` more slots a device
+  that take the keys and values of a prompt run there (the other sequences of that prompt). slots:
+  device d's (local slot, index of its prompt among the device's, sequence), in order."""
+  length: int
+  rows: int
+  copies: int
+  slots: tuple[tuple[tuple[int, int, Sequence], ...], ...]
+
+  @property
+  def shape(self) -> tuple:
+    """The program that runs it (engine/programs.py)."""
+    return 'prefill', self.rows, self.length, self.copies
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+  """One decode call: `steps` steps of each device's first `rows` slots, attending over positions
+  [0, live); busy: the (slot, sequence) pairs it decodes; top_n: TOP_N when a row asks for the
+  alternatives of its tokens (else 0)."""
+  rows: int
+  live: int
+  steps: int
+  top_n: int
+  local_slots: int
+  busy: tuple[tuple[int, Sequence], ...]
+
+  @property
+  def shape(self) -> tuple:
+    """The program that runs it (engine/programs.py)."""
+    return 'decode', self.rows, self.live
+
+  def row(self, g: int) -> int:
+    """The row of slot g in this call (device d's slot j: d × rows + j)."""
+    d, j = divmod(g, self.local_slots)
+    return d * self.rows + j
+
+
+class Scheduler:
+  """Slots, the waiting queue, admission and the calls' shapes (the module docstring). submit,
+  stop and wait are thread-safe; the rest runs in the engine's thread."""
+
+  def __init__(self, *, local_slots: int, devices: int, context: int, chunk: int,
+               prefill_tokens: int):
+    self.local_slots, self.devices, self.context, self.chunk = local_slots, devices, context, chunk
+    self.slots = local_slots * devices
+    self.prefill_tokens = prefill_tokens
+    self.busy: list[Sequence | None] = [None] * self.slots
+    # Tokens of each busy slot's sequence that the decode calls dispatched so far will have made
+    # (at most: it may end before), read or not.
+    self.dispatched = [0] * self.slots
+    # Sequences whose every token is dispatched and whose slot went to the next (decode()): held
+    # here until they end (free), as the busy ones are, so that none is lost on a failure.
+    self.finishing: list[Sequence] = []
+    self.waiting: collections.deque[Sequence] = collections.deque()
+    self.stopping = False
+    self._wakeup = threading.Condition()
+
+  def submit(self, seq: Sequence) -> bool:
+    """Queues a sequence; False for one that asks for no new tokens (the caller ends it). Its
+    prompt and max_new_tokens must fit the context; once stopped, raises EngineStopped."""
+    if not seq.prompt or len(seq.prompt) + seq.max_new_tokens > self.context:
+      raise ValueError(f'a prompt of {len(seq.prompt)} tokens and {seq.max_new_tokens} new tokens '
+                       f'do not fit the context of {self.context} tokens')
+    with self._wakeup:
+      if self.stopping:
+        raise EngineStopped('the engine is stopped: it takes no more sequences')
+      if seq.max_new_tokens <= 0:
+        return False
+      self.waiting.append(seq)
+      self._wakeup.notify()
+      return True
+
+  def wait(self) -> bool:
+    """Blocks until there is work or stop(); returns False once stopped."""
+    with self._wakeup:
+      while not self.stopping and not self.has_work():
+        self._wakeup.wait()
+      return not self.stopping
+
+  def stop(self) -> list[Sequence]:
+    """Refuses new sequences from now on and wakes wait(); returns those that were waiting (no
+    longer queued)."""
+    with self._wakeup:
+      self.stopping = True
+      waiting = list(self.waiting)
+      self.waiting.clear()
+      self._wakeup.notify()
+    return waiting
+
+  def release(self, waiting: bool = False) -> list[Sequence]:
+    """Frees every slot (and with `waiting` empties the queue); returns the sequences they held
+    and the finishing ones (then those that waited)."""
+    with self._wakeup:
+      held = [*self.finishing, *(seq for seq in self.busy if seq is not None)]
+      self.busy, self.dispatched, self.finishing = [None] * self.slots, [0] * self.slots, []
+      if waiting:
+        held += self.waiting
+        self.waiting.clear()
+    return held
+
+  def free(self, g: int, seq: Sequence) -> None:
+    """seq, decoded in slot g, ended: its slot is free (unless it went to the next already)."""
+    if self.busy[g] is seq:
+      self.busy[g], self.dispatched[g] = None, 0
+    elif seq in self.finishing:
+      self.finishing.remove(seq)
+
+  def held(self, g: int) -> Sequence:
+    """The sequence in slot g, which the caller knows is busy."""
+    seq = self.busy[g]
+    assert seq is not None, f'slot {g} is free'
+    return seq
+
+  def admit(self) -> tuple[list[Prefill], list[Sequence]]:
+    """Moves waiting sequences into free slots: the free slot of lowest local index, over the
+    devices in turn, but a sequence whose prompt another one admitted now has goes to that one's
+    device while it has a free slot, so that the prompt is prefilled once for both (GRPO's
+    num_samples completions, a request's n choices). Returns the prefill calls of those admitted,
+    a bucket of lengths at a time, and the waiting sequences found cancelled (no longer queued:
+    the caller ends them)."""
+    admitted, cancelled = [], []
+    with self._wakeup:
+      free = [d * self.local_slots + j for j in range(self.local_slots)
+              for d in range(self.devices) if self.busy[d * self.local_slots + j] is None]
+      device_of: dict[tuple[int, ...], int] = {}  # a prompt admitted now: its last device
+      while free and self.waiting:
+        seq = self.waiting.popleft()
+        if seq.cancelled:
+          cancelled.append(seq)
+          continue
+        d = device_of.get(tuple(seq.prompt))
+        g = next((g for g in free if g // self.local_slots == d), free[0])
+        free.remove(g)
+        device_of[tuple(seq.prompt)] = g // self.local_slots
+        self.busy[g] = seq
+        admitted.append(g)
+    by_length = collections.defaultdict(list)
+    for g in admitted:
+      by_length[bucket(len(self.held(g).prompt), self.context, MIN_BUCKET)].append(g)
+    calls = []
+    for P_, slots in sorted(by_length.items()):
+      # Each device's distinct prompts, each with its slots (the first: where it is run).
+      per_device = []
+      for d in range(self.devices):
+        prompts: dict[tuple[int, ...], list[int]] = {}
+        for g in slots:
+          if g // self.local_slots == d:
+            prompts.setdefault(tuple(self.held(g).prompt), []).append(g)
+        per_device.append(list(prompts.values()))
+      most = self.most_rows(P_)
+      for start in range(0, max(len(x) for x in per_device), most):
+        group = [x[start:start + most] for x in per_device]
+        copies = max(sum(len(s) - 1 for s in x) for x in group)
+        calls.append(Prefill(
+            P_, bucket(max(len(x) for x in group), most),
+            bucket(copies, self.local_slots) if copies else 0,
+            tuple(tuple((g % self.local_slots, i, self.held(g)) for i, s in enumerate(x) for g in s)
+                  for x in group)))
+    return calls, cancelled
+
+  def decode(self) -> Decode | None:
+    """The next decode call of every busy slot (None: none is busy), its steps counted as
+    dispatched. A slot whose sequence will have all its tokens once the call has run is free from
+    now on: a sequence admitted there is prefilled after the call (the device runs calls in
+    order), and the call's tokens still go to the sequence it decoded (Decode.busy)."""
+    busy = tuple((g, seq) for g, seq in enumerate(self.busy) if seq is not None)
+    if not busy:
+      return None
+    steps = max(min(self.chunk, seq.max_new_tokens - self.dispatched[g]) for g, seq in busy)
+    longest = max(len(seq.prompt) + self.dispatched[g] for g, seq in busy)
+    for g, seq in busy:
+      self.dispatched[g] = min(seq.max_new_tokens, self.dispatched[g] + steps)
+      if self.dispatched[g] == seq.max_new_tokens:
+        self.busy[g], self.dispatched[g] = None, 0
+        self.finishing.append(seq)
+    seqs = [seq for _, seq in busy]
+    return Decode(
+        rows=bucket(max(g % self.local_slots for g, _ in busy) + 1, self.local_slots),
+        live=live_bucket(longest + steps, self.context), steps=steps,
+        top_n=TOP_N if any(s.alternatives for s in seqs) else 0, local_slots=self.local_slots,
+        busy=busy)
+
+  def most_rows(self, P_: int) -> int:
+    """Prompts per device per prefill call at most for prompts padded to P_: a power of two that
+    keeps the call within prefill_tokens, and no more than a device's slots need."""
+    fitting = 1 << (max(1, self.prefill_tokens // P_).bit_length() - 1)
+    return min(fitting, bucket(self.local_slots, 1 << 30))
+
+  def programs(self) -> tuple[list[tuple], list[tuple]]:
+    """The programs a warmup compiles (engine/programs.py's shapes): those that cover every call
+    (per prompt length, its largest prefill with a copy into every other slot; the decode of
+    every slot over the whole context), then every other shape that traffic asks for without
+    copies (a prefill's rows × length, a decode's rows × live), smallest first. A prefill with
+    copies (several sequences of one prompt) runs as a cover until its own is compiled."""
+    lengths = sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)})
+    covering: list[tuple] = [('prefill', self.most_rows(P_), P_, self.local_slots)
+                             for P_ in lengths]
+    covering.append(('decode', self.local_slots, self.context))
+    rows = lambda most: sorted({bucket(n, most) for n in range(1, most + 1)})
+    prefills: list[tuple] = [('prefill', N, P_, 0)
+                             for P_ in lengths for N in rows(self.most_rows(P_))]
+    lives = sorted({live_bucket(n, self.context) for n in range(1, self.context + 1)})
+    decodes = [('decode', R, live) for R in rows(self.local_slots) for live in lives]
+    rest = sorted(prefills + decodes, key=lambda s: (s[1] * s[2], s))
+    return covering, [s for s in rest if s not in covering]
+
+  def has_work(self) -> bool:
+    """Whether a sequence is decoding (busy or finishing) or waiting."""
+    return bool(self.waiting or self.finishing) or any(seq is not None for seq in self.busy)
+
+  def stats(self) -> dict:
+    return {'busy': len(self.finishing) + sum(s is not None for s in self.busy),
+            'waiting': len(self.waiting)}

@@ -1,0 +1,238 @@
+"""The engine's scheduler without a model: which slot each sequence takes, which waits, and the
+shapes of the calls that run them."""
+import itertools
+import threading
+
+import pytest
+
+from jax_pretrain.engine import programs
+from jax_pretrain.engine import scheduler as scheduler_lib
+from jax_pretrain.engine.sequence import Sequence
+
+
+def _scheduler(local_slots=2, devices=2, context=128, chunk=8, prefill_tokens=128):
+  return scheduler_lib.Scheduler(local_slots=local_slots, devices=devices, context=context,
+                                 chunk=chunk, prefill_tokens=prefill_tokens)
+
+
+_FIRST = itertools.count(1)
+
+
+def _seq(length: int, new: int = 10, like: Sequence | None = None, **kw) -> Sequence:
+  """A sequence of a prompt of its own (or of `like`'s prompt)."""
+  prompt = list(like.prompt) if like else [next(_FIRST)] * length
+  return Sequence(prompt=prompt, max_new_tokens=new, **kw)
+
+
+def test_sequences_take_the_lowest_free_slot_over_the_devices_in_turn_and_the_rest_wait():
+  s = _scheduler()
+  seqs = [_seq(n) for n in (3, 20, 5, 40, 7)]
+  for seq in seqs:
+    assert s.submit(seq)
+  prefills, cancelled = s.admit()
+  assert cancelled == []
+  # Slot g = device × 2 + local index: local index 0 on each device first.
+  assert s.busy == [seqs[0], seqs[2], seqs[1], seqs[3]] and list(s.waiting) == [seqs[4]]
+  # One prefill per length bucket (16, 32, 64): each device's (local slot, prompt, sequence).
+  assert [(p.length, p.rows, p.copies) for p in prefills] == [(16, 2, 0), (32, 1, 0), (64, 1, 0)]
+  assert prefills[0].slots == (((0, 0, seqs[0]), (1, 1, seqs[2])), ())
+  assert prefills[1].slots == ((), ((0, 0, seqs[1]),))
+  assert prefills[2].slots == ((), ((1, 0, seqs[3]),))
+  assert s.stats() == {'busy': 4, 'waiting': 1}
+
+  s.free(1, seqs[2])  # it ended: the waiting one takes its slot
+  prefills, _ = s.admit()
+  assert s.busy[1] is seqs[4] and not s.waiting
+  assert [(p.length, p.rows, p.slots) for p in prefills] == [(16, 1, (((1, 0, seqs[4]),), ()))]
+
+
+def test_a_prefill_holds_at_most_prefill_tokens_a_device():
+  s = _scheduler(local_slots=8, devices=1, context=64, prefill_tokens=64)
+  assert (s.most_rows(16), s.most_rows(32), s.most_rows(64)) == (4, 2, 1)
+  for _ in range(7):
+    s.submit(_seq(12))
+  prefills, _ = s.admit()
+  assert [(p.length, p.rows, len(p.slots[0])) for p in prefills] == [(16, 4, 4), (16, 4, 3)]
+
+
+def test_the_sequences_of_one_prompt_share_a_device_and_its_prefill():
+  """GRPO's completions of a prompt (a request's n choices): admitted together, they go to the
+  device of the first while it has a free slot; the prompt is run once, the others copy it."""
+  s = _scheduler(local_slots=4, devices=2)
+  a, b = [_seq(5)], [_seq(9)]
+  a += [_seq(5, like=a[0], stream=k) for k in (1, 2)]
+  b += [_seq(9, like=b[0], stream=k) for k in (1, 2)]
+  lone = _seq(7)
+  for seq in [*a, *b, lone]:
+    s.submit(seq)
+  prefills, _ = s.admit()
+  # a on device 0 (slots 0, 1, 2), b on device 1 (4, 5, 6), the last where the next free slot is.
+  assert s.busy == [*a, lone, *b, None]
+  (call,) = prefills  # (all pad to 16 tokens)
+  # Each device runs 2 prompts at most and copies 2 of them into 2 more slots.
+  assert (call.length, call.rows, call.copies) == (16, 2, 2)
+  assert call.slots == (((0, 0, a[0]), (1, 0, a[1]), (2, 0, a[2]), (3, 1, lone)),
+                        ((0, 0, b[0]), (1, 0, b[1]), (2, 0, b[2])))
+  # A group larger than a device's free slots goes on on the next device.
+  s = _scheduler(local_slots=2, devices=2)
+  group = [_seq(5)]
+  group += [_seq(5, like=group[0], stream=k) for k in (1, 2)]
+  for seq in group:
+    s.submit(seq)
+  (call,), _ = s.admit()
+  assert s.busy == [group[0], group[1], group[2], None]
+  assert (call.rows, call.copies) == (1, 1)
+
+
+def test_a_decode_call_covers_the_busy_slots_and_their_longest_row():
+  s = _scheduler(local_slots=8, devices=1, context=128, chunk=8)
+  assert s.decode() is None
+  short, long_ = _seq(5, new=3), _seq(30, new=20, temperature=1.0, top_p=0.9)
+  for seq in (short, long_):
+    s.submit(seq)
+  s.admit()
+  call = s.decode()
+  assert call is not None
+  assert call.busy == ((0, short), (1, long_)) and (call.row(0), call.row(1)) == (0, 1)
+  # 2 rows (slots 0 and 1), 8 steps (long_ has 20 to go), over 30 + 8 positions: the bucket 48.
+  assert (call.rows, call.steps, call.live, call.top_n) == (2, 8, 48, 0)
+  # short has all its tokens once this call has run: its slot takes the next sequence now; it is
+  # held as finishing until its end is read.
+  assert s.busy[:2] == [None, long_] and s.dispatched[1] == 8 and s.finishing == [short]
+  assert s.stats() == {'busy': 2, 'waiting': 0}
+  s.free(0, short)
+  assert s.finishing == [] and s.busy[:2] == [None, long_]
+  alternatives = _seq(5, new=4, alternatives=True)
+  s.submit(alternatives)
+  s.submit(_seq(5, new=10))
+  s.admit()
+  call = s.decode()
+  # long_'s next 8 tokens, after the 8 in flight: 30 + 16 positions.
+  assert call is not None and (call.rows, call.steps, call.live, call.top_n) == (
+      4, 8, 48, scheduler_lib.TOP_N)
+  assert [g for g, _ in call.busy] == [0, 1, 2] and s.busy[0] is None
+  call = s.decode()
+  assert call is not None and [g for g, _ in call.busy] == [1, 2]
+  assert (call.rows, call.steps, call.live, call.top_n) == (4, 4, 64, 0)
+  assert s.decode() is None and s.busy == [None] * 8 and len(s.finishing) == 3
+  assert s.has_work() and len(s.release()) == 3 and not s.has_work()
+
+
+def test_rows_of_a_call_over_several_devices():
+  s = _scheduler(local_slots=4, devices=2)
+  seqs = [_seq(3) for _ in range(3)]
+  for seq in seqs:
+    s.submit(seq)
+  s.admit()  # slots 0 (device 0), 4 (device 1), 1 (device 0)
+  call = s.decode()
+  assert call is not None and call.rows == 2
+  assert [(g, call.row(g)) for g, _ in call.busy] == [(0, 0), (1, 1), (4, 2)]
+
+
+def test_cancelled_sequences_are_not_admitted():
+  s = _scheduler()
+  gone, kept = _seq(3), _seq(3)
+  s.submit(gone)
+  s.submit(kept)
+  gone.cancelled = True
+  prefills, cancelled = s.admit()
+  assert cancelled == [gone] and s.busy[0] is kept and sum(len(x) for x in prefills[0].slots) == 1
+
+
+def test_submit_checks_the_context():
+  s = _scheduler(context=32)
+  with pytest.raises(ValueError, match='do not fit the context of 32'):
+    s.submit(_seq(30, new=3))
+  with pytest.raises(ValueError):
+    s.submit(_seq(0))
+  assert not s.submit(_seq(3, new=0)) and not s.waiting  # nothing to decode: the caller ends it
+
+
+def test_stop_wakes_the_loop_returns_the_waiting_and_refuses_new_sequences():
+  s = _scheduler()
+  woke = []
+  thread = threading.Thread(target=lambda: woke.append(s.wait()))
+  thread.start()  # nothing to do: it waits
+  s.submit(queued := _seq(4))
+  thread.join(10)
+  assert woke == [True]  # work came
+  assert s.stop() == [queued] and not s.waiting
+  assert not s.wait()  # stopped: the loop ends
+  with pytest.raises(scheduler_lib.EngineStopped):
+    s.submit(_seq(3))
+
+
+def test_release_frees_every_slot():
+  s = _scheduler()
+  seqs = [_seq(3) for _ in range(3)]
+  for seq in seqs:
+    s.submit(seq)
+  s.admit()
+  assert s.release() == [seqs[0], seqs[2], seqs[1]] and s.busy == [None] * 4
+  more = [_seq(3) for _ in range(6)]
+  for seq in more:
+    s.submit(seq)
+  s.admit()
+  assert s.release(waiting=True) == [more[0], more[2], more[1], more[3], *more[4:]]
+  assert s.busy == [None] * 4 and not s.waiting
+
+
+def test_a_warmup_compiles_few_programs_and_the_first_ones_cover_every_call():
+  """128 slots × 256 tokens: 116 programs (327 when sampling's variants were programs of their
+  own), of which the first 6 can run any call that admission and decoding make."""
+  s = _scheduler(local_slots=128, devices=1, context=256, prefill_tokens=16384)
+  covering, rest = s.programs()
+  assert covering == [('prefill', 128, 16, 128), ('prefill', 128, 32, 128),
+                      ('prefill', 128, 64, 128), ('prefill', 128, 128, 128),
+                      ('prefill', 64, 256, 128), ('decode', 128, 256)]
+  assert len(rest) == 8 * 4 + 7 + 8 * 9 - 1 and not set(covering) & set(rest)
+  calls = []
+  for n in (1, 3, 40, 100, 200):
+    for k in range(300):  # some of them sharing the prompt of the one before (n choices)
+      like = s.waiting[-1] if k % 4 == 0 and s.waiting else None
+      s.submit(_seq(1 + k % n, new=1 + k % 50, like=like))
+    while s.has_work():
+      calls += s.admit()[0]
+      call = s.decode()
+      if call is not None:
+        calls.append(call)
+        for g, seq in call.busy:
+          if s.busy[g] is not seq:  # every token dispatched: it ends
+            s.free(g, seq)
+  shapes = {call.shape for call in calls}
+  assert {s[0] for s in shapes} == {'prefill', 'decode'} and any(s[-1] for s in shapes
+                                                                 if s[0] == 'prefill')
+  for shape in shapes:
+    assert any(programs.covers(c, shape) for c in covering), shape
+    assert shape in rest or shape in covering or shape[0] == 'prefill' and shape[3] > 0
+
+
+def test_after_a_warmup_a_call_runs_as_its_smallest_ready_cover_and_its_own_compiles_first():
+  compiled, started, gate = [], threading.Event(), threading.Event()
+
+  def compile(shape):
+    if compiled:  # the background compiler's: held until the test lets it go
+      started.set()
+      gate.wait()
+    compiled.append(shape)
+    return shape
+
+  p = programs.Programs(compile)
+  assert p.fit(('decode', 2, 16)) == ('decode', 2, 16)  # before a warmup: compiled at the call
+  lines = []
+  p.warmup([('decode', 8, 64)], [('decode', 4, 32), ('decode', 2, 16), ('decode', 8, 32)],
+           background=True, report=lines.append)
+  assert compiled == [('decode', 8, 64)] and p.warm
+  started.wait()  # compiling ('decode', 4, 32)
+  assert p.pending() == 3
+  assert p.fit(('decode', 1, 20)) == ('decode', 8, 64)  # the only cover ready
+  gate.set()
+  p.join()
+  # The shape traffic asked for goes next.
+  assert compiled == [('decode', 8, 64), ('decode', 4, 32), ('decode', 1, 20), ('decode', 2, 16),
+                      ('decode', 8, 32)]
+  assert lines[-1].startswith('warmup: 5/5 programs compiled (decode 8 32)')
+  assert p.fit(('decode', 1, 20)) == ('decode', 1, 20) and p.pending() == 0
+  assert p.fit(('decode', 3, 17)) == ('decode', 4, 32)  # the smallest cover, its own queued
+  p.join()
+  assert compiled[-1] == ('decode', 3, 17) and p.pending() == 0
