@@ -81,8 +81,9 @@ def main():
   p.add_argument('--clients', type=int, default=16, help='Concurrent clients measuring capacity.')
   p.add_argument('--seconds', type=int, default=60, help='Duration of the load.')
   p.add_argument('--users', type=int, default=0,
-                 help='Locust users (0: 4 × the requests/s offered, so that a user waiting for a '
-                 'queued answer leaves the rate to the others).')
+                 help='Locust users (0: 4 × the requests/s offered, plus one for each request the '
+                 'server can hold (its slots and queue), so that the users waiting for answers '
+                 'leave the whole rate to the others).')
   p.add_argument('--max_tokens', type=int, default=64, help='Tokens generated per request.')
   p.add_argument('--health_every', type=float, default=0.2, help='Seconds between /health asks.')
   a = p.parse_args()
@@ -97,7 +98,9 @@ def main():
       seconds, _, _ = benchmark_serve.run(url, name, a.clients, 8 * a.clients, a.max_tokens)
       capacity = 8 * a.clients / seconds
     rate = a.factor * capacity
-    users = a.users or math.ceil(4 * rate)
+    limits = json.load(urllib.request.urlopen(health_url, timeout=10))
+    held = limits['slots'] + limits['max_queued_sequences']  # requests of 1 sequence at most
+    users = a.users or math.ceil(4 * rate) + held
     rss_before = rss_mib(server.pid)
     print(f'capacity {capacity:.1f} requests/s; offering {a.factor:g} × = {rate:.0f} requests/s '
           f'from {users} locust users for {a.seconds} s; server RSS {rss_before:.0f} MiB',
@@ -113,7 +116,8 @@ def main():
            '--spawn-rate', str(users / RAMP_S), '--run-time', f'{a.seconds + RAMP_S}s',
            '--stop-timeout', '300',
            '--only-summary', '--loglevel', 'WARNING', '--model', name],
-          env={**os.environ, 'LOADTEST_USER_RATE': str(rate / users), 'LOADTEST_OUT': out,
+          env={**os.environ, 'LOADTEST_USER_RATE': str(rate / max(users - held, 1)),
+               'LOADTEST_OUT': out,
                'LOADTEST_MAX_TOKENS': str(a.max_tokens)},
           check=False, timeout=a.seconds + 600)
       elapsed = time.perf_counter() - t0
