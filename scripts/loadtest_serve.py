@@ -85,6 +85,10 @@ def main():
                  'server can hold (its slots and queue), so that the users waiting for answers '
                  'leave the whole rate to the others).')
   p.add_argument('--max_tokens', type=int, default=64, help='Tokens generated per request.')
+  p.add_argument('--nice', type=int, default=10,
+                 help="locust's niceness (0: the server's): where the generator shares the "
+                 "server's cores, it yields them to the server, as a generator on a machine of its "
+                 'own would.')
   p.add_argument('--health_every', type=float, default=0.2, help='Seconds between /health asks.')
   a = p.parse_args()
 
@@ -111,7 +115,8 @@ def main():
       out = os.path.join(tmp, 'latencies.json')
       t0 = time.perf_counter()
       subprocess.run(
-          [a.locust, '-f', os.path.join(os.path.dirname(__file__), 'locustfile_serve.py'),
+          [*(['nice', '-n', str(a.nice)] if a.nice else []), a.locust,
+           '-f', os.path.join(os.path.dirname(__file__), 'locustfile_serve.py'),
            '--headless', '--host', url.removesuffix('/v1'), '--users', str(users),
            '--spawn-rate', str(users / RAMP_S), '--run-time', f'{a.seconds + RAMP_S}s',
            '--stop-timeout', '300',
@@ -148,7 +153,9 @@ def main():
         f's, p99 {percentile(watch.latencies, 0.99):.3f} s, max {max(watch.latencies):.3f} s; '
         f'{len(watch.not_ok)} not answered 200 {watch.not_ok[:3]}')
   print(f'server RSS: before {rss_before:.0f} MiB, during max {max(during):.0f} MiB, after '
-        f'{rss_after:.0f} MiB; queue after: busy {health["busy"]}, waiting {health["waiting"]}')
+        f'{rss_after:.0f} MiB; queue after: busy {health["busy"]}, waiting {health["waiting"]}; '
+        f'compiled programs: {limits["compiled_shapes"]} before, {health["compiled_shapes"]} '
+        f'after ({health["compiling_shapes"]} still queued)')
   print(f'SIGTERM to exit: {exit_s:.1f} s (exit status {server.returncode})')
   failed = [what for what, bad in [
       ('a request was not answered 200 or 429', set(latencies) - {'200', '429'}),
