@@ -6,16 +6,16 @@ throughout, and the server's memory must stay bounded.
   python scripts/loadtest_serve.py --workdir=runs/default --locust=/work/loadtest-venv/bin/locust
 
 Steps: starts `python -m jax_pretrain.serve --warmup` on a free port (--serve_args adds flags);
-measures its capacity C (requests/s) as scripts/benchmark_serve.py does with --clients
-concurrent clients; then runs locust headless for --seconds (after RAMP_S seconds starting its
-users) with --users users, each pacing
-completions (benchmark_serve's prompts, --max_tokens each) so that together they offer
+measures its capacity C (requests/s) as scripts/benchmark_serve.py does with --clients concurrent
+clients; then runs locust headless (at --nice) for --seconds (after RAMP_S seconds starting its
+users) with --users users (by default 4 × the rate, plus one for each request the server can hold),
+each pacing completions (benchmark_serve's prompts, --max_tokens each) so that together they offer
 --factor × C requests/s (locust's constant_throughput: a user whose answer takes longer than its
-interval offers less, so the rate offered is measured, not assumed). Meanwhile a thread asks
-/health every --health_every seconds (a new connection each time, 10 s timeout) and samples the
-server's resident memory (/proc/PID/status). After locust (its users finish the request in
-flight: --stop-timeout) the server is stopped with SIGTERM and the seconds until it exits are
-measured. Prints a summary and exits 1 when a check fails.
+interval offers less, so the rate offered is measured, not assumed). Meanwhile a thread asks /health
+every --health_every seconds (a new connection each time, 10 s timeout) and samples the server's
+resident memory (/proc/PID/status). After locust (its users finish the request in flight: --stop-
+timeout) the server is stopped with SIGTERM and the seconds until it exits are measured. Prints a
+summary and exits 1 when a check fails.
 """
 import argparse
 import json
