@@ -13,9 +13,9 @@ each pacing completions (benchmark_serve's prompts, --max_tokens each) so that t
 --factor × C requests/s (locust's constant_throughput: a user whose answer takes longer than its
 interval offers less, so the rate offered is measured, not assumed). Meanwhile a thread asks /health
 every --health_every seconds (a new connection each time, 10 s timeout) and samples the server's
-resident memory (/proc/PID/status). After locust (its users finish the request in flight: --stop-
-timeout) the server is stopped with SIGTERM and the seconds until it exits are measured. Prints a
-summary and exits 1 when a check fails.
+resident memory (/proc/PID/status). After locust (its users finish the request in flight:
+--stop-timeout) the server is stopped with SIGTERM and the seconds until it exits are measured.
+Prints a summary and exits 1 when a check fails.
 """
 import argparse
 import json
