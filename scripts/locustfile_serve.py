@@ -34,7 +34,7 @@ class Client(locust.FastHttpUser):
       if r.status_code in (200, 429):
         r.success()
       else:
-        r.failure(f'status {r.status_code}: {r.text[:200]}')
+        r.failure(f'status {r.status_code}: {(r.text or getattr(r, "error", ""))!s:.200}')
 
 
 @locust.events.init_command_line_parser.add_listener
