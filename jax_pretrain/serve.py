@@ -382,7 +382,7 @@ class Server:
 
   def queue_room(self) -> int:
     """Sequences the queue takes before a request gets 429."""
-    return self.max_queued - self.engine.stats()['waiting']
+    return self.max_queued - len(self.engine.scheduler.waiting)  # (each request, 429s included)
 
   def busy(self) -> APIError:
     """The answer to a request that the queue has no room for: OpenAI's rate-limit error."""
