@@ -45,6 +45,18 @@ _LOSS_SCALE = ("a float16 run's train state holds its dynamic loss scale, other 
                '(to resume on another card, give the old dtype: --config.model.dtype=OLD)')
 _AUTO_DTYPE = 'auto'
 AUTO_REMAT = 'auto'  # resolved by resolve: 'dots' with fused attention, else 'full'
+# model.layers: 'scan' runs one layer's program L times (compile time independent of depth, but
+# XLA copies the stacked activations and weight gradients in and out of the loop every
+# micro-batch); 'unroll' compiles every layer (no such copies; compile time grows with depth).
+# 'auto' unrolls on a GPU up to UNROLL_MAX_LAYERS layers (BENCHMARKS.md: the compiled steps and
+# compile times), else scans.
+AUTO_LAYERS = 'auto'
+LAYERS = ('scan', 'unroll')
+UNROLL_MAX_LAYERS = 48
+# Fields that no longer exist, and what replaced them: a config file or override naming one is
+# told; a run's config.json that has one still loads (the field is dropped).
+RETIRED = {('model', 'scan_layers'): "model.layers='scan'|'unroll'|'auto' replaced it (the "
+           'params and checkpoints are the same either way)'}
 # model.remat's policies: what the backward pass keeps of each block (the rest is recomputed).
 # 'dots' and 'dots_no_batch' keep the fused attention kernel's output and softmax statistics too
 # (attention.forward_saveable): without them the backward ran the attention forward again.
@@ -135,8 +147,8 @@ class ModelConfig:
   remat: str = field('auto', SAFE, "'auto' (dots with fused attention, else full; full where the "
       "fit needs it: memory.fit_micro_batch) | 'none' | 'full' | 'dots' | 'dots_no_batch' | "
       "'minimal'")
-  scan_layers: bool = field(True, SHAPE, 'scan over stacked layers (compile time independent of '
-      'depth)')
+  layers: str = field(AUTO_LAYERS, SAFE, "'auto' (unroll on a GPU up to UNROLL_MAX_LAYERS layers, "
+      "else scan) | 'scan' | 'unroll': how a step runs the layers; the params are the same")
   dtype: str = field(_AUTO_DTYPE, _float16_toggled, "compute dtype: 'auto' (bfloat16 on TPUs and "
       'NVIDIA sm_80+, float16 with loss scaling on older NVIDIA GPUs, float32 on the CPU) | '
       "'bfloat16' | 'float16' | 'float32'; params and optimizer state stay float32")
@@ -153,6 +165,12 @@ class ModelConfig:
   def master_dtype(self) -> np.dtype:
     """model.param_dtype as the dtype the parameters are kept in."""
     return jnp.dtype(self.param_dtype)
+
+  @property
+  def scan_layers(self) -> bool:
+    """Whether the model scans its layers (resolved model.layers 'scan'), else runs them
+    unrolled; either way the params stack the layers on a leading axis (model.py)."""
+    return self.layers == 'scan'
 
   @property
   def remat_policy(self):
@@ -356,8 +374,9 @@ def from_dict(saved: dict, strict: bool = False,
       if new_group in c and new_name in c[new_group]:
         c[new_group][new_name] = value
       elif strict:
-        raise ConfigError(f'{group}.{name}: no such config field (all fields, with their '
-                          'defaults, are in jax_pretrain/config.py).')
+        hint = RETIRED.get((group, name), 'all fields, with their defaults, are in '
+                           'jax_pretrain/config.py')
+        raise ConfigError(f'{group}.{name}: no such config field ({hint}).')
   return c
 
 
@@ -486,6 +505,17 @@ def _auto_dtype(backend: str, device, capability: tuple[int, int] | None) -> tup
   return 'float16', f'{kind}, {stated} has no bfloat16: float16 with dynamic loss scaling'
 
 
+def _auto_layers(backend: str, num_layers: int) -> tuple[str, str]:
+  """What model.layers='auto' means for this backend and depth: (layers, the reason)."""
+  if backend != 'gpu':
+    return 'scan', f'{backend}: compile time dominates there'
+  if num_layers > UNROLL_MAX_LAYERS:
+    return 'scan', (f'{num_layers} layers > {UNROLL_MAX_LAYERS}: an unrolled step would take '
+                    'many minutes to compile')
+  return 'unroll', ("GPU: no copies of the scan's stacked activations and weight gradients; "
+                    f'compiled once per program, {num_layers} layers, cached for a resumed run')
+
+
 def _resolve_model(m: ModelConfig, backend: str | None, tokenizer_vocab_size: int,
                    device) -> tuple[ModelConfig, list[str]]:
   """Checks the model group and decides its 'auto' fields; returns it resolved, and what they
@@ -495,6 +525,7 @@ def _resolve_model(m: ModelConfig, backend: str | None, tokenizer_vocab_size: in
     backend = device.platform
   choice(m, 'model', 'attention', attention.IMPLEMENTATIONS + (attention.AUTO,))
   choice(m, 'model', 'remat', tuple(REMAT_POLICIES) + (AUTO_REMAT,))
+  choice(m, 'model', 'layers', LAYERS + (AUTO_LAYERS,))
   choice(m, 'model', 'dtype', _DTYPES + (_AUTO_DTYPE,))
   choice(m, 'model', 'param_dtype', _DTYPES)
   for name in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'mlp_dim', 'vocab_size'):
@@ -532,6 +563,10 @@ def _resolve_model(m: ModelConfig, backend: str | None, tokenizer_vocab_size: in
     # there 'full' recomputes each layer instead (1.25× the matmul FLOPs).
     m = dataclasses.replace(m, remat='full' if m.attention == 'xla' else 'dots')
     choices.append(f'remat {m.remat} (auto: attention {m.attention})')
+  if m.layers == AUTO_LAYERS:
+    layers, why = _auto_layers(backend, m.num_layers)
+    m = dataclasses.replace(m, layers=layers)
+    choices.append(f'layers {m.layers} (auto: {why})')
   if m.fp8 and backend == 'gpu':
     check(capability is None or capability >= (8, 9),
           f'model.fp8=True needs FP8 matmuls (an NVIDIA GPU of compute capability >= 8.9: '

@@ -80,11 +80,6 @@ def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
   return shape if n_in == 0 else (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
 
 
-def _layer_root(params, i: int):
-  """Layer i's subtree and the index into it: scanned params stack layers on axis 0."""
-  return (params['layers'], i) if 'layers' in params else (params[f'layers_{i}'], None)
-
-
 def _get(tree, path):
   for key in path:
     tree = tree[key]
@@ -101,13 +96,11 @@ def _ours(params, path, layer) -> np.ndarray:
   """Our array of one HF tensor: a root param, or one layer's slice of a layer param."""
   if layer is None:
     return _get(params, path)
-  root, index = _layer_root(params, layer)
-  x = _get(root, path)
-  return x if index is None else x[index]
+  return _get(params['layers'], path)[layer]  # (the layers stacked on axis 0: model.py)
 
 
 def to_hf(params, c: model_lib.ModelConfig) -> dict[str, np.ndarray]:
-  """Our params (scanned or not) -> {HF name: float32 array}."""
+  """Our params -> {HF name: float32 array}."""
   return {name: np.ascontiguousarray(_hf_view(np.asarray(_ours(params, path, layer), np.float32),
                                               n_in))
           for name, path, n_in, layer in _entries(c)}
@@ -119,7 +112,7 @@ def _param_shapes(c: model_lib.ModelConfig) -> dict[tuple, tuple[int, ...]]:
   Attention and remat do not change the params; the plain ones are traced, since the config may
   not be resolved yet (model.attention and model.remat 'auto' are decided on the run's devices).
   """
-  model = model_lib.Transformer(dataclasses.replace(c, scan_layers=True, attention='xla',
+  model = model_lib.Transformer(dataclasses.replace(c, layers='scan', attention='xla',
                                                     remat='none'))
   abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
   leaves = jax.tree_util.tree_leaves_with_path(meta.unbox(abstract['params']))
@@ -180,10 +173,6 @@ def _fill(c: model_lib.ModelConfig, hf_vocab: int, names: Iterable[str],
       if path in _VOCAB_ROWS:
         target = target[:hf_vocab]
       target[...] = read(name)  # cast to float32 on assignment, straight into the params
-  if not c.scan_layers:  # layers_0, layers_1, ...: views of the stacked arrays
-    layers = params.pop('layers')
-    for i in range(c.num_layers):
-      params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], layers)
   return params
 
 

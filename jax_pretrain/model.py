@@ -6,10 +6,15 @@ through its properties: compute_dtype, master_dtype, remat_policy).
 
 Parameters are float32 (param_dtype) and cast to the compute dtype at use; norms, softmax
 statistics and the logits returned to the loss are float32. Every parameter carries logical axis
-names (see sharding.LOGICAL_AXIS_RULES). Layers are stacked on a leading 'layers' axis and scanned,
-so compile time does not grow with depth.
+names (see sharding.LOGICAL_AXIS_RULES).
 
-Decoding (engine/runner.py): the model runs unscanned (scan_layers=False, params per layer) with a
+Layers: the params (init's, the train state's, every checkpoint's) stack the layers on a leading
+axis, params['layers'], whichever way a step runs them (model.layers): 'scan' runs them as one
+scanned layer over that axis; 'unroll' runs each layer apart, on params['layers_0'],
+params['layers_1'], ... (`unstack_layers`: the train step makes them once a step, when it casts
+the weights, `with_compute_weights`, and stacks their gradients back, `stack_layers`).
+
+Decoding (engine/runner.py): the model runs unrolled (layers='unroll', params per layer) with a
 `KVCache` of one buffer per layer, which each call updates in place (scatter of the new positions;
 under jit with the cache donated, no copy of it is made), and with the engine's params
 (runner.decoding_params): each layer's query, key and value projections one matrix `wqkv`
@@ -280,8 +285,10 @@ class Transformer(nn.Module):
                logits: bool = True):
     c = self.config
     if cache is not None and c.scan_layers:
-      raise ValueError('decoding runs the model unscanned (scan_layers=False), with the params '
+      raise ValueError("decoding runs the model unrolled (layers='unroll'), with the params "
                        'of each layer apart: engine.decoding_params')
+    # init makes the stacked params of either way (the module docstring), by the scanned layer.
+    scan = c.scan_layers or self.is_initializing()
     embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                            c.init_std)
     # The lookup reads a replicated compute-dtype copy of the table (V·D·2 bytes): XLA's SPMD
@@ -306,8 +313,8 @@ class Transformer(nn.Module):
     block = Block
     if c.remat != 'none':
       # prevent_cse is only needed outside scan (scan already stops XLA from merging recomputation).
-      block = nn.remat(Block, policy=c.remat_policy, prevent_cse=not c.scan_layers)
-    if c.scan_layers:
+      block = nn.remat(Block, policy=c.remat_policy, prevent_cse=not scan)
+    if scan:
       stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
                       in_axes=(nn.broadcast,) * 3, length=c.num_layers,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
@@ -341,21 +348,52 @@ class Transformer(nn.Module):
     return logits_BxTxV, cache
 
 
-def with_compute_weights(c: ModelConfig, params):
-  """params with the scanned layers' matmul weights in the compute dtype, which the model casts
-  them to at use anyway (their norm scales, used in float32, stay as they are).
+def unstack_layers(params, num_layers: int):
+  """Stacked params (params['layers'], a leading layer axis) as the unrolled model reads them:
+  params['layers_0'], params['layers_1'], ..., each layer's slices. Others are returned as
+  they are."""
+  if 'layers' not in params:
+    return params
+  params = dict(params)
+  layers = params.pop('layers')
+  for i in range(num_layers):
+    params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], layers)
+  return params
 
-  The train step casts them once a step: every micro-batch's layer scan, forward and backward, then
-  reads compute-dtype slices of them instead of casting float32 ones again, and their gradients
-  come back in the compute dtype, the values the casts' gradients had (each weight is used once
-  per layer), half the bytes per micro-batch. The embedding stays float32: the lookup and the
-  tied output projection each cast it, and their gradients are summed in float32."""
+
+def stack_layers(tree, num_layers: int):
+  """unstack_layers' inverse: a tree with layers_0 ... layers_{L-1} (e.g. their gradients) with
+  them stacked as 'layers'. Others are returned as they are."""
+  if 'layers_0' not in tree:
+    return tree
+  tree = dict(tree)
+  per_layer = [tree.pop(f'layers_{i}') for i in range(num_layers)]
+  tree['layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+  return tree
+
+
+def layers_as_run(c: ModelConfig, params):
+  """Stacked params in the layout the model runs them (model.layers): unstacked to unroll."""
+  return params if c.scan_layers else unstack_layers(params, c.num_layers)
+
+
+def with_compute_weights(c: ModelConfig, params):
+  """params with the layers' matmul weights in the compute dtype, which the model casts them to
+  at use anyway (their norm scales, used in float32, stay as they are), in the layout the model
+  runs them (layers_as_run).
+
+  The train step casts them once a step: every micro-batch's layers, forward and backward, then
+  read compute-dtype weights instead of casting float32 ones again, and their gradients come back
+  in the compute dtype, the values the casts' gradients had (each weight is used once per layer),
+  half the bytes per micro-batch. Unrolled, the same once-a-step pass writes each layer's weights
+  apart: no micro-batch slices them again. The embedding stays float32: the lookup and the tied
+  output projection each cast it, and their gradients are summed in float32."""
   if 'layers' not in params:
     return params
   layers = jax.tree_util.tree_map_with_path(
       lambda path, p: p if path[-1].key == 'scale' else p.astype(c.compute_dtype),
       params['layers'])
-  return {**params, 'layers': layers}
+  return layers_as_run(c, {**params, 'layers': layers})
 
 
 def count_params(params) -> int:

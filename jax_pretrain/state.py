@@ -82,6 +82,7 @@ def target_logprobs(model: nn.Module, params, batch,
   nor is their gradient (kernels/logprobs.py)."""
   tokens_BxT1 = batch['tokens']
   inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+  params = model_lib.layers_as_run(model.config, params)  # (the train step's already are)
   x_BxTxD, w_DxV = cast(tuple[jax.Array, jax.Array], model.apply(
       {'params': params}, inputs_BxT, segments_BxT=batch.get('segments'), logits=False))
   return logprobs.target_logprobs(x_BxTxD, w_DxV, targets_BxT, temperatures, model.mesh)
@@ -159,7 +160,8 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
       x_AxMxT = x_BxT.reshape(B // grad_accum_steps, grad_accum_steps, T).swapaxes(0, 1)
       return sharding.constrain(x_AxMxT, (None, 'batch', None), mesh)
 
-    weights = model_lib.with_compute_weights(model.config, params)  # once, not per micro-batch
+    # Once, not per micro-batch: cast, and unrolled, each layer's apart (model.layers).
+    weights = model_lib.with_compute_weights(model.config, params)
 
     def accumulate(carry, micro_batch):
       if scale is None:
@@ -178,8 +180,9 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
       aux_zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), jax.eval_shape(
           lambda: loss_with_sums(params, jax.tree.map(lambda x: x[0], micro))[1]))
     zeros = (jnp.zeros((), jnp.float32), aux_zeros,
-             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+             jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
     (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+    grads = model_lib.stack_layers(grads, model.config.num_layers)  # (unrolled: once a step)
     if factor is not None:
       grads = jax.tree.map(lambda g: g / factor, grads)
     return loss_sum, aux, grads

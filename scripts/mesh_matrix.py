@@ -13,8 +13,8 @@ it was compiling is marked with its CHECK line (or last line of output) and a ne
 rest. With --out, results are appended there as they come and cases already there are skipped;
 --table-only prints the table of --out.
 
-Reductions, to fit a 2-core machine: --layers (default 2) layers, since the layers are scanned
-(model.scan_layers) and the compiled program does not depend on their number; --seq_len (default
+Reductions, to fit a 2-core machine: --layers (default 2) layers, scanned (model.layers=scan),
+so that the compiled program does not depend on their number; --seq_len (default
 256) and --rows (default 1) sequences per data-parallel device (batch = data × fsdp × rows).
 Every other shape (width, heads, kv heads, MLP, vocabulary) is the preset's own.
 """
@@ -70,7 +70,7 @@ def compile_case(case: dict, args) -> None:
   data, fsdp, tensor = case['mesh']
   c = config_lib.preset(case['preset'])
   for override in [*args.overrides,
-                   f'--config.model.num_layers={args.layers}',
+                   f'--config.model.num_layers={args.layers}', '--config.model.layers=scan',
                    f'--config.data.seq_len={args.seq_len}',
                    f'--config.train.batch_size={data * fsdp * args.rows}',
                    '--config.train.micro_batch_size=0', f'--config.mesh.data={data}',

@@ -1,7 +1,9 @@
 """The engine's scheduler without a model: which slot each sequence takes, which waits, and the
 shapes of the calls that run them."""
 import itertools
+import sys
 import threading
+import time
 
 import pytest
 
@@ -236,3 +238,24 @@ def test_after_a_warmup_a_call_runs_as_its_smallest_ready_cover_and_its_own_comp
   assert p.fit(('decode', 3, 17)) == ('decode', 4, 32)  # the smallest cover, its own queued
   p.join()
   assert compiled[-1] == ('decode', 3, 17) and p.pending() == 0
+
+
+def test_calls_fitted_while_the_background_compiler_adds_programs_never_fail():
+  """The engine thread fits calls (reading the ready programs) while the compiler thread adds
+  them: many times, with the interpreter switching threads as often as it can."""
+  def compile(shape):
+    time.sleep(1e-5)  # (as XLA does, the compiler gives up the GIL while it compiles)
+    return shape
+
+  p = programs.Programs(compile)
+  p.warmup([('decode', 4096, 4096)], [('decode', r, 1) for r in range(1, 1000)],
+           background=True, report=lambda line: None)
+  calls = [('decode', 1 + i % 1000, 2 + i // 1000) for i in range(5000)]  # each a new shape
+  switch = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)
+  try:
+    fitted = [p.fit(call) for call in calls]
+  finally:
+    sys.setswitchinterval(switch)
+    p.stop()
+  assert all(programs.covers(f, call) for f, call in zip(fitted, calls))

@@ -99,19 +99,22 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
   assert rel_err(a, b) < 1e-6
 
 
-def test_scanned_model_equals_unrolled_loop_over_same_weights():
+def test_scanned_and_unrolled_layers_are_one_model_with_one_layout_of_params():
   cfg = small_config()
   scanned, params = init(cfg)
-  unrolled = model_lib.Transformer(dataclasses.replace(cfg, scan_layers=False))
-  unrolled_params = {k: v for k, v in params.items() if k != 'layers'}
-  for i in range(cfg.num_layers):
-    unrolled_params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], params['layers'])
-  # The unrolled model's own init has exactly this structure.
-  _, own = init(dataclasses.replace(cfg, scan_layers=False))
-  assert jax.tree.structure(own) == jax.tree.structure(unrolled_params)
+  unrolled_cfg = dataclasses.replace(cfg, layers='unroll')
+  unrolled = model_lib.Transformer(unrolled_cfg)
+  # Either way init makes the same stacked params, the same numbers from the same seed.
+  _, own = init(unrolled_cfg)
+  jax.tree.map(np.testing.assert_array_equal, own, params)
+  # The unrolled model runs each layer's slices (layers_as_run), and stack_layers inverts it.
+  per_layer = model_lib.layers_as_run(unrolled_cfg, params)
+  assert 'layers' not in per_layer and f'layers_{cfg.num_layers - 1}' in per_layer
+  jax.tree.map(np.testing.assert_array_equal,
+               model_lib.stack_layers(per_layer, cfg.num_layers), params)
   tokens = random_tokens(4, 2, 16, cfg.vocab_size)
   a = scanned.apply({'params': params}, tokens)
-  b = unrolled.apply({'params': unrolled_params}, tokens)
+  b = unrolled.apply({'params': per_layer}, tokens)
   assert rel_err(a, b) < 1e-6
 
 

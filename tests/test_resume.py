@@ -108,6 +108,23 @@ def test_safe_changes_are_accepted_printed_and_kept_in_the_history(tmp_path, cap
   # Every field's resume policy (declared on the field in config.py): test_config.py.
 
 
+@pytest.mark.parametrize('first,then', [('scan', 'unroll'), ('unroll', 'scan')])
+def test_a_run_resumed_with_its_layers_run_the_other_way_continues_its_losses(tmp_path, first,
+                                                                            then, capsys):
+  """model.layers is how a step runs the layers, not what the checkpoint holds: a run saved with
+  one way resumes with the other and continues the losses of an uninterrupted run."""
+  workdir = lambda name: tmp_path / name
+  run(workdir('whole'), **{'model.layers': first})
+  run(workdir('split'), **{'model.layers': first, 'train.steps': 5})
+  run(workdir('split'), **{'model.layers': then})
+  assert f"config change on resume: model.layers '{first}' -> '{then}'" in capsys.readouterr().out
+  whole, split = logged_losses(workdir('whole')), logged_losses(workdir('split'))
+  assert sorted(split) == sorted(whole) == list(range(1, 11))
+  for step in range(1, 11):  # (the other way compiles to other float32 roundings)
+    assert split[step] == pytest.approx(whole[step], rel=1e-5, abs=0), step
+  assert workdir_lib.load(str(workdir('split')), devices=jax.devices()[:1]).step == 10
+
+
 def test_resume_with_grain_workers_draws_the_same_batches(tmp_path, uninterrupted):
   out, rc = run_and_signal(tmp_path, signal.SIGTERM, 10)
   assert rc == 0, out

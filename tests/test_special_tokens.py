@@ -71,16 +71,15 @@ def _eos_model(tok):
   times longer), the blocks add nothing, so EOS's logit is 10 times every other's."""
   config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu',
                                  tokenizer_vocab_size=tok.vocab_size)
-  cfg = dataclasses.replace(config.model, scan_layers=False)  # (params per layer, to rig)
+  cfg = config.model
   params = meta.unbox(jax.jit(model_lib.Transformer(cfg).init)(
       jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params'])
   params = jax.tree.map(np.array, params)  # (writable copies)
   table = np.ones((cfg.vocab_size, cfg.d_model), np.float32)
   table[tok.eos_id] *= 10
   params['embedding'] = table
-  for i in range(cfg.num_layers):
-    params[f'layers_{i}']['attn']['wo'] *= 0
-    params[f'layers_{i}']['mlp']['w_down'] *= 0
+  params['layers']['attn']['wo'] *= 0  # (every layer's: the layers are stacked)
+  params['layers']['mlp']['w_down'] *= 0
   assert cfg.tie_embeddings
   return cfg, params
 

@@ -56,8 +56,15 @@ class Programs:
     """The program of this shape, compiled now if it is not ready."""
     program = self.ready.get(shape)
     if program is None:
-      program = self.ready[shape] = self._compile(shape)
+      program = self._compile(shape)
+      self._add(shape, program)
     return program
+
+  def _add(self, shape: Shape, program) -> None:
+    """Makes a compiled program ready. `ready` is written only here, under the lock that `fit`
+    reads it under (the background compiler's thread and the engine's share it)."""
+    with self._lock:
+      self.ready[shape] = program
 
   def fit(self, shape: Shape) -> Shape:
     """The shape a call of `shape` runs as: itself once ready (or when not warm: compiled at the
@@ -84,7 +91,7 @@ class Programs:
     later = [s for s in rest if s not in self.ready and s not in covering]
     self._total = len(todo) + len(later)
     for shape in todo + ([] if background else later):
-      self.ready[shape] = self._compile(shape)
+      self._add(shape, self._compile(shape))
       self._progress(shape)
     self.warm = True
     if background and later:
@@ -126,7 +133,7 @@ class Programs:
         shape = self._compiling = self._queue.pop(0)
       if shape not in self.ready:
         try:
-          self.ready[shape] = self._compile(shape)
+          self._add(shape, self._compile(shape))
         except Exception:  # noqa: BLE001 (its calls keep running as a cover)
           logging.exception('the engine could not compile %s', shape)
           continue

@@ -89,11 +89,7 @@ def decoding_params(config: model_lib.ModelConfig, params):
   [D, N + 2K, H]) and its gate and up projections into one (w_gate_up [D, 2, F]), so that a step
   reads few, large operands, and every matrix in the compute dtype (the model casts it there at
   every use: the same numbers, cast once). Vectors (norm scales) stay."""
-  params = dict(params)
-  if 'layers' in params:
-    layers = params.pop('layers')
-    for i in range(config.num_layers):
-      params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], layers)
+  params = model_lib.unstack_layers(params, config.num_layers)
   for i in range(config.num_layers):
     layer = params[f'layers_{i}']
     attn, mlp = dict(layer['attn']), dict(layer['mlp'])
@@ -106,9 +102,9 @@ def decoding_params(config: model_lib.ModelConfig, params):
 
 
 def decoding_model(config: model_lib.ModelConfig) -> model_lib.Transformer:
-  """No remat (nothing is differentiated), unscanned (each layer's cache apart), no mesh (the
+  """No remat (nothing is differentiated), unrolled (each layer's cache apart), no mesh (the
   engine maps it over its devices)."""
-  return model_lib.Transformer(dataclasses.replace(config, remat='none', scan_layers=False))
+  return model_lib.Transformer(dataclasses.replace(config, remat='none', layers='unroll'))
 
 
 def cache_bytes(config: model_lib.ModelConfig, slots: int, context: int, devices: int) -> float:
