@@ -30,6 +30,7 @@ import ml_collections
 import numpy as np
 
 from jax_pretrain import PRESETS_DIR
+from jax_pretrain import fp8
 from jax_pretrain import sharding
 from jax_pretrain.errors import UserError
 from jax_pretrain.kernels import attention
@@ -43,6 +44,8 @@ STREAM = ("the checkpoint's data position counts batches of the old data stream,
           'train/tokens counts tokens of the old batch shape')
 _LOSS_SCALE = ("a float16 run's train state holds its dynamic loss scale, other dtypes' do not "
                '(to resume on another card, give the old dtype: --config.model.dtype=OLD)')
+_FP8_STATE = ("an FP8 run's train state holds its projections' amax histories, other runs' do "
+              'not')
 _AUTO_DTYPE = 'auto'
 AUTO_REMAT = 'auto'  # resolved by resolve: 'dots' with fused attention, else 'full'
 # model.layers: 'scan' runs one layer's program L times (compile time independent of depth, but
@@ -61,15 +64,25 @@ RETIRED = {('model', 'scan_layers'): "model.layers='scan'|'unroll'|'auto' replac
 # 'dots' and 'dots_no_batch' keep the fused attention kernel's output and softmax statistics too
 # (attention.forward_saveable): without them the backward ran the attention forward again.
 _policies = jax.checkpoint_policies
+_DOTS_ALSO_KEEP = ('normed', 'rotated', 'mlp_hidden', 'residual')
 REMAT_POLICIES = {
     'none': None,  # keep every activation
     'full': _policies.nothing_saveable,  # recompute the whole block in backward
-    # keep matmul outputs (and fused attention's), recompute the rest
-    'dots': _policies.save_from_both_policies(_policies.dots_saveable, attention.forward_saveable),
+    # keep matmul outputs (and fused attention's) and the cheap-to-keep values the backward would
+    # otherwise recompute with extra passes (model.py names them: the norms' outputs, the rotated
+    # queries and keys, SwiGLU's product, the residual stream between attention and MLP;
+    # BENCHMARKS.md: each one's compiled bytes and memory), recompute the rest
+    'dots': _policies.save_from_both_policies(
+        _policies.dots_saveable, _policies.save_from_both_policies(
+            attention.forward_saveable, _policies.save_only_these_names(*_DOTS_ALSO_KEEP))),
     'dots_no_batch': _policies.save_from_both_policies(  # projections only (and fused attention)
         _policies.dots_with_no_batch_dims_saveable, attention.forward_saveable),
     'minimal': _policies.save_only_these_names('attn_out', 'mlp_hidden'),
 }
+_DOTS_FP8 = _policies.save_from_both_policies(
+    _policies.dots_saveable, _policies.save_from_both_policies(
+        attention.forward_saveable, _policies.save_only_these_names('rotated', 'residual',
+                                                                    fp8.QUANTIZED)))
 ROPE_SCALINGS = ('none', 'linear', 'llama3')  # model.rope_scaling (model.rope_frequencies)
 _DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -80,6 +93,11 @@ def _float16_toggled(before, after) -> str:
   """model.dtype: float16 on or off changes the train state (it gains or loses its loss scale)."""
   toggled = (before == 'float16') != (after == 'float16') and _AUTO_DTYPE not in (before, after)
   return _LOSS_SCALE if toggled else SAFE
+
+
+def _fp8_toggled(before, after) -> str:
+  """model.fp8: on or off changes the train state (it gains or loses the amax histories)."""
+  return _FP8_STATE if before != after else SAFE
 
 
 def _clipping_toggled(before, after) -> str:
@@ -153,8 +171,8 @@ class ModelConfig:
       'NVIDIA sm_80+, float16 with loss scaling on older NVIDIA GPUs, float32 on the CPU) | '
       "'bfloat16' | 'float16' | 'float32'; params and optimizer state stay float32")
   param_dtype: str = field('float32', SHAPE, 'master parameter dtype')
-  fp8: bool = field(False, SAFE, 'attention and MLP projections in FP8 (Hopper/Ada GPUs; simulated '
-      'on the CPU): per-tensor current scaling, jax_pretrain/fp8.py')
+  fp8: bool = field(False, _fp8_toggled, 'attention and MLP projections in FP8 (Hopper/Ada GPUs; '
+      'simulated on the CPU): per-tensor delayed scaling, jax_pretrain/fp8.py')
 
   @property
   def compute_dtype(self) -> np.dtype:
@@ -174,7 +192,10 @@ class ModelConfig:
 
   @property
   def remat_policy(self):
-    """model.remat's jax checkpoint policy (None: 'none', nothing recomputed)."""
+    """model.remat's jax checkpoint policy (None: 'none', nothing recomputed). With model.fp8,
+    'dots' keeps the projections' quantized operands instead of their inputs (fp8.py)."""
+    if self.remat == 'dots' and self.fp8:
+      return _DOTS_FP8
     return REMAT_POLICIES[self.remat]
 
 

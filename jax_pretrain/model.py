@@ -111,15 +111,23 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -
   return out.astype(x_BxTxNxH.dtype)
 
 
-def _dense_einsum(c: ModelConfig):
-  """The einsum of the attention and MLP projections: FP8 with model.fp8 (not the embedding or
-  the output head, whose logits feed the loss directly)."""
-  if not c.fp8:
-    return jnp.einsum
+# The attention and MLP projections the train step runs: FP8 with model.fp8 (not the embedding or
+# the output head, whose logits feed the loss directly).
+PROJECTIONS = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down')
 
-  def fp8_einsum(equation: str, x, w):
+
+def _dense_einsum(module: nn.Module):
+  """einsum(equation, x, weight, name) of a module's projection `name`: FP8 with model.fp8, with
+  its amax history where the train step gives one (fp8.py), else a plain einsum."""
+  c = module.config
+  if not c.fp8:
+    return lambda equation, x, w, name: jnp.einsum(equation, x, w)
+
+  def fp8_einsum(equation: str, x, w, name: str):
     inputs = equation.split('->')[0].split(',')
-    return fp8.dense(x, w, contract=len(set(inputs[0]) & set(inputs[1])))
+    key = name + fp8.SUFFIX
+    history = module.get_variable('params', key) if module.has_variable('params', key) else None
+    return fp8.dense(x, w, contract=len(set(inputs[0]) & set(inputs[1])), history=history)
   return fp8_einsum
 
 
@@ -131,7 +139,7 @@ class RMSNorm(nn.Module):
     scale_D = _param(self, 'scale', (x_BxTxD.shape[-1],), ('norm',), std=0.0)
     x = x_BxTxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.config.norm_eps)
-    return (x * scale_D).astype(self.config.compute_dtype)
+    return checkpoint_name((x * scale_D).astype(self.config.compute_dtype), 'normed')
 
 
 @flax.struct.dataclass
@@ -158,25 +166,26 @@ class Attention(nn.Module):
     c = self.config
     D, N, K, H = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
     out_std = c.init_std / math.sqrt(2 * c.num_layers)
-    dt, dense = c.compute_dtype, _dense_einsum(c)
+    dt, dense = c.compute_dtype, _dense_einsum(self)
     if self.has_variable('params', 'wqkv'):  # the engine's: one matrix, one matmul
       wqkv_DxJxH = _param(self, 'wqkv', (D, N + 2 * K, H), ('embed', None, 'head_dim'),
                           c.init_std)
-      qkv_BxTxJxH = dense('btd,djh->btjh', x_BxTxD, wqkv_DxJxH.astype(dt))
+      qkv_BxTxJxH = dense('btd,djh->btjh', x_BxTxD, wqkv_DxJxH.astype(dt), 'wqkv')
       q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxJxH, [N, N + K], axis=2)
     else:  # (init makes these: the trainer's params, a checkpoint's)
       wq_DxNxH = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), c.init_std)
       wk_DxKxH = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
       wv_DxKxH = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
-      q_BxTxNxH = dense('btd,dnh->btnh', x_BxTxD, wq_DxNxH.astype(dt))
-      k_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wk_DxKxH.astype(dt))
-      v_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wv_DxKxH.astype(dt))
+      q_BxTxNxH = dense('btd,dnh->btnh', x_BxTxD, wq_DxNxH.astype(dt), 'wq')
+      k_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wk_DxKxH.astype(dt), 'wk')
+      v_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wv_DxKxH.astype(dt), 'wv')
     wo_NxHxD = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), out_std)
     q_BxTxNxH = sharding.constrain(q_BxTxNxH, ('batch', 'length', 'act_heads', None), self.mesh)
     k_BxTxKxH = sharding.constrain(k_BxTxKxH, ('batch', 'length', 'act_kv_heads', None), self.mesh)
     v_BxTxKxH = sharding.constrain(v_BxTxKxH, ('batch', 'length', 'act_kv_heads', None), self.mesh)
-    q_BxTxNxH = apply_rope(q_BxTxNxH, cos_TxH2, sin_TxH2)
-    k_BxTxKxH = apply_rope(k_BxTxKxH, cos_TxH2, sin_TxH2)
+    # (named: remat policies may keep them rotated, so that the backward does not rotate again)
+    q_BxTxNxH = checkpoint_name(apply_rope(q_BxTxNxH, cos_TxH2, sin_TxH2), 'rotated')
+    k_BxTxKxH = checkpoint_name(apply_rope(k_BxTxKxH, cos_TxH2, sin_TxH2), 'rotated')
 
     if use is None or use.slots_B is not None:  # training, or a prefill attending to itself
       o_BxTxNxH = attention.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
@@ -194,7 +203,7 @@ class Attention(nn.Module):
         o_BxTxNxH = _cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH,
                                       use.positions_BxT).astype(dt)
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, 'attn_out')
-    return dense('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD.astype(dt)), kv
+    return dense('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD.astype(dt), 'wo'), kv
 
 
 def _cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, positions_BxT):
@@ -227,22 +236,22 @@ class Mlp(nn.Module):
   def __call__(self, x_BxTxD):
     c = self.config
     D, F = c.d_model, c.mlp_dim
-    dt, dense = c.compute_dtype, _dense_einsum(c)
+    dt, dense = c.compute_dtype, _dense_einsum(self)
     if self.has_variable('params', 'w_gate_up'):  # the engine's: one matrix, one matmul
       w_gate_up_Dx2xF = _param(self, 'w_gate_up', (D, 2, F), ('embed', None, 'mlp'), c.init_std)
-      gate_up_BxTx2xF = dense('btd,dgf->btgf', x_BxTxD, w_gate_up_Dx2xF.astype(dt))
+      gate_up_BxTx2xF = dense('btd,dgf->btgf', x_BxTxD, w_gate_up_Dx2xF.astype(dt), 'w_gate_up')
       gate_BxTxF, up_BxTxF = gate_up_BxTx2xF[:, :, 0], gate_up_BxTx2xF[:, :, 1]
     else:  # (init makes these)
       w_gate_DxF = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), c.init_std)
       w_up_DxF = _param(self, 'w_up', (D, F), ('embed', 'mlp'), c.init_std)
-      gate_BxTxF = dense('btd,df->btf', x_BxTxD, w_gate_DxF.astype(dt))
-      up_BxTxF = dense('btd,df->btf', x_BxTxD, w_up_DxF.astype(dt))
+      gate_BxTxF = dense('btd,df->btf', x_BxTxD, w_gate_DxF.astype(dt), 'w_gate')
+      up_BxTxF = dense('btd,df->btf', x_BxTxD, w_up_DxF.astype(dt), 'w_up')
     w_down_FxD = _param(self, 'w_down', (F, D), ('mlp', 'embed'),
                         c.init_std / math.sqrt(2 * c.num_layers))
     h_BxTxF = nn.silu(gate_BxTxF) * up_BxTxF
     h_BxTxF = sharding.constrain(h_BxTxF, ('batch', 'length', 'act_mlp'), self.mesh)
     h_BxTxF = checkpoint_name(h_BxTxF, 'mlp_hidden')
-    return dense('btf,fd->btd', h_BxTxF, w_down_FxD.astype(dt))
+    return dense('btf,fd->btd', h_BxTxF, w_down_FxD.astype(dt), 'w_down')
 
 
 class Block(nn.Module):
@@ -257,7 +266,7 @@ class Block(nn.Module):
     h, kv = Attention(self.config, self.mesh, name='attn')(
         RMSNorm(self.config, name='attn_norm')(x_BxTxD), cos_TxH2, sin_TxH2, segments_BxT, kv,
         use)
-    x_BxTxD = x_BxTxD + h
+    x_BxTxD = checkpoint_name(x_BxTxD + h, 'residual')  # (named: see config.REMAT_POLICIES)
     h = Mlp(self.config, self.mesh, name='mlp')(RMSNorm(self.config, name='mlp_norm')(x_BxTxD))
     return x_BxTxD + h, kv
 
@@ -377,23 +386,42 @@ def layers_as_run(c: ModelConfig, params):
   return params if c.scan_layers else unstack_layers(params, c.num_layers)
 
 
-def with_compute_weights(c: ModelConfig, params):
-  """params with the layers' matmul weights in the compute dtype, which the model casts them to
-  at use anyway (their norm scales, used in float32, stay as they are), in the layout the model
-  runs them (layers_as_run).
+def fuse_projections(layers):
+  """Layer params (stacked or one layer's) with each layer's query, key and value projections one
+  matrix, wqkv [..., D, N + 2K, H], and its gate and up projections one, w_gate_up [..., D, 2, F]:
+  the matmuls that read the same input read it once (the engine's decoding params; the train
+  step keeps them apart: BENCHMARKS.md, fused they compiled slower)."""
+  attn, mlp = dict(layers['attn']), dict(layers['mlp'])
+  attn['wqkv'] = jnp.concatenate([attn.pop('wq'), attn.pop('wk'), attn.pop('wv')], axis=-2)
+  mlp['w_gate_up'] = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_up')], axis=-2)
+  return {**layers, 'attn': attn, 'mlp': mlp}
 
-  The train step casts them once a step: every micro-batch's layers, forward and backward, then
+
+def with_compute_weights(c: ModelConfig, params, fp8_histories=None):
+  """params with the layers' matmul weights in the compute dtype, which the model casts them to
+  at use anyway (their norm scales, used in float32, stay as they are), with the FP8 amax
+  histories beside them where given (fp8.merge), in the layout the model runs them
+  (layers_as_run).
+
+  The train step makes them once a step: every micro-batch's layers, forward and backward, then
   read compute-dtype weights instead of casting float32 ones again, and their gradients come back
   in the compute dtype, the values the casts' gradients had (each weight is used once per layer),
   half the bytes per micro-batch. Unrolled, the same once-a-step pass writes each layer's weights
-  apart: no micro-batch slices them again. The embedding stays float32: the lookup and the tied
-  output projection each cast it, and their gradients are summed in float32."""
+  apart: no micro-batch slices them again. The embedding stays float32: the
+  lookup and the tied output projection each cast it, and their gradients are summed in float32.
+  `as_params` takes the gradients back to the params' layout."""
   if 'layers' not in params:
     return params
   layers = jax.tree_util.tree_map_with_path(
       lambda path, p: p if path[-1].key == 'scale' else p.astype(c.compute_dtype),
       params['layers'])
-  return layers_as_run(c, {**params, 'layers': layers})
+  return layers_as_run(c, fp8.merge({**params, 'layers': layers}, fp8_histories))
+
+
+def as_params(c: ModelConfig, grads):
+  """Gradients of with_compute_weights' weights in the params' layout, and those of the amax
+  histories apart (fp8.split; None without them)."""
+  return fp8.split(stack_layers(grads, c.num_layers))
 
 
 def count_params(params) -> int:

@@ -17,6 +17,7 @@ import optax
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
+from jax_pretrain import fp8
 from jax_pretrain import model as model_lib
 from jax_pretrain import optim
 from jax_pretrain import sharding
@@ -70,6 +71,7 @@ class TrainState:
   nonfinite_count: jax.Array  # steps whose update was dropped for a non-finite loss or grad norm
   consecutive_nonfinite: jax.Array  # of those, how many in a row up to now
   loss_scale: LossScale | None = None  # float16 runs only (None: no leaves, as before)
+  fp8: Any = None  # model.fp8 runs only: the projections' amax histories (fp8.histories)
 
 
 def target_logprobs(model: nn.Module, params, batch,
@@ -141,10 +143,12 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     return loss * factor, (loss, aux)
   scaled_loss_and_grad = jax.value_and_grad(scaled_loss, has_aux=True)
 
-  def local_sums(params, batch, scale):
-    """(loss sum, (target count, further sums), float32 grads) over this replica's rows,
-    micro-batch by micro-batch. Micro-batch a takes rows a, a+A, a+2A, ...: every device keeps
-    its own rows.
+  def local_sums(params, histories, batch, scale):
+    """(loss sum, (target count, further sums), float32 grads, FP8 amaxes) over this replica's
+    rows, micro-batch by micro-batch. Micro-batch a takes rows a, a+A, a+2A, ...: every device
+    keeps its own rows. With model.fp8, histories are the amax histories (TrainState.fp8) that
+    scale the FP8 matmuls, and the amaxes this step's: the maximum over the micro-batches
+    (fp8.combine); else None and None.
 
     With a loss scale, the backward pass starts from scale × the micro-batch's mean loss (over its
     B/A·T target positions), the magnitude GradScaler's defaults are set for (PyTorch losses are
@@ -161,7 +165,7 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
       return sharding.constrain(x_AxMxT, (None, 'batch', None), mesh)
 
     # Once, not per micro-batch: cast, and unrolled, each layer's apart (model.layers).
-    weights = model_lib.with_compute_weights(model.config, params)
+    weights = model_lib.with_compute_weights(model.config, params, histories)
 
     def accumulate(carry, micro_batch):
       if scale is None:
@@ -170,7 +174,7 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
         (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(weights, micro_batch, factor)
       loss_sum, aux, grads = carry
       return (loss_sum + loss_i, jax.tree.map(jnp.add, aux, aux_i),
-              jax.tree.map(jnp.add, grads, grads_i)), None
+              jax.tree_util.tree_map_with_path(fp8.combine, grads, grads_i)), None
 
     micro = jax.tree.map(micro_batches, batch)
     aux_zeros: tuple
@@ -182,19 +186,20 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     zeros = (jnp.zeros((), jnp.float32), aux_zeros,
              jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
     (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, zeros, micro)
-    grads = model_lib.stack_layers(grads, model.config.num_layers)  # (unrolled: once a step)
+    grads, amaxes = model_lib.as_params(model.config, grads)  # (once a step)
     if factor is not None:
       grads = jax.tree.map(lambda g: g / factor, grads)
-    return loss_sum, aux, grads
+    return loss_sum, aux, grads, amaxes
 
-  def data_parallel_sums(params, batch, scale):
+  def data_parallel_sums(params, histories, batch, scale):
     # check_vma=False: no implicit psum per micro-batch for the replicated params; the one
-    # reduction is this explicit psum, in float32.
-    return jax.lax.psum(local_sums(params, batch, scale), 'data')
+    # reduction is this explicit psum, in float32 (and the amaxes' maximum).
+    loss_sum, aux, grads, amaxes = local_sums(params, histories, batch, scale)
+    return (*jax.lax.psum((loss_sum, aux, grads), 'data'), jax.lax.pmax(amaxes, 'data'))
 
   if mesh is not None and mesh.shape['data'] > 1:  # (XLA rejects a psum over a 1-device axis)
     sums_fn = jax.shard_map(data_parallel_sums, mesh=mesh,
-                            in_specs=(jax.P(), jax.P('data'), jax.P()),
+                            in_specs=(jax.P(), jax.P(), jax.P('data'), jax.P()),
                             out_specs=jax.P(), axis_names={'data'}, check_vma=False)
   else:
     sums_fn = local_sums
@@ -202,7 +207,7 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   def train_step(state: TrainState, batch):
     old_scale = state.loss_scale if loss_scaling else None  # (a LossScale where loss_scaling)
     scale = old_scale.scale if old_scale is not None else None
-    loss_sum, (weight, sums), grads = sums_fn(state.params, batch, scale)
+    loss_sum, (weight, sums), grads, amaxes = sums_fn(state.params, state.fp8, batch, scale)
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
     loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
@@ -225,6 +230,7 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     new_state = dataclasses.replace(
         state,
         step=state.step + 1, params=params, opt_state=opt_state,
+        fp8=None if amaxes is None else fp8.updated(state.fp8, amaxes, keep=~finite),
         nonfinite_count=state.nonfinite_count + (~guarded).astype(jnp.int32),
         consecutive_nonfinite=jnp.where(guarded, 0, state.consecutive_nonfinite + 1),
         loss_scale=loss_scale)
@@ -273,11 +279,16 @@ def build(config: config_lib.Config, run: config_lib.RunShape, devices=None) -> 
 
   loss_scaling = uses_loss_scale(config)
 
+  def fp8_histories(params):
+    """model.fp8's amax histories of the projections."""
+    return fp8.histories(params, model_lib.PROJECTIONS) if config.model.fp8 else None
+
   def new_state(params):
     zero = jnp.zeros((), jnp.int32)
     return TrainState(step=zero, params=params, opt_state=optimizer.init(params),
                       nonfinite_count=zero, consecutive_nonfinite=zero,
-                      loss_scale=LossScale.initial() if loss_scaling else None)
+                      loss_scale=LossScale.initial() if loss_scaling else None,
+                      fp8=fp8_histories(params))
 
   def init_fn(rng):
     return new_state(nn.meta.unbox(model.init(rng, dummy_BxT)['params']))
@@ -295,7 +306,8 @@ def build(config: config_lib.Config, run: config_lib.RunShape, devices=None) -> 
   state_shardings = TrainState(  # (the state's tree, of shardings)
       step=replicated, params=param_shardings, opt_state=opt_shardings,  # type: ignore[arg-type]
       nonfinite_count=replicated, consecutive_nonfinite=replicated,  # type: ignore[arg-type]
-      loss_scale=jax.tree.map(lambda _: replicated, abstract.loss_scale))
+      loss_scale=jax.tree.map(lambda _: replicated, abstract.loss_scale),
+      fp8=jax.tree.map(lambda _: replicated, abstract.fp8))
   return Setup(config=config, run=run, mesh=mesh, model=model, optimizer=optimizer,
                schedule=schedule, state_shardings=state_shardings,
                batch_sharding=sharding.named_sharding(mesh, ('batch', None)),

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Everything a session with an H100 must measure, in one command, printed as Markdown ready for
-# BENCHMARKS.md (the first four steps took 27 + 98 + 68 + 228 s on one H100, 2026-11-25; the others
-# are not measured yet):
+# BENCHMARKS.md (attention, train_step, checkpoint and precision took 27 + 98 + 68 + 228 s on one
+# H100, 2026-11-25; the others are not measured yet):
+#   0. trainer (issue 36, first): the trainer itself (python -m jax_pretrain.main, the real
+#      loader on the embedded text), xlarge at its defaults (layers unrolled, cuDNN, remat dots),
+#      16 × 2048 tokens a step in micro-batches of 8, for 300 steps, then the same with model.fp8:
+#      tokens/s and MFU (median of the logged intervals), the train and eval loss at the end, FP8
+#      against bfloat16 (scripts/compare_runs.py). Goals: the default >= 53,000 tokens/s, FP8
+#      >= 60,000 with its loss within 1% of the default's;
 #   1. attention (scripts/benchmark_attention.py, B8 T2048 16 heads × 128, bf16, causal): cuDNN and
 #      our Pallas kernel against XLA on the GPU (relative error of the output and of the three
 #      gradients), and forward / backward / forward+backward TFLOP/s of all three;
@@ -28,11 +34,11 @@
 #      cache, compiled.
 # The plan's predictions to compare with: BENCHMARKS.md, "Compiled for the GPU, not measured".
 #
-# Usage: [STEPS="attention train_step checkpoint precision profile engine"] \
+# Usage: [STEPS="trainer attention train_step checkpoint precision profile engine"] \
 #            bash scripts/gpu_check.sh [--dry-run]
-#   STEPS      which of the six to run (default all; where one command may last 10 minutes at most,
-#              run STEPS="attention train_step checkpoint", then STEPS=precision, then
-#              STEPS="profile engine")
+#   STEPS      which of the seven to run (default all; where one command may last 10 minutes at
+#              most, run STEPS=trainer first (about 9 minutes), then STEPS="profile engine", then
+#              STEPS="attention train_step checkpoint", then STEPS=precision)
 #   --dry-run  the same steps at tiny shapes on the CPU, in a few minutes: checks the script
 #              (tests/test_gpu_check.py), measures nothing that matters.
 # Environment: PYTHON (default .venv/bin/python, set up with requirements-gpu.txt; the peer's rows
@@ -65,6 +71,9 @@ if [[ ${1:-} == --dry-run ]]; then
                 --config.model.remat=full)
   profile_vocab=384
   engine_args=(--config=configs/test.py --sequences=2 --prompt_tokens=8 --new_tokens=4 --repeats=1)
+  trainer_args=(--config=configs/test.py --config.train.steps=6 --config.train.log_every=2
+                --config.model.dtype=bfloat16)
+  trainer_limit=200
   peer_engine_args=(--config=configs/test.py --sequences=2 --prompt_tokens=8 --new_tokens=4
                     --nocompile --notrain)
   limits=(300 400 120 300 300 300)
@@ -91,9 +100,13 @@ else
   peer_engine_args=(--config=configs/xlarge.py --sequences=64 --prompt_tokens=512
                     --new_tokens=128 --notrain)
   limits=(100 560 90 420 300 420)
+  trainer_args=(--config=configs/xlarge.py --config.train.batch_size=16
+                --config.train.micro_batch_size=8 --config.train.steps=300
+                --config.optim.warmup_steps=30 --config.train.log_every=25)
+  trainer_limit=290
 fi
 
-steps=" ${STEPS:-attention train_step checkpoint precision profile engine} "
+steps=" ${STEPS:-trainer attention train_step checkpoint precision profile engine} "
 want() { [[ $steps == *" $1 "* ]]; }
 
 # run NAME LIMIT COMMAND...: runs it with a time limit, logs to $out/NAME.log, prints its Markdown
@@ -139,7 +152,21 @@ json.dump({'vocab_size': $vocab, 'eos_id': $vocab - 2, 'pad_id': $vocab - 1},
     --config.train.eval_steps=1 --config.checkpoint.save_final=false --config.train.sample_prompt= &&
   "$python" -m jax_pretrain.profile_summary --workdir="$out/profile_run"
 }
-export -f then_peer profile
+# trainer LIMIT TRAINER_ARGS...: the trainer on the embedded text as configured, then with
+# model.fp8, each within LIMIT seconds; their speed and losses side by side.
+trainer() {
+  local limit=$1
+  shift
+  local common=(--config.data.train=embedded --config.train.eval_steps=4
+                --config.checkpoint.save_final=false --config.train.sample_prompt=)
+  rm -rf "$out/trainer_default" "$out/trainer_fp8"
+  timeout --signal=TERM "$limit" "$python" -m jax_pretrain.main "$@" "${common[@]}" \
+    --workdir="$out/trainer_default" &&
+  timeout --signal=TERM "$limit" "$python" -m jax_pretrain.main "$@" "${common[@]}" \
+    --config.model.fp8=true --workdir="$out/trainer_fp8" &&
+  "$python" scripts/compare_runs.py default="$out/trainer_default" fp8="$out/trainer_fp8"
+}
+export -f then_peer profile trainer
 export python out
 
 echo "## GPU check, $(date -u +%Y-%m-%d)"
@@ -149,6 +176,10 @@ echo
 [[ -x "$(command -v nvidia-smi)" ]] && nvidia-smi --query-gpu=name,driver_version,memory.total \
   --format=csv,noheader | sed 's/^/nvidia-smi: /'
 echo "Command: bash scripts/gpu_check.sh ${1:-} (logs: $out)"
+
+want trainer && echo && echo "### Trainer: the default and FP8, the same steps" &&
+run trainer $((2 * trainer_limit + 30)) bash -c 'trainer "$@"' _ "$trainer_limit" \
+  "${trainer_args[@]}"
 
 want attention && echo && echo "### Attention: cuDNN and Pallas against XLA" &&
 run attention "${limits[0]}" "$python" scripts/benchmark_attention.py "${attention_args[@]}" \

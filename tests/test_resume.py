@@ -11,6 +11,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 
 from jax_pretrain import checkpoint as checkpoint_lib
@@ -85,7 +86,7 @@ def test_changes_that_do_not_fit_the_checkpoint_are_refused_before_anything_is_w
                             ('data.seq_len', 64, 32), ('train.seed', 1, 0),
                             ('data.train', 'synthetic', 'embedded'),
                             ('optim.mu_dtype', 'bfloat16', 'float32'),
-                            ('optim.grad_clip', 0.0, 1.0)]:
+                            ('optim.grad_clip', 0.0, 1.0), ('model.fp8', True, False)]:
     with pytest.raises(config_lib.ConfigError, match=f'{field} {old!r} -> {value!r}'):
       run(tmp_path, **{field: value, 'train.steps': 10})
   assert open(tmp_path / 'config.json', encoding='utf-8').read() == config_json
@@ -314,3 +315,26 @@ def test_a_signal_before_training_stops_cleanly_in_one_line(tmp_path):
   assert proc.returncode == 0 and 'Traceback' not in text, text
   assert 'stopped before training; nothing new to save. No checkpoint was completed yet.' in text
   assert not any(line.startswith('step ') for line in out)
+
+
+def test_a_resumed_fp8_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
+  """model.fp8's amax histories are train state: saved, restored, and the run goes on as if
+  never stopped."""
+  fp8_on = {'model.fp8': True, 'model.attention': 'xla'}
+  run(tmp_path / 'whole', **fp8_on)
+  run(tmp_path / 'split', **fp8_on, **{'train.steps': 5})
+  run(tmp_path / 'split', **fp8_on)
+  assert logged_losses(tmp_path / 'split') == logged_losses(tmp_path / 'whole')
+  def state(name):
+    s = workdir_lib.load(str(tmp_path / name), devices=jax.devices()[:1]).setup
+    checkpointer = checkpoint_lib.Checkpointer(str(tmp_path / name), read_only=True)
+    try:
+      step, restored = checkpointer.restore_latest(s.abstract_state)
+    finally:
+      checkpointer.close()
+    assert step == 10
+    return restored
+  whole, split = state('whole'), state('split')
+  assert whole.fp8 is not None and jax.tree.leaves(whole.fp8)
+  jax.tree.map(np.testing.assert_array_equal, split.fp8, whole.fp8)
+  jax.tree.map(np.testing.assert_array_equal, split.params, whole.params)

@@ -91,11 +91,7 @@ def decoding_params(config: model_lib.ModelConfig, params):
   every use: the same numbers, cast once). Vectors (norm scales) stay."""
   params = model_lib.unstack_layers(params, config.num_layers)
   for i in range(config.num_layers):
-    layer = params[f'layers_{i}']
-    attn, mlp = dict(layer['attn']), dict(layer['mlp'])
-    attn['wqkv'] = jnp.concatenate([attn.pop('wq'), attn.pop('wk'), attn.pop('wv')], axis=1)
-    mlp['w_gate_up'] = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_up')], axis=1)
-    params[f'layers_{i}'] = {**layer, 'attn': attn, 'mlp': mlp}
+    params[f'layers_{i}'] = model_lib.fuse_projections(params[f'layers_{i}'])
   cast = lambda x: x.astype(config.compute_dtype) if x.ndim >= 2 and jnp.issubdtype(
       x.dtype, jnp.floating) else x
   return jax.tree.map(cast, params)
