@@ -13,13 +13,18 @@ def test_gpu_check_dry_run_prints_every_table(tmp_path):
                        capture_output=True, text=True, timeout=1200)
   assert out.returncode == 0, out.stderr[-3000:]
   text = out.stdout
-  for heading in ('### Attention: cuDNN and Pallas against XLA',
+  for heading in ('### Trainer: the default and FP8, the same steps',
+                  '### Attention: cuDNN and Pallas against XLA',
                   '### Train step: the default, two alternatives and the peer',
                   '### Checkpoint: asynchronous save and restore',
                   '### Precision: bfloat16, float16 with loss scaling, FP8',
                   "### Profile: the trainer's device time a step by kind",
                   '### Decoding: the engine, its reference and the peer'):
     assert heading in text
+  # Trainer: the default and FP8 runs of the trainer, trained the same steps to near losses.
+  trainer = dict(re.findall(r'^\| (default|fp8) \| [\d,]+ \| n/a \| ([\d.]+) \|', text, re.M))
+  assert set(trainer) == {'default', 'fp8'}, text
+  assert abs(float(trainer['fp8']) / float(trainer['default']) - 1) < 0.05, trainer
   text, precision = text.split('### Precision')
   precision, profile = precision.split('### Profile')
   profile, engine = profile.split('### Decoding')
