@@ -43,8 +43,9 @@ def stack(rows) -> dict:
 class _LogitsAsParams:
   """A stand-in model whose logits are its params: the loss as a function of the logits. As the
   loss asks it (logits=False), its final hidden states are the logits and its output projection
-  the identity, which gives the same logits exactly."""
+  the identity, which gives the same logits exactly. (Its params run as given: layers 'scan'.)"""
   mesh = None
+  config = config_lib.ModelConfig(layers='scan')
 
   def apply(self, variables, inputs_BxT, segments_BxT=None, logits=True):
     del inputs_BxT, segments_BxT
