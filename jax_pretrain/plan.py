@@ -367,7 +367,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   # values copied into the slots of the others (of its wave, on its device).
   prefills = rollout_prefills(eng, B // g.num_samples, g.num_samples, prompt_tokens,
                               g.max_new_tokens)
-  largest = max(prefills, key=lambda p: (p.rows * p.length, p.copies))
+  largest = max((p.shape for p in prefills), key=lambda s: (s.rows * s.length, s.copies))
   rows, length = largest.rows, largest.length
   t0 = time.perf_counter()
   prefill = eng.lower_prefill(rows, length, largest.copies).compile()

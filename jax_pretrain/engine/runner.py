@@ -58,6 +58,8 @@ from jax_pretrain.engine import sampling
 from jax_pretrain.engine.sampling import TOP_N
 from jax_pretrain.engine.scheduler import Decode
 from jax_pretrain.engine.scheduler import Prefill
+from jax_pretrain.engine.scheduler import PrefillShape
+from jax_pretrain.engine.scheduler import Shape
 from jax_pretrain.engine.sequence import Sequence
 
 CallT = TypeVar('CallT', Prefill, Decode)
@@ -341,9 +343,7 @@ class ModelRunner:
   def fit(self, call: CallT) -> CallT:
     """The call as it runs: its own shape, or after a warmup, until that one is compiled, the
     smallest compiled one that covers it (programs.Programs.fit)."""
-    kind, *sizes = self.programs.fit(call.shape)
-    names = ('rows', 'length', 'copies') if kind == 'prefill' else ('rows', 'live')
-    return dataclasses.replace(call, **dict(zip(names, sizes)))
+    return dataclasses.replace(call, shape=self.programs.fit(call.shape))
 
   def prefill(self, call: Prefill) -> None:
     """Writes the call's prompts into their slots' rows of the cache, their last logits and their
@@ -364,7 +364,7 @@ class ModelRunner:
         multihost.global_array(np.bool_(call.top_n > 0), self._replicated))
     return out if call.top_n else out[:2]
 
-  def compile(self, shape: programs_lib.Shape):
+  def compile(self, shape: Shape):
     """The call of this shape compiled, once per process for this model, mesh, cache and params'
     shapes: runners that share them share their programs (_COMPILED), as jit's cache would."""
     key = (shape, self.model, self.mesh, self.slots, self.context, self.chunk,
@@ -375,10 +375,11 @@ class ModelRunner:
       program = _COMPILED[key] = self.lower(shape).compile()
     return program
 
-  def lower(self, shape: programs_lib.Shape):
+  def lower(self, shape: Shape):
     """The call of this shape lowered (lower_prefill or lower_decode)."""
-    kind, *sizes = shape
-    return self.lower_prefill(*sizes) if kind == 'prefill' else self.lower_decode(*sizes)
+    if isinstance(shape, PrefillShape):
+      return self.lower_prefill(shape.rows, shape.length, shape.copies)
+    return self.lower_decode(shape.rows, shape.live)
 
   @staticmethod
   def read(out: list[jax.Array]) -> list[np.ndarray]:
@@ -390,7 +391,7 @@ class ModelRunner:
     slots that take their keys and values), lowered (not run) with these params and
     abstract_state: what that call compiles, e.g. for a GPU this machine does not have (plan.py).
     As warmup's prefills, it writes to no slot."""
-    call = Prefill(length, rows, copies, ((),) * self.devices)
+    call = Prefill(PrefillShape(rows, length, copies), ((),) * self.devices)
     return _prefill.lower(self.params, self.abstract_state(),
                           _abstract(self.admitted(call), self._split),
                           self.constants(abstract=True)[0], model=self.model, mesh=self.mesh)
@@ -411,8 +412,8 @@ class ModelRunner:
   def admitted(self, call: Prefill) -> Admitted:
     """The call's inputs (Admitted): each device's prompts in its rows, in the order of their
     index, and its other sequences in its copies."""
-    N, C = call.rows, call.copies
-    tokens_NxP = np.full((self.devices * N, call.length), self.pad_id, np.int32)
+    N, C = call.shape.rows, call.shape.copies
+    tokens_NxP = np.full((self.devices * N, call.shape.length), self.pad_id, np.int32)
     slots_N, slots_C = (np.full(self.devices * n, self.local_slots, np.int32) for n in (N, C))
     prompt_C = np.zeros(self.devices * C, np.int32)
     first: list[Sequence | None] = [None] * (self.devices * N)
