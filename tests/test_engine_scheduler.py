@@ -230,6 +230,45 @@ def test_a_shape_covers_the_shapes_of_its_kind_no_larger_in_any_field_and_costs_
   assert (str(prefill), str(decode)) == ('prefill 4 32 2', 'decode 4 32')
 
 
+def test_a_dry_run_makes_the_calls_that_the_engine_makes():
+  """Scheduler.dry_run (plan.py's GRPO rollout) against the scheduler driven as Engine.step
+  drives it: admit, decode, then read the call before (its tokens to their sequences, the
+  sequences with all their tokens freed), no sequence ending early."""
+  s = _scheduler(local_slots=4, devices=2, context=64, chunk=8, prefill_tokens=64)
+  workload = [(5, 12, 3), (20, 30, 1), (9, 3, 4), (40, 20, 2), (3, 1, 1), (17, 9, 5), (2, 40, 1)]
+  dry = s.dry_run(workload)
+  assert not s.has_work()  # (a scheduler of its own)
+  for length, new, n in workload:
+    first = _seq(length, new)
+    for k in range(n):
+      s.submit(_seq(length, new, like=first, stream=k) if k else first)
+  calls: list = []
+  pending = None
+  while True:
+    calls += s.admit()[0]
+    last, pending = pending, s.decode()
+    if pending is not None:
+      calls.append(pending)
+    if last is not None:
+      for g, seq in last.busy:
+        seq.tokens += [0] * last.steps
+        if len(seq.tokens) >= seq.max_new_tokens:
+          seq.finish_reason = 'length'
+          s.free(g, seq)
+    if pending is None and not s.has_work():
+      break
+  summary = lambda calls: [
+      (c.shape, c.steps, [g for g, _ in c.busy]) if isinstance(c, scheduler_lib.Decode) else
+      (c.shape, [[(j, i) for j, i, _ in x] for x in c.slots]) for c in calls]
+  assert summary(dry) == summary(calls)
+  decodes = [c for c in calls if isinstance(c, scheduler_lib.Decode)]
+  assert len(decodes) > len(workload) and len({c.shape for c in decodes}) > 3
+  # The dry run's sequences: the workload's, each decoding its max_new_tokens.
+  assert sorted((len(seq.prompt), seq.max_new_tokens) for c in dry
+                if isinstance(c, scheduler_lib.Prefill) for x in c.slots for _, _, seq in x) == (
+      sorted((length, new) for length, new, n in workload for _ in range(n)))
+
+
 def test_after_a_warmup_a_call_runs_as_its_smallest_ready_cover_and_its_own_compiles_first():
   compiled, started, gate = [], threading.Event(), threading.Event()
 

@@ -16,7 +16,8 @@ reads) of a power of two or 1.5 × one that covers the longest busy row after th
 (live_bucket). A call's steps (at most `chunk`) are traced, not static, and so are sampling's
 variants (the top-k/top-p cut, the TOP_N alternatives): one program per (rows, live).
 
-A call's shape (PrefillShape, DecodeShape) names the program that runs it (engine/programs.py).
+A call's shape (PrefillShape, DecodeShape) names the program that runs it (engine/programs.py);
+dry_run gives the calls of a workload without a model (plan.py's GRPO rollout).
 """
 import collections
 import dataclasses
@@ -293,6 +294,26 @@ class Scheduler:
     decodes: list[Shape] = [DecodeShape(R, live) for R in rows(self.local_slots) for live in lives]
     rest = sorted(prefills + decodes, key=lambda s: (s.cost()[0], s.kind, s.cost()[1]))
     return covering, [s for s in rest if s not in covering]
+
+  def dry_run(self, workload: list[tuple[int, int, int]]) -> list[Prefill | Decode]:
+    """The calls, in order, that a scheduler of these sizes makes from free slots for `workload`,
+    without a model (plan.py: a GRPO step's rollout): (prompt tokens, max_new_tokens, sequences)
+    per prompt, each a prompt of its own, submitted in order. It is driven as Engine.step drives
+    it (admit, then decode), every sequence decoding its max_new_tokens (no EOS, stop string or
+    cancellation): it ends with its last dispatched token."""
+    s = Scheduler(local_slots=self.local_slots, devices=self.devices, context=self.context,
+                  chunk=self.chunk, prefill_tokens=self.prefill_tokens)
+    for i, (length, new, n) in enumerate(workload):
+      for _ in range(n):
+        s.submit(Sequence(prompt=[i] * length, max_new_tokens=new))
+    calls: list[Prefill | Decode] = []
+    while s.has_work():
+      calls += s.admit()[0]
+      call = s.decode()
+      if call is not None:
+        calls.append(call)
+      s.finishing.clear()  # (they end at the read of their last call, which frees no slot)
+    return calls
 
   def has_work(self) -> bool:
     """Whether a sequence is decoding (busy or finishing) or waiting."""
