@@ -44,6 +44,7 @@ and with grpo.beta > 0 the reference params (a copy of the params in their shard
                forward of the update's rows without gradient (grpo.objective.scorer), once each
                a step; the step's time counts them and num_iterations updates.
 """
+import collections
 import dataclasses
 import os
 import time
@@ -239,41 +240,18 @@ def call_report(compiled, target: gpu_targets.Target, alongside: dict[str, float
   }
 
 
-def rollout_calls(prompt_tokens: int, max_new_tokens: int, chunk: int,
-                  context: int) -> dict[int, int]:
-  """{live bucket: decode calls} of a wave of completions from prompts of prompt_tokens tokens to
-  max_new_tokens new ones, as the engine makes them (each call `chunk` steps, attending over the
-  live bucket of the longest row + its steps)."""
-  from jax_pretrain import engine as engine_lib  # noqa: PLC0415
-  calls: dict[int, int] = {}
-  done = 0
-  while done < max_new_tokens:
-    steps = min(chunk, max_new_tokens - done)
-    live = engine_lib.live_bucket(prompt_tokens + done + steps, context)
-    calls[live] = calls.get(live, 0) + 1
-    done += steps
-  return calls
-
-
-def rollout_prefills(eng, prompts: int, num_samples: int, prompt_tokens: int,
-                     max_new_tokens: int) -> list:
-  """The prefill calls (scheduler.Prefill) of a GRPO step's rollout as the engine's scheduler
-  makes them: `prompts` distinct prompts of prompt_tokens tokens, num_samples sequences each
-  (together, as rollout.rollouts submits them), a wave of slots at a time (every sequence decodes
-  max_new_tokens: a wave ends together)."""
+def rollout_calls(eng, prompts: int, num_samples: int, prompt_tokens: int,
+                  max_new_tokens: int) -> tuple[list, dict[int, int]]:
+  """A GRPO step's rollout as the engine's scheduler makes it (Scheduler.dry_run): `prompts`
+  distinct prompts of prompt_tokens tokens, num_samples completions each (together, as
+  rollout.rollouts submits them), every one max_new_tokens long: a wave of slots at a time, each
+  wave making the same decode calls (its completions start and end together). Returns the prefill
+  calls (scheduler.Prefill) and {live bucket: the step's decode calls}."""
   from jax_pretrain.engine import scheduler as scheduler_lib  # noqa: PLC0415
-  from jax_pretrain.engine.sequence import Sequence  # noqa: PLC0415
-  s = scheduler_lib.Scheduler(local_slots=eng.local_slots, devices=eng.devices,
-                              context=eng.context, chunk=eng.chunk,
-                              prefill_tokens=eng.scheduler.prefill_tokens)
-  for p in range(prompts):
-    for _ in range(num_samples):
-      s.submit(Sequence(prompt=[p] * prompt_tokens, max_new_tokens=max_new_tokens))
-  calls = []
-  while s.waiting:
-    calls += s.admit()[0]
-    s.release()
-  return calls
+  calls = eng.scheduler.dry_run([(prompt_tokens, max_new_tokens, num_samples)] * prompts)
+  decodes = collections.Counter(c.shape.live for c in calls
+                                if isinstance(c, scheduler_lib.Decode))
+  return [c for c in calls if isinstance(c, scheduler_lib.Prefill)], dict(decodes)
 
 
 def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens: int = 0,
@@ -365,9 +343,9 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   during_rollout = {'train state': state_bytes, **reference}
   # The completions of one prompt share its prefill: the prompt is run once and its keys and
   # values copied into the slots of the others (of its wave, on its device).
-  prefills = rollout_prefills(eng, B // g.num_samples, g.num_samples, prompt_tokens,
-                              g.max_new_tokens)
-  largest = max(prefills, key=lambda p: (p.rows * p.length, p.copies))
+  prefills, decodes = rollout_calls(eng, B // g.num_samples, g.num_samples, prompt_tokens,
+                                    g.max_new_tokens)
+  largest = max((p.shape for p in prefills), key=lambda s: (s.rows * s.length, s.copies))
   rows, length = largest.rows, largest.length
   t0 = time.perf_counter()
   prefill = eng.lower_prefill(rows, length, largest.copies).compile()
@@ -376,14 +354,13 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   prompts_run = sum(len({i for _, i, _ in x}) for p in prefills for x in p.slots)
   waves = -(-B // eng.slots)
   decode_reports = {}
-  for live, calls in sorted(rollout_calls(prompt_tokens, g.max_new_tokens, eng.chunk,
-                                          context).items()):
+  for live, calls in sorted(decodes.items()):
     t0 = time.perf_counter()
     # The decode holds a sort (sampling's top-k/top-p branch): CUB's sort asks the GPU at compile
     # time, which a machine without one lacks ('invalid device ordinal'); XLA's own compiles.
     decode = eng.lower_decode(eng.local_slots, live).compile(
         compiler_options=None if target == 'cpu' else {'xla_gpu_enable_cub_radix_sort': False})
-    decode_reports[live] = {'live': live, 'calls_per_wave': calls, **call_report(
+    decode_reports[live] = {'live': live, 'calls_per_wave': calls // waves, **call_report(
         decode, t, during_rollout, eng.slots * eng.chunk, time.perf_counter() - t0,
         unknown_trips=eng.chunk)}
   longest = decode_reports[max(decode_reports)]

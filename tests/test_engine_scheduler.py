@@ -9,6 +9,8 @@ import pytest
 
 from jax_pretrain.engine import programs
 from jax_pretrain.engine import scheduler as scheduler_lib
+from jax_pretrain.engine.scheduler import DecodeShape
+from jax_pretrain.engine.scheduler import PrefillShape
 from jax_pretrain.engine.sequence import Sequence
 
 
@@ -36,7 +38,8 @@ def test_sequences_take_the_lowest_free_slot_over_the_devices_in_turn_and_the_re
   # Slot g = device × 2 + local index: local index 0 on each device first.
   assert s.busy == [seqs[0], seqs[2], seqs[1], seqs[3]] and list(s.waiting) == [seqs[4]]
   # One prefill per length bucket (16, 32, 64): each device's (local slot, prompt, sequence).
-  assert [(p.length, p.rows, p.copies) for p in prefills] == [(16, 2, 0), (32, 1, 0), (64, 1, 0)]
+  assert [p.shape for p in prefills] == [PrefillShape(rows=2, length=16, copies=0),
+                                         PrefillShape(1, 32, 0), PrefillShape(1, 64, 0)]
   assert prefills[0].slots == (((0, 0, seqs[0]), (1, 1, seqs[2])), ())
   assert prefills[1].slots == ((), ((0, 0, seqs[1]),))
   assert prefills[2].slots == ((), ((1, 0, seqs[3]),))
@@ -45,7 +48,8 @@ def test_sequences_take_the_lowest_free_slot_over_the_devices_in_turn_and_the_re
   s.free(1, seqs[2])  # it ended: the waiting one takes its slot
   prefills, _ = s.admit()
   assert s.busy[1] is seqs[4] and not s.waiting
-  assert [(p.length, p.rows, p.slots) for p in prefills] == [(16, 1, (((1, 0, seqs[4]),), ()))]
+  assert [(p.shape, p.slots) for p in prefills] == [(PrefillShape(1, 16, 0),
+                                                     (((1, 0, seqs[4]),), ()))]
 
 
 def test_a_prefill_holds_at_most_prefill_tokens_a_device():
@@ -54,7 +58,8 @@ def test_a_prefill_holds_at_most_prefill_tokens_a_device():
   for _ in range(7):
     s.submit(_seq(12))
   prefills, _ = s.admit()
-  assert [(p.length, p.rows, len(p.slots[0])) for p in prefills] == [(16, 4, 4), (16, 4, 3)]
+  assert [(p.shape, len(p.slots[0])) for p in prefills] == [(PrefillShape(4, 16, 0), 4),
+                                                            (PrefillShape(4, 16, 0), 3)]
 
 
 def test_the_sequences_of_one_prompt_share_a_device_and_its_prefill():
@@ -72,7 +77,7 @@ def test_the_sequences_of_one_prompt_share_a_device_and_its_prefill():
   assert s.busy == [*a, lone, *b, None]
   (call,) = prefills  # (all pad to 16 tokens)
   # Each device runs 2 prompts at most and copies 2 of them into 2 more slots.
-  assert (call.length, call.rows, call.copies) == (16, 2, 2)
+  assert call.shape == PrefillShape(rows=2, length=16, copies=2)
   assert call.slots == (((0, 0, a[0]), (1, 0, a[1]), (2, 0, a[2]), (3, 1, lone)),
                         ((0, 0, b[0]), (1, 0, b[1]), (2, 0, b[2])))
   # A group larger than a device's free slots goes on on the next device.
@@ -83,7 +88,7 @@ def test_the_sequences_of_one_prompt_share_a_device_and_its_prefill():
     s.submit(seq)
   (call,), _ = s.admit()
   assert s.busy == [group[0], group[1], group[2], None]
-  assert (call.rows, call.copies) == (1, 1)
+  assert call.shape == PrefillShape(rows=1, length=16, copies=1)
 
 
 def test_a_decode_call_covers_the_busy_slots_and_their_longest_row():
@@ -97,7 +102,7 @@ def test_a_decode_call_covers_the_busy_slots_and_their_longest_row():
   assert call is not None
   assert call.busy == ((0, short), (1, long_)) and (call.row(0), call.row(1)) == (0, 1)
   # 2 rows (slots 0 and 1), 8 steps (long_ has 20 to go), over 30 + 8 positions: the bucket 48.
-  assert (call.rows, call.steps, call.live, call.top_n) == (2, 8, 48, 0)
+  assert (call.shape, call.steps, call.top_n) == (DecodeShape(rows=2, live=48), 8, 0)
   # short has all its tokens once this call has run: its slot takes the next sequence now; it is
   # held as finishing until its end is read.
   assert s.busy[:2] == [None, long_] and s.dispatched[1] == 8 and s.finishing == [short]
@@ -110,12 +115,12 @@ def test_a_decode_call_covers_the_busy_slots_and_their_longest_row():
   s.admit()
   call = s.decode()
   # long_'s next 8 tokens, after the 8 in flight: 30 + 16 positions.
-  assert call is not None and (call.rows, call.steps, call.live, call.top_n) == (
-      4, 8, 48, scheduler_lib.TOP_N)
+  assert call is not None and (call.shape, call.steps, call.top_n) == (
+      DecodeShape(4, 48), 8, scheduler_lib.TOP_N)
   assert [g for g, _ in call.busy] == [0, 1, 2] and s.busy[0] is None
   call = s.decode()
   assert call is not None and [g for g, _ in call.busy] == [1, 2]
-  assert (call.rows, call.steps, call.live, call.top_n) == (4, 4, 64, 0)
+  assert (call.shape, call.steps, call.top_n) == (DecodeShape(4, 64), 4, 0)
   assert s.decode() is None and s.busy == [None] * 8 and len(s.finishing) == 3
   assert s.has_work() and len(s.release()) == 3 and not s.has_work()
 
@@ -127,7 +132,7 @@ def test_rows_of_a_call_over_several_devices():
     s.submit(seq)
   s.admit()  # slots 0 (device 0), 4 (device 1), 1 (device 0)
   call = s.decode()
-  assert call is not None and call.rows == 2
+  assert call is not None and call.shape.rows == 2
   assert [(g, call.row(g)) for g, _ in call.busy] == [(0, 0), (1, 1), (4, 2)]
 
 
@@ -184,9 +189,9 @@ def test_a_warmup_compiles_few_programs_and_the_first_ones_cover_every_call():
   own), of which the first 6 can run any call that admission and decoding make."""
   s = _scheduler(local_slots=128, devices=1, context=256, prefill_tokens=16384)
   covering, rest = s.programs()
-  assert covering == [('prefill', 128, 16, 128), ('prefill', 128, 32, 128),
-                      ('prefill', 128, 64, 128), ('prefill', 128, 128, 128),
-                      ('prefill', 64, 256, 128), ('decode', 128, 256)]
+  assert covering == [PrefillShape(128, 16, 128), PrefillShape(128, 32, 128),
+                      PrefillShape(128, 64, 128), PrefillShape(128, 128, 128),
+                      PrefillShape(64, 256, 128), DecodeShape(128, 256)]
   assert len(rest) == 8 * 4 + 7 + 8 * 9 - 1 and not set(covering) & set(rest)
   calls = []
   for n in (1, 3, 40, 100, 200):
@@ -202,11 +207,66 @@ def test_a_warmup_compiles_few_programs_and_the_first_ones_cover_every_call():
           if s.busy[g] is not seq:  # every token dispatched: it ends
             s.free(g, seq)
   shapes = {call.shape for call in calls}
-  assert {s[0] for s in shapes} == {'prefill', 'decode'} and any(s[-1] for s in shapes
-                                                                 if s[0] == 'prefill')
+  assert {s.kind for s in shapes} == {'prefill', 'decode'} and any(
+      s.copies for s in shapes if isinstance(s, PrefillShape))
   for shape in shapes:
-    assert any(programs.covers(c, shape) for c in covering), shape
-    assert shape in rest or shape in covering or shape[0] == 'prefill' and shape[3] > 0
+    assert any(c.covers(shape) for c in covering), shape
+    assert shape in rest or shape in covering or isinstance(shape, PrefillShape) and shape.copies
+
+
+def test_a_shape_covers_the_shapes_of_its_kind_no_larger_in_any_field_and_costs_rows_x_tokens():
+  prefill, decode = PrefillShape(rows=4, length=32, copies=2), DecodeShape(rows=4, live=32)
+  assert prefill.covers(prefill) and prefill.covers(PrefillShape(1, 16, 0))
+  assert not prefill.covers(PrefillShape(8, 16, 0)) and not prefill.covers(PrefillShape(1, 64, 0))
+  assert not prefill.covers(PrefillShape(1, 16, 4))
+  assert decode.covers(DecodeShape(4, 24)) and not decode.covers(DecodeShape(8, 16))
+  assert not decode.covers(DecodeShape(2, 48))
+  assert not prefill.covers(DecodeShape(1, 16)) and not decode.covers(PrefillShape(1, 16, 0))
+  assert prefill.cost() == (128, (4, 32, 2)) and decode.cost() == (128, (4, 32))
+  assert min([PrefillShape(2, 64, 0), PrefillShape(4, 16, 4), PrefillShape(4, 16, 2)],
+             key=lambda s: s.cost()) == PrefillShape(4, 16, 2)
+  # Hashable, equal by value, never equal across kinds; printed as the warmup reports them.
+  assert len({prefill, PrefillShape(4, 32, 2), decode, DecodeShape(4, 32)}) == 2
+  assert (str(prefill), str(decode)) == ('prefill 4 32 2', 'decode 4 32')
+
+
+def test_a_dry_run_makes_the_calls_that_the_engine_makes():
+  """Scheduler.dry_run (plan.py's GRPO rollout) against the scheduler driven as Engine.step
+  drives it: admit, decode, then read the call before (its tokens to their sequences, the
+  sequences with all their tokens freed), no sequence ending early."""
+  s = _scheduler(local_slots=4, devices=2, context=64, chunk=8, prefill_tokens=64)
+  workload = [(5, 12, 3), (20, 30, 1), (9, 3, 4), (40, 20, 2), (3, 1, 1), (17, 9, 5), (2, 40, 1)]
+  dry = s.dry_run(workload)
+  assert not s.has_work()  # (a scheduler of its own)
+  for length, new, n in workload:
+    first = _seq(length, new)
+    for k in range(n):
+      s.submit(_seq(length, new, like=first, stream=k) if k else first)
+  calls: list = []
+  pending = None
+  while True:
+    calls += s.admit()[0]
+    last, pending = pending, s.decode()
+    if pending is not None:
+      calls.append(pending)
+    if last is not None:
+      for g, seq in last.busy:
+        seq.tokens += [0] * last.steps
+        if len(seq.tokens) >= seq.max_new_tokens:
+          seq.finish_reason = 'length'
+          s.free(g, seq)
+    if pending is None and not s.has_work():
+      break
+  summary = lambda calls: [
+      (c.shape, c.steps, [g for g, _ in c.busy]) if isinstance(c, scheduler_lib.Decode) else
+      (c.shape, [[(j, i) for j, i, _ in x] for x in c.slots]) for c in calls]
+  assert summary(dry) == summary(calls)
+  decodes = [c for c in calls if isinstance(c, scheduler_lib.Decode)]
+  assert len(decodes) > len(workload) and len({c.shape for c in decodes}) > 3
+  # The dry run's sequences: the workload's, each decoding its max_new_tokens.
+  assert sorted((len(seq.prompt), seq.max_new_tokens) for c in dry
+                if isinstance(c, scheduler_lib.Prefill) for x in c.slots for _, _, seq in x) == (
+      sorted((length, new) for length, new, n in workload for _ in range(n)))
 
 
 def test_after_a_warmup_a_call_runs_as_its_smallest_ready_cover_and_its_own_compiles_first():
@@ -220,24 +280,24 @@ def test_after_a_warmup_a_call_runs_as_its_smallest_ready_cover_and_its_own_comp
     return shape
 
   p = programs.Programs(compile)
-  assert p.fit(('decode', 2, 16)) == ('decode', 2, 16)  # before a warmup: compiled at the call
+  assert p.fit(DecodeShape(2, 16)) == DecodeShape(2, 16)  # before a warmup: compiled at the call
   lines = []
-  p.warmup([('decode', 8, 64)], [('decode', 4, 32), ('decode', 2, 16), ('decode', 8, 32)],
+  p.warmup([DecodeShape(8, 64)], [DecodeShape(4, 32), DecodeShape(2, 16), DecodeShape(8, 32)],
            background=True, report=lines.append)
-  assert compiled == [('decode', 8, 64)] and p.warm
-  started.wait()  # compiling ('decode', 4, 32)
+  assert compiled == [DecodeShape(8, 64)] and p.warm
+  started.wait()  # compiling DecodeShape(4, 32)
   assert p.pending() == 3
-  assert p.fit(('decode', 1, 20)) == ('decode', 8, 64)  # the only cover ready
+  assert p.fit(DecodeShape(1, 20)) == DecodeShape(8, 64)  # the only cover ready
   gate.set()
   p.join()
   # The shape traffic asked for goes next.
-  assert compiled == [('decode', 8, 64), ('decode', 4, 32), ('decode', 1, 20), ('decode', 2, 16),
-                      ('decode', 8, 32)]
+  assert compiled == [DecodeShape(8, 64), DecodeShape(4, 32), DecodeShape(1, 20),
+                      DecodeShape(2, 16), DecodeShape(8, 32)]
   assert lines[-1].startswith('warmup: 5/5 programs compiled (decode 8 32)')
-  assert p.fit(('decode', 1, 20)) == ('decode', 1, 20) and p.pending() == 0
-  assert p.fit(('decode', 3, 17)) == ('decode', 4, 32)  # the smallest cover, its own queued
+  assert p.fit(DecodeShape(1, 20)) == DecodeShape(1, 20) and p.pending() == 0
+  assert p.fit(DecodeShape(3, 17)) == DecodeShape(4, 32)  # the smallest cover, its own queued
   p.join()
-  assert compiled[-1] == ('decode', 3, 17) and p.pending() == 0
+  assert compiled[-1] == DecodeShape(3, 17) and p.pending() == 0
 
 
 def test_calls_fitted_while_the_background_compiler_adds_programs_never_fail():
@@ -248,9 +308,9 @@ def test_calls_fitted_while_the_background_compiler_adds_programs_never_fail():
     return shape
 
   p = programs.Programs(compile)
-  p.warmup([('decode', 4096, 4096)], [('decode', r, 1) for r in range(1, 1000)],
+  p.warmup([DecodeShape(4096, 4096)], [DecodeShape(r, 1) for r in range(1, 1000)],
            background=True, report=lambda line: None)
-  calls = [('decode', 1 + i % 1000, 2 + i // 1000) for i in range(5000)]  # each a new shape
+  calls = [DecodeShape(1 + i % 1000, 2 + i // 1000) for i in range(5000)]  # each a new shape
   switch = sys.getswitchinterval()
   sys.setswitchinterval(1e-6)
   try:
@@ -258,4 +318,4 @@ def test_calls_fitted_while_the_background_compiler_adds_programs_never_fail():
   finally:
     sys.setswitchinterval(switch)
     p.stop()
-  assert all(programs.covers(f, call) for f, call in zip(fitted, calls))
+  assert all(f.covers(call) for f, call in zip(fitted, calls))

@@ -169,7 +169,7 @@ def test_requests_equal_training_loss_and_sample_generate(loaded, tasks):
 
   # Few compiled shapes: scoring pads to 16, 32 or 64 tokens, 8 rows; prefills likewise.
   assert lm.score_shapes <= {(8, 16), (8, 32), (8, 64)}
-  assert {shape[2] for shape in lm.engine.shapes if shape[0] == 'prefill'} <= {16, 32, 64}
+  assert {s.length for s in lm.engine.shapes if s.kind == 'prefill'} <= {16, 32, 64}
 
 
 def test_command_line_table_results_json_and_unknown_task(run, tasks, tmp_path):

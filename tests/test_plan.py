@@ -535,7 +535,8 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   r = eng.runner
   prefill, decode = runner_lib._prefill, runner_lib._decode  # noqa: SLF001
   state, (allowed, eos) = r.state(), r.constants()
-  admitted = r._place(r.admitted(scheduler_lib.Prefill(16, 2, 0, ((), ()))))  # noqa: SLF001
+  admitted = r._place(r.admitted(  # noqa: SLF001
+      scheduler_lib.Prefill(scheduler_lib.PrefillShape(rows=2, length=16, copies=0), ((), ()))))
   real = prefill.lower(eng.params, state, admitted, allowed, model=eng.model, mesh=eng.mesh)
   assert abstract.lower_prefill(2, 16).as_text() == real.as_text()
   steps, top = (jax.device_put(x, r._replicated) for x in (np.int32(3), np.bool_(True)))  # noqa: SLF001

@@ -13,7 +13,8 @@ The parts, each changeable on its own:
   sequence   Sequence: what a request asks, and what the engine fills in (tokens, logprobs,
              text, finish_reason); its incremental detokenization
   scheduler  slots, the waiting queue, admission, and the bucketed shape of each prefill and
-             decode call (plain Python: tested without a model)
+             decode call (PrefillShape, DecodeShape); the calls of a workload without a model
+             (Scheduler.dry_run; plain Python: tested without a model)
   runner     the model runner: the engine's copy of the params, the KV cache, the compiled
              prefill and decode calls (over a mesh's devices), their lowering for plan.py, and
              the scoring pass

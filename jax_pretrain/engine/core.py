@@ -79,7 +79,7 @@ class Engine:
     return self.runner.params
 
   @property
-  def shapes(self) -> set[tuple]:
+  def shapes(self) -> set[scheduler_lib.Shape]:
     """The shapes compiled so far (engine/programs.py)."""
     return set(self.runner.programs.ready)
 

@@ -1,5 +1,5 @@
-"""The engine's compiled programs: one per call shape, ('prefill', rows, length, copies) or
-('decode', rows, live) (scheduler.Prefill, scheduler.Decode), compiled ahead of time and kept.
+"""The engine's compiled programs: one per call shape (scheduler.PrefillShape, DecodeShape: a
+Prefill's or a Decode's), compiled ahead of time and kept.
 
 Without a warmup a shape is compiled when a call first asks for it (the call waits). Warmup
 (Engine.warmup) compiles the covering programs first (Scheduler.programs: per prompt length
@@ -18,22 +18,15 @@ outside the GIL) and reports its progress with an ETA.
 from collections.abc import Callable
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from absl import logging
 
-Shape = tuple  # ('prefill', rows, length, copies) or ('decode', rows, live)
+from jax_pretrain.engine.scheduler import DecodeShape
+from jax_pretrain.engine.scheduler import PrefillShape
+from jax_pretrain.engine.scheduler import Shape
 
-
-def covers(big: Shape, small: Shape) -> bool:
-  """Whether a program of shape `big` can run a call of shape `small` (padded)."""
-  return big[0] == small[0] and all(a >= b for a, b in zip(big[1:], small[1:]))
-
-
-def cost(shape: Shape) -> tuple:
-  """What a call of this shape computes, for picking the smallest cover: rows × tokens (prompt
-  length or live window), then the rest."""
-  return shape[1] * shape[2], shape[1:]
+ShapeT = TypeVar('ShapeT', PrefillShape, DecodeShape)
 
 
 class Programs:
@@ -66,13 +59,13 @@ class Programs:
     with self._lock:
       self.ready[shape] = program
 
-  def fit(self, shape: Shape) -> Shape:
+  def fit(self, shape: ShapeT) -> ShapeT:
     """The shape a call of `shape` runs as: itself once ready (or when not warm: compiled at the
     call); else the smallest ready shape that covers it, and it goes first in the queue."""
     if not self.warm or shape in self.ready:
       return shape
     with self._lock:
-      ready = [s for s in self.ready if covers(s, shape)]
+      ready = [s for s in self.ready if isinstance(s, type(shape)) and s.covers(shape)]
       if shape != self._compiling:
         if shape in self._queue:
           self._queue.remove(shape)
@@ -80,7 +73,7 @@ class Programs:
           self._total += 1
         self._queue.insert(0, shape)
         self._start()
-    return min(ready, key=cost) if ready else shape
+    return min(ready, key=lambda s: s.cost()) if ready else shape
 
   def warmup(self, covering: list[Shape], rest: list[Shape], background: bool,
              report: Callable[[str], None]) -> None:
@@ -147,4 +140,4 @@ class Programs:
     s = self._elapsed()
     eta = s / self._done * max(0, self._total - self._done)
     self._report(f'warmup: {self._done}/{self._total} programs compiled '
-                 f'({" ".join(map(str, shape))}), {s:.1f}s, ETA {eta:.0f}s')
+                 f'({shape}), {s:.1f}s, ETA {eta:.0f}s')

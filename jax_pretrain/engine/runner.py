@@ -58,6 +58,8 @@ from jax_pretrain.engine import sampling
 from jax_pretrain.engine.sampling import TOP_N
 from jax_pretrain.engine.scheduler import Decode
 from jax_pretrain.engine.scheduler import Prefill
+from jax_pretrain.engine.scheduler import PrefillShape
+from jax_pretrain.engine.scheduler import Shape
 from jax_pretrain.engine.sequence import Sequence
 
 CallT = TypeVar('CallT', Prefill, Decode)
@@ -167,6 +169,24 @@ class Admitted:
   rows_C: Rows
 
 
+@struct.dataclass
+class Decoding:
+  """The carry of _decode_local's loop over steps, for its R rows (the device's first R slots):
+  the steps taken, the cache, each row's next logits, position, token count and whether it ended;
+  and what the call returns, each step's token and its logprob [R, chunk] and the TOP_N
+  alternatives ([R, chunk, TOP_N] logprobs and ids)."""
+  step: Array  # int32
+  cache: model_lib.KVCache
+  logits_RxV: Array
+  positions_R: Array
+  counts_R: Array
+  done_R: Array
+  tokens_RxC: Array
+  logprobs_RxC: Array
+  top_lp_RxCxN: Array
+  top_ids_RxCxN: Array
+
+
 def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V) -> State:
   """One device's prefill: its prompts, right-padded, run through the model (causal attention over
   themselves), their keys and values written into their first slots' rows, each one's last logits
@@ -207,36 +227,40 @@ def _decode_local(model, params, state: State, allowed_V, eos, steps, want_top, 
   r = jax.tree.map(lambda x: x[:R], state.rows)
   streams_R = sampling.row_streams(r.seeds, r.streams)
 
-  def body(carry):
-    i, cache, logits_RxV, positions_R, counts_R, done_R, tokens_RxC, logprobs_RxC, *top = carry
-    keys_R = sampling.token_keys(streams_R, counts_R)
-    token_R = sampling.sample_rows(logits_RxV, keys_R, r.temperature, r.top_k, r.top_p)
-    all_RxV = jax.nn.log_softmax(logits_RxV, axis=-1)
+  def body(c: Decoding) -> Decoding:
+    i = c.step
+    keys_R = sampling.token_keys(streams_R, c.counts_R)
+    token_R = sampling.sample_rows(c.logits_RxV, keys_R, r.temperature, r.top_k, r.top_p)
+    all_RxV = jax.nn.log_softmax(c.logits_RxV, axis=-1)
     top_lp_RxN, top_ids_RxN = jax.lax.cond(
         want_top, lambda: tuple(jax.lax.top_k(all_RxV, TOP_N)),
         lambda: (jnp.zeros((R, TOP_N), jnp.float32), jnp.zeros((R, TOP_N), jnp.int32)))
-    top_lp_RxCxN, top_ids_RxCxN = top
-    top = [top_lp_RxCxN.at[:, i].set(top_lp_RxN), top_ids_RxCxN.at[:, i].set(top_ids_RxN)]
-    counts_R = counts_R + jnp.where(done_R, 0, 1)
-    done_R = done_R | (token_R == eos) | (counts_R >= r.limits)
-    at_Rx1 = jnp.where(done_R, context, positions_R)[:, None]  # (ended: out of range, dropped)
-    logits_Rx1xV, cache = model.apply({'params': params}, token_R[:, None], cache,
+    counts_R = c.counts_R + jnp.where(c.done_R, 0, 1)
+    done_R = c.done_R | (token_R == eos) | (counts_R >= r.limits)
+    at_Rx1 = jnp.where(done_R, context, c.positions_R)[:, None]  # (ended: out of range, dropped)
+    logits_Rx1xV, cache = model.apply({'params': params}, token_R[:, None], c.cache,
                                       model_lib.CacheUse(at_Rx1, live=live))
-    return (i + 1, cache, jnp.where(allowed_V, logits_Rx1xV[:, 0], -jnp.inf),
-            positions_R + jnp.where(done_R, 0, 1), counts_R, done_R,
-            tokens_RxC.at[:, i].set(token_R),
-            logprobs_RxC.at[:, i].set(jnp.take_along_axis(all_RxV, token_R[:, None], -1)[:, 0]),
-            *top)
+    return Decoding(
+        step=i + 1, cache=cache, logits_RxV=jnp.where(allowed_V, logits_Rx1xV[:, 0], -jnp.inf),
+        positions_R=c.positions_R + jnp.where(done_R, 0, 1), counts_R=counts_R, done_R=done_R,
+        tokens_RxC=c.tokens_RxC.at[:, i].set(token_R),
+        logprobs_RxC=c.logprobs_RxC.at[:, i].set(
+            jnp.take_along_axis(all_RxV, token_R[:, None], -1)[:, 0]),
+        top_lp_RxCxN=c.top_lp_RxCxN.at[:, i].set(top_lp_RxN),
+        top_ids_RxCxN=c.top_ids_RxCxN.at[:, i].set(top_ids_RxN))
 
-  top = [jnp.zeros((R, chunk, TOP_N), jnp.float32), jnp.zeros((R, chunk, TOP_N), jnp.int32)]
-  carry = (jnp.int32(0), state.cache, state.logits_SxV[:R], r.positions, r.counts, r.done,
-           jnp.zeros((R, chunk), jnp.int32), jnp.zeros((R, chunk), jnp.float32), *top)
-  _, cache, logits_RxV, positions_R, counts_R, done_R, *out = jax.lax.while_loop(
-      lambda c: (c[0] < steps) & jnp.any(~c[5]), body, carry)
-  advanced = dataclasses.replace(state.rows, positions=state.rows.positions.at[:R].set(positions_R),
-                                 counts=state.rows.counts.at[:R].set(counts_R),
-                                 done=state.rows.done.at[:R].set(done_R))
-  return State(cache, state.logits_SxV.at[:R].set(logits_RxV), advanced), *out
+  start = Decoding(
+      step=jnp.int32(0), cache=state.cache, logits_RxV=state.logits_SxV[:R],
+      positions_R=r.positions, counts_R=r.counts, done_R=r.done,
+      tokens_RxC=jnp.zeros((R, chunk), jnp.int32), logprobs_RxC=jnp.zeros((R, chunk), jnp.float32),
+      top_lp_RxCxN=jnp.zeros((R, chunk, TOP_N), jnp.float32),
+      top_ids_RxCxN=jnp.zeros((R, chunk, TOP_N), jnp.int32))
+  c = jax.lax.while_loop(lambda c: (c.step < steps) & jnp.any(~c.done_R), body, start)
+  advanced = dataclasses.replace(
+      state.rows, positions=state.rows.positions.at[:R].set(c.positions_R),
+      counts=state.rows.counts.at[:R].set(c.counts_R), done=state.rows.done.at[:R].set(c.done_R))
+  return (State(c.cache, state.logits_SxV.at[:R].set(c.logits_RxV), advanced), c.tokens_RxC,
+          c.logprobs_RxC, c.top_lp_RxCxN, c.top_ids_RxCxN)
 
 
 def _slots_spec(mesh) -> P:
@@ -341,9 +365,7 @@ class ModelRunner:
   def fit(self, call: CallT) -> CallT:
     """The call as it runs: its own shape, or after a warmup, until that one is compiled, the
     smallest compiled one that covers it (programs.Programs.fit)."""
-    kind, *sizes = self.programs.fit(call.shape)
-    names = ('rows', 'length', 'copies') if kind == 'prefill' else ('rows', 'live')
-    return dataclasses.replace(call, **dict(zip(names, sizes)))
+    return dataclasses.replace(call, shape=self.programs.fit(call.shape))
 
   def prefill(self, call: Prefill) -> None:
     """Writes the call's prompts into their slots' rows of the cache, their last logits and their
@@ -364,7 +386,7 @@ class ModelRunner:
         multihost.global_array(np.bool_(call.top_n > 0), self._replicated))
     return out if call.top_n else out[:2]
 
-  def compile(self, shape: programs_lib.Shape):
+  def compile(self, shape: Shape):
     """The call of this shape compiled, once per process for this model, mesh, cache and params'
     shapes: runners that share them share their programs (_COMPILED), as jit's cache would."""
     key = (shape, self.model, self.mesh, self.slots, self.context, self.chunk,
@@ -375,10 +397,11 @@ class ModelRunner:
       program = _COMPILED[key] = self.lower(shape).compile()
     return program
 
-  def lower(self, shape: programs_lib.Shape):
+  def lower(self, shape: Shape):
     """The call of this shape lowered (lower_prefill or lower_decode)."""
-    kind, *sizes = shape
-    return self.lower_prefill(*sizes) if kind == 'prefill' else self.lower_decode(*sizes)
+    if isinstance(shape, PrefillShape):
+      return self.lower_prefill(shape.rows, shape.length, shape.copies)
+    return self.lower_decode(shape.rows, shape.live)
 
   @staticmethod
   def read(out: list[jax.Array]) -> list[np.ndarray]:
@@ -390,7 +413,7 @@ class ModelRunner:
     slots that take their keys and values), lowered (not run) with these params and
     abstract_state: what that call compiles, e.g. for a GPU this machine does not have (plan.py).
     As warmup's prefills, it writes to no slot."""
-    call = Prefill(length, rows, copies, ((),) * self.devices)
+    call = Prefill(PrefillShape(rows, length, copies), ((),) * self.devices)
     return _prefill.lower(self.params, self.abstract_state(),
                           _abstract(self.admitted(call), self._split),
                           self.constants(abstract=True)[0], model=self.model, mesh=self.mesh)
@@ -411,8 +434,8 @@ class ModelRunner:
   def admitted(self, call: Prefill) -> Admitted:
     """The call's inputs (Admitted): each device's prompts in its rows, in the order of their
     index, and its other sequences in its copies."""
-    N, C = call.rows, call.copies
-    tokens_NxP = np.full((self.devices * N, call.length), self.pad_id, np.int32)
+    N, C = call.shape.rows, call.shape.copies
+    tokens_NxP = np.full((self.devices * N, call.shape.length), self.pad_id, np.int32)
     slots_N, slots_C = (np.full(self.devices * n, self.local_slots, np.int32) for n in (N, C))
     prompt_C = np.zeros(self.devices * C, np.int32)
     first: list[Sequence | None] = [None] * (self.devices * N)

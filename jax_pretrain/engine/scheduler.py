@@ -15,10 +15,14 @@ two tokens (MIN_BUCKET at least, the context at most) and its rows to a power of
 reads) of a power of two or 1.5 × one that covers the longest busy row after the call's steps
 (live_bucket). A call's steps (at most `chunk`) are traced, not static, and so are sampling's
 variants (the top-k/top-p cut, the TOP_N alternatives): one program per (rows, live).
+
+A call's shape (PrefillShape, DecodeShape) names the program that runs it (engine/programs.py);
+dry_run gives the calls of a workload without a model (plan.py's GRPO rollout).
 """
 import collections
 import dataclasses
 import threading
+from typing import ClassVar
 
 from jax_pretrain.engine.sampling import TOP_N
 from jax_pretrain.engine.sequence import Sequence
@@ -44,43 +48,81 @@ def live_bucket(n: int, context: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Prefill:
-  """One prefill call: `rows` distinct prompts a device, padded to `length` tokens, each run
-  through the model once into the slot of its first sequence, and `copies` more slots a device
-  that take the keys and values of a prompt run there (the other sequences of that prompt). slots:
-  device d's (local slot, index of its prompt among the device's, sequence), in order."""
-  length: int
+class PrefillShape:
+  """A prefill program's shape, per device: `rows` distinct prompts (a row of the batch each, run
+  through the model once), each right-padded to `length` tokens, and `copies` more slots that take
+  the keys and values of one of them."""
+  kind: ClassVar[str] = 'prefill'
   rows: int
+  length: int
   copies: int
-  slots: tuple[tuple[tuple[int, int, Sequence], ...], ...]
 
-  @property
-  def shape(self) -> tuple:
-    """The program that runs it (engine/programs.py)."""
-    return 'prefill', self.rows, self.length, self.copies
+  def covers(self, other: 'Shape') -> bool:
+    """Whether this program can run a call of shape `other` (padded): a prefill with at least as
+    many rows, tokens and copies."""
+    return (isinstance(other, PrefillShape) and self.rows >= other.rows
+            and self.length >= other.length and self.copies >= other.copies)
+
+  def cost(self) -> tuple:
+    """What a call of this shape computes, for picking the smallest cover: rows × tokens, then
+    the rest."""
+    return self.rows * self.length, (self.rows, self.length, self.copies)
+
+  def __str__(self) -> str:
+    """As the warmup's progress lines print it (engine/programs.py)."""
+    return f'{self.kind} {self.rows} {self.length} {self.copies}'
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+  """A decode program's shape, per device: its first `rows` slots (a row of the batch each),
+  attending over the `live` positions [0, live) of their cache rows. Its steps are traced, not
+  part of the shape."""
+  kind: ClassVar[str] = 'decode'
+  rows: int
+  live: int
+
+  def covers(self, other: 'Shape') -> bool:
+    """Whether this program can run a call of shape `other` (padded): a decode of at least as
+    many rows over at least as many positions."""
+    return isinstance(other, DecodeShape) and self.rows >= other.rows and self.live >= other.live
+
+  def cost(self) -> tuple:
+    """What a call of this shape computes, for picking the smallest cover: rows × tokens (the
+    live positions), then the rest."""
+    return self.rows * self.live, (self.rows, self.live)
+
+  def __str__(self) -> str:
+    """As the warmup's progress lines print it (engine/programs.py)."""
+    return f'{self.kind} {self.rows} {self.live}'
+
+
+Shape = PrefillShape | DecodeShape
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+  """One prefill call of `shape`; slots: device d's (local slot, index of its prompt among the
+  device's rows, sequence), in order: the first slot of a prompt is where it is run, the others
+  its copies."""
+  shape: PrefillShape
+  slots: tuple[tuple[tuple[int, int, Sequence], ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Decode:
-  """One decode call: `steps` steps of each device's first `rows` slots, attending over positions
-  [0, live); busy: the (slot, sequence) pairs it decodes; top_n: TOP_N when a row asks for the
-  alternatives of its tokens (else 0)."""
-  rows: int
-  live: int
+  """One decode call of `shape`: `steps` steps (at most the chunk); busy: the (slot, sequence)
+  pairs it decodes; top_n: TOP_N when a row asks for the alternatives of its tokens (else 0)."""
+  shape: DecodeShape
   steps: int
   top_n: int
   local_slots: int
   busy: tuple[tuple[int, Sequence], ...]
 
-  @property
-  def shape(self) -> tuple:
-    """The program that runs it (engine/programs.py)."""
-    return 'decode', self.rows, self.live
-
   def row(self, g: int) -> int:
-    """The row of slot g in this call (device d's slot j: d × rows + j)."""
+    """The row of slot g in this call's gathered outputs (device d's slot j: d × rows + j)."""
     d, j = divmod(g, self.local_slots)
-    return d * self.rows + j
+    return d * self.shape.rows + j
 
 
 class Scheduler:
@@ -199,11 +241,11 @@ class Scheduler:
       for start in range(0, max(len(x) for x in per_device), most):
         group = [x[start:start + most] for x in per_device]
         copies = max(sum(len(s) - 1 for s in x) for x in group)
-        calls.append(Prefill(
-            P_, bucket(max(len(x) for x in group), most),
-            bucket(copies, self.local_slots) if copies else 0,
-            tuple(tuple((g % self.local_slots, i, self.held(g)) for i, s in enumerate(x) for g in s)
-                  for x in group)))
+        shape = PrefillShape(rows=bucket(max(len(x) for x in group), most), length=P_,
+                             copies=bucket(copies, self.local_slots) if copies else 0)
+        calls.append(Prefill(shape, tuple(
+            tuple((g % self.local_slots, i, self.held(g)) for i, s in enumerate(x) for g in s)
+            for x in group)))
     return calls, cancelled
 
   def decode(self) -> Decode | None:
@@ -223,8 +265,8 @@ class Scheduler:
         self.finishing.append(seq)
     seqs = [seq for _, seq in busy]
     return Decode(
-        rows=bucket(max(g % self.local_slots for g, _ in busy) + 1, self.local_slots),
-        live=live_bucket(longest + steps, self.context), steps=steps,
+        DecodeShape(rows=bucket(max(g % self.local_slots for g, _ in busy) + 1, self.local_slots),
+                    live=live_bucket(longest + steps, self.context)), steps=steps,
         top_n=TOP_N if any(s.alternatives for s in seqs) else 0, local_slots=self.local_slots,
         busy=busy)
 
@@ -234,23 +276,44 @@ class Scheduler:
     fitting = 1 << (max(1, self.prefill_tokens // P_).bit_length() - 1)
     return min(fitting, bucket(self.local_slots, 1 << 30))
 
-  def programs(self) -> tuple[list[tuple], list[tuple]]:
+  def programs(self) -> tuple[list[Shape], list[Shape]]:
     """The programs a warmup compiles (engine/programs.py's shapes): those that cover every call
     (per prompt length, its largest prefill with a copy into every other slot; the decode of
     every slot over the whole context), then every other shape that traffic asks for without
-    copies (a prefill's rows × length, a decode's rows × live), smallest first. A prefill with
-    copies (several sequences of one prompt) runs as a cover until its own is compiled."""
+    copies (a prefill's rows × length, a decode's rows × live), smallest first (decodes first
+    among those that compute as much). A prefill with copies (several sequences of one prompt)
+    runs as a cover until its own is compiled."""
     lengths = sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)})
-    covering: list[tuple] = [('prefill', self.most_rows(P_), P_, self.local_slots)
+    covering: list[Shape] = [PrefillShape(self.most_rows(P_), P_, self.local_slots)
                              for P_ in lengths]
-    covering.append(('decode', self.local_slots, self.context))
+    covering.append(DecodeShape(self.local_slots, self.context))
     rows = lambda most: sorted({bucket(n, most) for n in range(1, most + 1)})
-    prefills: list[tuple] = [('prefill', N, P_, 0)
+    prefills: list[Shape] = [PrefillShape(N, P_, 0)
                              for P_ in lengths for N in rows(self.most_rows(P_))]
     lives = sorted({live_bucket(n, self.context) for n in range(1, self.context + 1)})
-    decodes = [('decode', R, live) for R in rows(self.local_slots) for live in lives]
-    rest = sorted(prefills + decodes, key=lambda s: (s[1] * s[2], s))
+    decodes: list[Shape] = [DecodeShape(R, live) for R in rows(self.local_slots) for live in lives]
+    rest = sorted(prefills + decodes, key=lambda s: (s.cost()[0], s.kind, s.cost()[1]))
     return covering, [s for s in rest if s not in covering]
+
+  def dry_run(self, workload: list[tuple[int, int, int]]) -> list[Prefill | Decode]:
+    """The calls, in order, that a scheduler of these sizes makes from free slots for `workload`,
+    without a model (plan.py: a GRPO step's rollout): (prompt tokens, max_new_tokens, sequences)
+    per prompt, each a prompt of its own, submitted in order. It is driven as Engine.step drives
+    it (admit, then decode), every sequence decoding its max_new_tokens (no EOS, stop string or
+    cancellation): it ends with its last dispatched token."""
+    s = Scheduler(local_slots=self.local_slots, devices=self.devices, context=self.context,
+                  chunk=self.chunk, prefill_tokens=self.prefill_tokens)
+    for i, (length, new, n) in enumerate(workload):
+      for _ in range(n):
+        s.submit(Sequence(prompt=[i] * length, max_new_tokens=new))
+    calls: list[Prefill | Decode] = []
+    while s.has_work():
+      calls += s.admit()[0]
+      call = s.decode()
+      if call is not None:
+        calls.append(call)
+      s.finishing.clear()  # (they end at the read of their last call, which frees no slot)
+    return calls
 
   def has_work(self) -> bool:
     """Whether a sequence is decoding (busy or finishing) or waiting."""
