@@ -64,25 +64,26 @@ RETIRED = {('model', 'scan_layers'): "model.layers='scan'|'unroll'|'auto' replac
 # 'dots' and 'dots_no_batch' keep the fused attention kernel's output and softmax statistics too
 # (attention.forward_saveable): without them the backward ran the attention forward again.
 _policies = jax.checkpoint_policies
-_DOTS_ALSO_KEEP = ('normed', 'rotated', 'mlp_hidden', 'residual')
+_DOTS = _policies.save_from_both_policies(_policies.dots_saveable, attention.forward_saveable)
 REMAT_POLICIES = {
     'none': None,  # keep every activation
     'full': _policies.nothing_saveable,  # recompute the whole block in backward
-    # keep matmul outputs (and fused attention's) and the cheap-to-keep values the backward would
-    # otherwise recompute with extra passes (model.py names them: the norms' outputs, the rotated
-    # queries and keys, SwiGLU's product, the residual stream between attention and MLP;
-    # BENCHMARKS.md: each one's compiled bytes and memory), recompute the rest
-    'dots': _policies.save_from_both_policies(
-        _policies.dots_saveable, _policies.save_from_both_policies(
-            attention.forward_saveable, _policies.save_only_these_names(*_DOTS_ALSO_KEEP))),
+    'dots': _DOTS,  # keep matmul outputs (and fused attention's), recompute the rest
     'dots_no_batch': _policies.save_from_both_policies(  # projections only (and fused attention)
         _policies.dots_with_no_batch_dims_saveable, attention.forward_saveable),
     'minimal': _policies.save_only_these_names('attn_out', 'mlp_hidden'),
 }
-_DOTS_FP8 = _policies.save_from_both_policies(
-    _policies.dots_saveable, _policies.save_from_both_policies(
-        attention.forward_saveable, _policies.save_only_these_names('rotated', 'residual',
-                                                                    fp8.QUANTIZED)))
+# What 'dots' keeps besides, with the layers unrolled: the values whose recomputation in the
+# backward costs passes of their own (model.py names them: the norms' outputs, the rotated
+# queries and keys, SwiGLU's product, the residual between attention and MLP; with FP8, the
+# projections' quantized operands instead of their inputs). Scanned, each kept value is one more
+# stacked residual that XLA copies every micro-batch, and the step is slower (BENCHMARKS.md).
+_DOTS_UNROLLED = {
+    False: _policies.save_from_both_policies(_DOTS, _policies.save_only_these_names(
+        'normed', 'rotated', 'mlp_hidden', 'residual')),
+    True: _policies.save_from_both_policies(_DOTS, _policies.save_only_these_names(
+        'rotated', 'residual', fp8.QUANTIZED)),
+}
 ROPE_SCALINGS = ('none', 'linear', 'llama3')  # model.rope_scaling (model.rope_frequencies)
 _DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -192,10 +193,10 @@ class ModelConfig:
 
   @property
   def remat_policy(self):
-    """model.remat's jax checkpoint policy (None: 'none', nothing recomputed). With model.fp8,
-    'dots' keeps the projections' quantized operands instead of their inputs (fp8.py)."""
-    if self.remat == 'dots' and self.fp8:
-      return _DOTS_FP8
+    """model.remat's jax checkpoint policy (None: 'none', nothing recomputed); 'dots' keeps more
+    with the layers unrolled (_DOTS_UNROLLED)."""
+    if self.remat == 'dots' and not self.scan_layers:
+      return _DOTS_UNROLLED[self.fp8]
     return REMAT_POLICIES[self.remat]
 
 
