@@ -97,6 +97,26 @@ def test_hlo_tells_kernels_apart_by_kind_and_the_roofline_adds_them_up():
   assert list(plan.kernels_by_kind(stats, r))[0] in r.by_kind
 
 
+def test_hlo_by_op_sums_a_kind_over_the_model_place_each_kernel_comes_from(tmp_path):
+  """scripts/hlo_by_op.py: the same operation in every layer is one line, and the lines add up to
+  the kind's bytes as hlo.py counts them."""
+  def two_layers(x):
+    for i in range(2):
+      with jax.named_scope(f'layers_{i}'):
+        x = jnp.tanh(x) * 3.0
+    return x
+  text = _compiled_text(two_layers, jax.ShapeDtypeStruct((256, 256), jnp.float32))
+  (tmp_path / 'step.hlo').write_text(text)
+  out = subprocess.run([sys.executable, f'{ROOT}/scripts/hlo_by_op.py', str(tmp_path / 'step.hlo'),
+                        '--kind=elementwise'], capture_output=True, text=True, check=True,
+                       env=subprocess_env()).stdout.splitlines()
+  total = sum(k.hbm_bytes * k.times for k in hlo.analyze(text).kernels
+              if k.kind == 'elementwise')
+  assert out[0] == f'elementwise: {total / 1e9:.1f} GB a step'
+  assert not any('layers_0' in line or 'layers_1' in line for line in out)
+  assert any('layers_i' in line for line in out[1:]), out
+
+
 @pytest.mark.parametrize('groups, size, spans', [
     ("replica_groups=mesh['data'=2,'fsdp'=8,'tensor'=1] {'fsdp'}", 8, False),
     ("replica_groups=mesh['data'=2,'fsdp'=8,'tensor'=1] {'data'}", 2, True),
