@@ -377,30 +377,33 @@ class Checkpointer:
         options=_options(read_only, enable_async_checkpointing=async_save,
                          preservation_policy=policies.AnyPreservationPolicy(keep_policies)))
     self._pending: int | None = None  # the step being saved in the background
-    self._prepared = threading.Event()  # prepare's compiles done (set: none to wait for)
-    self._prepared.set()
+    self._preparing: threading.Thread | None = None  # prepare's compiles (None: none started)
     logging.get_absl_logger().addFilter(_ORBAX_FILTER)  # (once: a filter is added only once)
     if not read_only:  # said by the line a lost process ends the run with
       multihost.set_resume_hint(self.resume_hint)
 
-  def prepare(self, abstract_state) -> threading.Event:
+  def prepare(self, abstract_state) -> None:
     """Compiles the digests' programs for a state of these shapes and shardings (one per array
-    shape) in a background thread; the event is set when done. A save dispatches them in its
-    blocking part, where compiling them made the first save of the small preset (8 shapes) stall
-    12.6 s on the dev CPU (1.0 s compiled ahead). A save waits for it; a state it did not prepare
-    compiles them at its first save."""
-    self._prepared = threading.Event()
-    done = self._prepared
+    shape) in a background thread. A save dispatches them in its blocking part, where compiling
+    them made the first save of the small preset (8 shapes) stall 12.6 s on the dev CPU (1.0 s
+    compiled ahead). A save waits for it; a state it did not prepare compiles them at its first
+    save. The thread is this Checkpointer's: close() joins it (a compile in flight cannot be
+    cancelled, and one still running when the interpreter exits aborts the process inside XLA);
+    it is not a daemon, so that a caller that never closes still waits for it at exit."""
+    self._join_prepare()  # (one at a time)
 
     def compile_all():
       try:
         _compile_digests(abstract_state)
       except Exception as e:  # noqa: BLE001  (then the save compiles them, and reports a failure)
         logging.warning('compiling the checkpoint digests ahead of time failed: %s', e)
-      finally:
-        done.set()
-    threading.Thread(target=compile_all, daemon=True, name='checkpoint digests').start()
-    return done
+    self._preparing = threading.Thread(target=compile_all, name='checkpoint digests')
+    self._preparing.start()
+
+  def _join_prepare(self) -> None:
+    if self._preparing is not None:
+      self._preparing.join()
+      self._preparing = None
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -418,7 +421,7 @@ class Checkpointer:
     digests (a checkpoint is complete only with all three)."""
     if self._pending is not None:
       self.wait()  # orbax would wait too; here a failure of that save is named by its own step
-    self._prepared.wait()
+    self._join_prepare()
     needed = sum(x.nbytes for x in jax.tree.leaves(state))
     free = shutil.disk_usage(self.directory).free
     if multihost.any_process(free < needed * _FREE_SPACE_MARGIN):
@@ -662,10 +665,15 @@ class Checkpointer:
     return step, params
 
   def close(self) -> None:
+    """Waits for the save in flight and for prepare's compiles, on every path (a failed save
+    included), then closes orbax's manager."""
     try:
       self.wait()
     finally:
-      self._manager.close()
+      try:
+        self._join_prepare()
+      finally:
+        self._manager.close()
 
 
 def scalars_for_ranking(metrics: dict[str, float]) -> dict[str, float] | None:

@@ -1,6 +1,7 @@
 """Restoring through faults: only real damage sets a checkpoint aside (files deleted, cut short or
 altered, as orbax and tensorstore report them); an I/O error, a device out of memory or another
-orbax error stops with one line and moves nothing; a transient I/O error is tried again; a workdir
+orbax error stops with one line and moves nothing (in the trainer: exit status 1, that line
+last, no thread left running to abort the exit); a transient I/O error is tried again; a workdir
 whose every checkpoint is damaged stops instead of starting over; an unreadable saved config is
 never a silent skip of the resume check."""
 import errno
@@ -21,6 +22,7 @@ from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import pretrain
 from tests.conftest import ROOT
+from tests.conftest import command
 from tests.conftest import subprocess_env
 
 STEPS = (1, 2)
@@ -329,6 +331,66 @@ def test_any_other_failure_stops_at_once_in_one_line_and_moves_nothing(workdir, 
   assert '\n' not in str(e.value)
   assert calls == [2]  # not retried
   assert listing(workdir) == ['1', '2']
+
+
+# The trainer resumed in a fresh process, as users run it (python -c: this, then the arguments),
+# with orbax's restore of the state raising a device out of memory once the checkpoint digests'
+# programs are compiling in their background thread (Checkpointer.prepare). The compiles are made
+# to last seconds (more digest programs, of shapes new to the compile cache), so the restore's
+# error leaves the main thread while one is in flight in XLA.
+_RESUME_OUT_OF_MEMORY = """
+import random, runpy, sys, threading, time
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax_pretrain import checkpoint
+
+compiling = threading.Event()
+compile_digests = checkpoint._compile_digests
+
+def slow_compile_digests(abstract_tree):
+  compiling.set()
+  compile_digests(abstract_tree)
+  start = time.monotonic()
+  while time.monotonic() - start < 5:
+    shape = (random.randrange(1000, 10**6), 3, 2)
+    checkpoint._digest_one.lower(jax.ShapeDtypeStruct(shape, np.float32)).compile()
+
+restore = ocp.CheckpointManager.restore
+
+def failing(self, step, *args, **kwargs):
+  composite = kwargs.get('args', args[0] if args else None)
+  if composite is not None and 'state' in composite:
+    compiling.wait(60)
+    raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate '
+                                     '1.00GiB.')
+  return restore(self, step, *args, **kwargs)
+
+checkpoint._compile_digests = slow_compile_digests
+ocp.CheckpointManager.restore = failing
+sys.argv[0] = 'jax_pretrain.main'
+runpy.run_module('jax_pretrain.main', run_name='__main__', alter_sys=True)
+"""
+
+
+def test_a_failed_restore_while_the_digests_compile_exits_1_after_its_one_line(tmp_path):
+  """Before: the digests' compile thread was a daemon, killed inside XLA when the interpreter
+  exited after the error line: 'terminate called after throwing an instance of', 'Fatal Python
+  error: Aborted', status 134 (or a segmentation fault). Now the Checkpointer joins it."""
+  args = command(tmp_path, '--config.train.steps=2', '--config.optim.warmup_steps=1')
+  subprocess.run(args, check=True, env=subprocess_env(), cwd=ROOT, capture_output=True,
+                 timeout=300)
+  assert listing(tmp_path) == ['2']
+  out = subprocess.run([sys.executable, '-c', _RESUME_OUT_OF_MEMORY, *args[3:]], cwd=ROOT,
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  tail = out.stderr[-3000:]
+  for text in ('Fatal Python error', 'terminate called', 'Aborted', 'Segmentation fault'):
+    assert text not in out.stderr, tail
+  assert out.returncode == 1, tail
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith(f'error: restoring checkpoint {tmp_path}/checkpoints/2 failed: '
+                         'JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory'), tail
+  assert listing(tmp_path) == ['2']
 
 
 def test_an_unreadable_config_stops_the_run_before_anything_is_written(workdir, monkeypatch):
