@@ -229,7 +229,7 @@ class Stats:
   flops: float = 0.0
   matmul_flops: float = 0.0  # FP8 and float32 ones included
   fp8_matmul_flops: float = 0.0
-  fp8_matmuls: int = 0  # dots whose operands are FP8, in the program's text (not times run)
+  fp8_matmuls: int = 0  # dots and GEMMs of FP8 operands in the program's text (not times run)
   attention_flops: float = 0.0
   hbm_bytes: float = 0.0
   kernels: list[Kernel] = dataclasses.field(default_factory=list)
@@ -249,8 +249,8 @@ def _dot_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
 
 
 def _dot_kind(instruction: Instruction, shapes: dict[str, str]) -> str:
-  """'matmul_fp8' for a dot of FP8 operands (model.fp8), 'matmul_f32' for one of float32
-  operands (TF32 GEMMs on NVIDIA GPUs), else 'matmul'."""
+  """'matmul_fp8' for a dot (or cuBLAS GEMM) of FP8 operands (model.fp8), 'matmul_f32' for one
+  of float32 operands (TF32 GEMMs on NVIDIA GPUs), else 'matmul'."""
   operands = [shapes.get(o, '') for o in instruction.operands[:2]]
   if any(shape.startswith('f8') for shape in operands):
     return 'matmul_fp8'
@@ -284,8 +284,8 @@ def _is_backward(instruction: Instruction) -> bool:
 def _custom_call_cost(instruction: Instruction, shapes) -> tuple[str, float] | None:
   m = re.search(r'custom_call_target="([^"]*)"', instruction.attrs)
   target = m.group(1) if m else ''
-  if target.startswith('__cublas'):
-    return 'matmul', _gemm_flops(instruction, shapes)
+  if target.startswith('__cublas'):  # (e.g. __cublas$lt$matmul$f8: FP8 operands, scales folded)
+    return _dot_kind(instruction, shapes), _gemm_flops(instruction, shapes)
   if target.startswith('__cudnn$fmha'):
     kind = 'attention_backward' if _is_backward(instruction) else 'attention'
     return kind, _attention_flops(instruction, shapes)
@@ -359,7 +359,7 @@ def analyze(text: str, devices_per_node: int = 8, unknown_trips: int = 1) -> Sta
   by_name = {i.name: i for body in computations.values() for i in body}
   shapes = {name: i.shape for name, i in by_name.items()}
   stats = Stats(fp8_matmuls=sum(_dot_kind(i, shapes) == 'matmul_fp8' for i in by_name.values()
-                                if i.opcode == 'dot'))
+                                if i.opcode == 'dot' or '__cublas' in i.attrs))
 
   def flops_inside(name: str, seen=()) -> tuple[float, str]:
     """FLOPs and kind of a fusion body (dots inside it)."""

@@ -117,6 +117,27 @@ def test_hlo_by_op_sums_a_kind_over_the_model_place_each_kernel_comes_from(tmp_p
   assert any('layers_i' in line for line in out[1:]), out
 
 
+def test_hlo_counts_cublas_fp8_gemms_as_fp8_matmuls():
+  """What XLA's GEMM rewriter makes of a scaled FP8 dot for cuBLAS (the scales are operands)."""
+  dims = '"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]'
+  text = f"""HloModule f8
+ENTRY %main (a, b, s, t) -> bf16[4096,1024] {{
+  %a = f8e4m3fn[4096,2048]{{1,0}} parameter(0)
+  %b = f8e4m3fn[2048,1024]{{1,0}} parameter(1)
+  %s = f32[] parameter(2)
+  %t = f32[] parameter(3)
+  %gemm = (bf16[4096,1024]{{1,0}}, s8[4194304]{{0}}) custom-call(%a, %b, %s, %t), \
+custom_call_target="__cublas$lt$matmul$f8", \
+backend_config={{"gemm_backend_config":{{"dot_dimension_numbers":{{{dims}}}}}}}
+  ROOT %out = bf16[4096,1024]{{1,0}} get-tuple-element(%gemm), index=0
+}}
+"""
+  stats = hlo.analyze(text)
+  assert stats.fp8_matmuls == 1
+  assert stats.fp8_matmul_flops == stats.matmul_flops == 2 * 4096 * 2048 * 1024
+  assert [k.kind for k in stats.kernels] == ['matmul_fp8']
+
+
 @pytest.mark.parametrize('groups, size, spans', [
     ("replica_groups=mesh['data'=2,'fsdp'=8,'tensor'=1] {'fsdp'}", 8, False),
     ("replica_groups=mesh['data'=2,'fsdp'=8,'tensor'=1] {'data'}", 2, True),
