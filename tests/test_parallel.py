@@ -21,17 +21,17 @@ MESHES = {  # (data, fsdp, tensor)
 }
 
 
-def mesh_config(mesh, steps=5, attention='xla'):
+def mesh_config(mesh, steps=5, attention='xla', layers='scan'):
   c = config_lib.preset('test')
-  c.model.attention = attention
+  c.model.attention, c.model.layers = attention, layers
   c.model.num_heads = c.model.num_kv_heads = 8  # so that tensor=8 divides the heads
   c.train.steps = steps
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
   return c
 
 
-def run_steps(mesh, batches, attention='xla'):
-  s = build_setup(mesh_config(mesh, attention=attention),
+def run_steps(mesh, batches, attention='xla', layers='scan'):
+  s = build_setup(mesh_config(mesh, attention=attention, layers=layers),
                   devices=jax.devices()[:int(np.prod(mesh))])
   state = state_lib.init_state(s)
   step = state_lib.jit_train_step(s, pad_id=258)
@@ -61,6 +61,17 @@ def test_losses_agree_with_one_device(name, batches, single_device):
     losses, state = run_steps(MESHES[name], batches)
   np.testing.assert_allclose(losses, single_device[0], rtol=1e-5)
   assert losses[-1] < losses[0]  # it trains
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(single_device[1].params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_unrolled_layers_on_a_mesh_agree_with_the_scanned_ones_on_one_device(batches,
+                                                                             single_device):
+  """The unrolled step's once-a-step slices of the stacked weights and stacking of their
+  gradients, sharded over data, fsdp and tensor."""
+  with jax.default_matmul_precision('float32'):
+    losses, state = run_steps((2, 2, 2), batches, layers='unroll')
+  np.testing.assert_allclose(losses, single_device[0], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(single_device[1].params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
