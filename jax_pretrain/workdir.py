@@ -153,12 +153,13 @@ class Trained:
 
 def _for_devices(config: config_lib.Config) -> config_lib.Config:
   """config for whatever devices the state is built on: data-parallel over all of them, batch
-  splits re-derived, and the attention chosen for them ('auto': the run may have used a kernel
-  that these devices lack)."""
+  splits re-derived, and the attention and the way the layers run chosen for them ('auto': the
+  run may have used a kernel that these devices lack, or unrolled layers a CPU compiles slowly;
+  neither changes the params)."""
   return dataclasses.replace(
       config, mesh=config_lib.MeshConfig(data=-1, fsdp=1, tensor=1),
       train=dataclasses.replace(config.train, micro_batch_size=0, eval_batch_size=0),
-      model=dataclasses.replace(config.model, attention='auto'))
+      model=dataclasses.replace(config.model, attention='auto', layers=config_lib.AUTO_LAYERS))
 
 
 def _setup(config: config_lib.Config, devices, vocab_size: int) -> state_lib.Setup:

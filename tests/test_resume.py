@@ -123,7 +123,9 @@ def test_a_run_resumed_with_its_layers_run_the_other_way_continues_its_losses(tm
   assert sorted(split) == sorted(whole) == list(range(1, 11))
   for step in range(1, 11):  # (the other way compiles to other float32 roundings)
     assert split[step] == pytest.approx(whole[step], rel=1e-5, abs=0), step
-  assert workdir_lib.load(str(workdir('split')), devices=jax.devices()[:1]).step == 10
+  loaded = workdir_lib.load(str(workdir('split')), devices=jax.devices()[:1])
+  assert loaded.step == 10
+  assert loaded.config.model.layers == 'scan'  # (loaded for the CPU: its own choice)
 
 
 def test_resume_with_grain_workers_draws_the_same_batches(tmp_path, uninterrupted):
