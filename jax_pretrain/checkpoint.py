@@ -390,7 +390,7 @@ class Checkpointer:
     save. The thread is this Checkpointer's: close() joins it (a compile in flight cannot be
     cancelled, and one still running when the interpreter exits aborts the process inside XLA);
     it is not a daemon, so that a caller that never closes still waits for it at exit."""
-    self._join_prepare()  # (one at a time)
+    self.wait_prepared()  # (one at a time)
 
     def compile_all():
       try:
@@ -400,7 +400,8 @@ class Checkpointer:
     self._preparing = threading.Thread(target=compile_all, name='checkpoint digests')
     self._preparing.start()
 
-  def _join_prepare(self) -> None:
+  def wait_prepared(self) -> None:
+    """Waits until prepare's compiles are done (at once where none runs)."""
     if self._preparing is not None:
       self._preparing.join()
       self._preparing = None
@@ -421,7 +422,7 @@ class Checkpointer:
     digests (a checkpoint is complete only with all three)."""
     if self._pending is not None:
       self.wait()  # orbax would wait too; here a failure of that save is named by its own step
-    self._join_prepare()
+    self.wait_prepared()
     needed = sum(x.nbytes for x in jax.tree.leaves(state))
     free = shutil.disk_usage(self.directory).free
     if multihost.any_process(free < needed * _FREE_SPACE_MARGIN):
@@ -671,7 +672,7 @@ class Checkpointer:
       self.wait()
     finally:
       try:
-        self._join_prepare()
+        self.wait_prepared()
       finally:
         self._manager.close()
 

@@ -42,7 +42,8 @@ def main():
   directory = _DIR.value or tempfile.mkdtemp(prefix='ckpt_bench_')
   checkpointer = checkpoint_lib.Checkpointer(directory, keep=2)
   t0 = time.perf_counter()
-  checkpointer.prepare(s.abstract_state).wait()
+  checkpointer.prepare(s.abstract_state)
+  checkpointer.wait_prepared()
   prepare_s = time.perf_counter() - t0
   stalls, writes = [], []
   for i in range(_SAVES.value):
