@@ -7,8 +7,9 @@
 config.json and its params load with a fresh optimizer (`configs/grpo.py:PRESET`, e.g. xlarge:
 that preset's model, to plan a GRPO step with python -m jax_pretrain.plan --grpo). The defaults
 are the guide's (16 completions a prompt, learning rate 1e-5) and TRL's (beta 0, temperature 1.0,
-rewards scaled by the group's std, the bias-corrected KL, one update a rollout batch: the grpo
-group's defaults); train.batch_size counts completions: 8 prompts a step.
+rewards scaled by the group's std, the bias-corrected KL, one update a rollout batch, the
+rollouts' importance-sampling correction: the grpo group's defaults); train.batch_size counts
+completions: 8 prompts a step.
 """
 from jax_pretrain import config
 from jax_pretrain.grpo import config as grpo_config

@@ -332,7 +332,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   score_report = None
   if scorings:
     t0 = time.perf_counter()
-    score = objective.scorer(s, g.temperature).lower(
+    score = objective.scorer(s, objective.score_temperatures(g)).lower(
         s.abstract_state.params, update_batch(s)).compile()
     beside = ({'train state': state_bytes} if g.beta else
               {'train state less params': state_bytes - params})

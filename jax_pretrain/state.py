@@ -117,7 +117,9 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   loss_fn: (params, batch) -> (loss summed over the batch's weighted targets, their weight) as
   make_loss_fn (the default) gives, or (loss sum, (weight, sums)) with a dict of further sums
   over the same targets (GRPO's clipped share, KL, mismatch), reported in the metrics divided by
-  the weight. The optimizer steps on the gradient of loss sum / weight.
+  the weight, or (loss sum, (weight, sums, maxima, minima)) with two dicts more, reduced by their
+  maximum and minimum over the micro-batches and replicas and reported as they are (GRPO's
+  rollout weights). The optimizer steps on the gradient of loss sum / weight.
 
   loss_scaling (float16 runs; state.loss_scale is then a LossScale): each micro-batch's gradient is
   that of its mean loss × scale (see local_sums), and the summed gradients are divided by the scale
@@ -133,9 +135,10 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   default_loss_fn = make_loss_fn(model, pad_id)
   given_loss_fn = loss_fn or default_loss_fn
 
-  def loss_with_sums(params, batch):  # -> (loss sum, (weight, sums))
+  def loss_with_sums(params, batch):  # -> (loss sum, (weight, sums, maxima, minima))
     loss, aux = given_loss_fn(params, batch)
-    return loss, (aux if isinstance(aux, tuple) else (aux, {}))
+    aux = aux if isinstance(aux, tuple) else (aux,)
+    return loss, (*aux, {}, {}, {})[:4]  # (the dicts a loss_fn leaves out: empty)
   loss_and_grad = jax.value_and_grad(loss_with_sums, has_aux=True)
 
   def scaled_loss(params, batch, factor):
@@ -173,16 +176,18 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
       else:
         (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(weights, micro_batch, factor)
       loss_sum, aux, grads = carry
-      return (loss_sum + loss_i, jax.tree.map(jnp.add, aux, aux_i),
+      return (loss_sum + loss_i, _combine_aux(aux, aux_i),
               jax.tree_util.tree_map_with_path(fp8.combine, grads, grads_i)), None
 
     micro = jax.tree.map(micro_batches, batch)
     aux_zeros: tuple
     if given_loss_fn is default_loss_fn:
-      aux_zeros = (jnp.zeros((), jnp.float32), {})
+      aux_zeros = (jnp.zeros((), jnp.float32), {}, {}, {})
     else:  # the structure of its sums, from an abstract trace of one micro-batch
-      aux_zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), jax.eval_shape(
-          lambda: loss_with_sums(params, jax.tree.map(lambda x: x[0], micro))[1]))
+      shapes = jax.eval_shape(
+          lambda: loss_with_sums(params, jax.tree.map(lambda x: x[0], micro))[1])
+      aux_zeros = tuple(jax.tree.map(lambda x, v=v: jnp.full(x.shape, v, jnp.float32), tree)
+                        for tree, v in zip(shapes, (0.0, 0.0, -jnp.inf, jnp.inf)))
     zeros = (jnp.zeros((), jnp.float32), aux_zeros,
              jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
     (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, zeros, micro)
@@ -194,8 +199,11 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   def data_parallel_sums(params, histories, batch, scale):
     # check_vma=False: no implicit psum per micro-batch for the replicated params; the one
     # reduction is this explicit psum, in float32 (and the amaxes' maximum).
-    loss_sum, aux, grads, amaxes = local_sums(params, histories, batch, scale)
-    return (*jax.lax.psum((loss_sum, aux, grads), 'data'), jax.lax.pmax(amaxes, 'data'))
+    loss_sum, (weight, sums, maxima, minima), grads, amaxes = local_sums(params, histories,
+                                                                          batch, scale)
+    loss_sum, weight, sums, grads = jax.lax.psum((loss_sum, weight, sums, grads), 'data')
+    aux = (weight, sums, jax.lax.pmax(maxima, 'data'), jax.lax.pmin(minima, 'data'))
+    return loss_sum, aux, grads, jax.lax.pmax(amaxes, 'data')
 
   if mesh is not None and mesh.shape['data'] > 1:  # (XLA rejects a psum over a 1-device axis)
     sums_fn = jax.shard_map(data_parallel_sums, mesh=mesh,
@@ -207,7 +215,8 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   def train_step(state: TrainState, batch):
     old_scale = state.loss_scale if loss_scaling else None  # (a LossScale where loss_scaling)
     scale = old_scale.scale if old_scale is not None else None
-    loss_sum, (weight, sums), grads, amaxes = sums_fn(state.params, state.fp8, batch, scale)
+    loss_sum, (weight, sums, maxima, minima), grads, amaxes = sums_fn(state.params, state.fp8,
+                                                                       batch, scale)
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
     loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
@@ -239,13 +248,20 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr,
                'nonfinite_count': new_state.nonfinite_count,
                'consecutive_nonfinite': new_state.consecutive_nonfinite,
-               **{name: total / weight for name, total in sums.items()}}
+               **{name: total / weight for name, total in sums.items()}, **maxima, **minima}
     if loss_scale is not None:
       metrics['loss_scale'] = loss_scale.scale
       metrics['loss_scale_skips'] = loss_scale.skips
     return new_state, metrics
 
   return train_step
+
+
+def _combine_aux(aux, aux_i):
+  """Two micro-batches' (weight, sums, maxima, minima) as one: sums add, extremes extend."""
+  (weight, sums, maxima, minima), (weight_i, sums_i, maxima_i, minima_i) = aux, aux_i
+  return (weight + weight_i, jax.tree.map(jnp.add, sums, sums_i),
+          jax.tree.map(jnp.maximum, maxima, maxima_i), jax.tree.map(jnp.minimum, minima, minima_i))
 
 
 @dataclasses.dataclass

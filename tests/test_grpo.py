@@ -1,6 +1,7 @@
 """GRPO's objective against a float64 NumPy reference of the same formula, and what one update
 does to the log-probabilities of better- and worse-than-average completions; the program
 (python -m jax_pretrain.grpo): resume after SIGTERM, learning a toy task, a mesh, bad input."""
+import dataclasses
 import json
 import os
 import signal
@@ -34,16 +35,18 @@ from tests.test_hf import random_params
 EPS, BETA = 0.2, 0.04
 
 
-def _reference(logp, old, adv, mask, ref, eps=EPS, beta=BETA, corrected=True, eps_high=None):
+def _reference(logp, old, adv, mask, ref, eps=EPS, beta=BETA, corrected=True, eps_high=None,
+               weight=1.0):
   """float64: loss and d loss / d logp of grpo's docstring formula (corrected: the k3 term times
   the ratio, use_bias_correction_kl; the ratio clipped to [1 - eps, 1 + eps_high], eps_high None:
-  eps)."""
+  eps; weight: the rollout correction's, on the policy term, as TRL's compute_loss applies
+  importance_sampling_ratio before it adds the KL term)."""
   eps_high = eps if eps_high is None else eps_high
   ratio = np.exp(logp - old)
   unclipped, clipped = ratio * adv[:, None], np.clip(ratio, 1 - eps, 1 + eps_high) * adv[:, None]
   k3 = np.exp(ref - logp) - (ref - logp) - 1
   kl = k3 * ratio if corrected else k3
-  per_token = -np.minimum(unclipped, clipped) + beta * kl
+  per_token = -np.minimum(unclipped, clipped) * weight + beta * kl
   tokens = mask.sum()
   loss = (per_token * mask).sum() / tokens
   # The policy term's derivative is -ratio·A where the unclipped branch is the minimum (or both
@@ -52,8 +55,24 @@ def _reference(logp, old, adv, mask, ref, eps=EPS, beta=BETA, corrected=True, ep
   policy = np.where(clipped < unclipped, 0.0, -ratio * adv[:, None])
   dk3 = 1 - np.exp(ref - logp)
   dkl = ratio * (dk3 + k3) if corrected else dk3
-  grad = mask * (policy + beta * dkl) / tokens
+  grad = mask * (policy * weight + beta * dkl) / tokens
   return loss, grad, (clipped < unclipped)[mask > 0].mean()
+
+
+def _trl_rollout_weight(train, rollout, mask, mode, clip_min=None, clip_max=3.0):
+  """float64: TRL 1.16's vllm_importance_sampling_ratio (trl/trainer/grpo_trainer.py,
+  _generate_and_score_completions), [B, 1] in the sequence modes, [B, T] in the token ones; its
+  bounds None for none. Also whether each ratio lay outside them."""
+  diff = (train - rollout) * mask
+  if mode in ('sequence_mask', 'sequence_truncate'):
+    diff = diff.sum(-1, keepdims=True)
+  ratio = np.exp(diff)
+  low = -np.inf if clip_min is None else clip_min
+  high = np.inf if clip_max is None else clip_max
+  outside = (ratio < low) | (ratio > high)
+  if mode in ('sequence_truncate', 'token_truncate'):
+    return np.clip(ratio, low, high), outside
+  return np.where(outside, 0.0, ratio), outside
 
 
 def _batch(rng, B=6, T=9):
@@ -102,6 +121,48 @@ def test_objective_and_its_gradient_equal_the_float64_reference_with_clipped_rat
   loss0, _ = objective.objective(f32(logp), f32(old), f32(adv), f32(mask), None, epsilon=EPS)
   np.testing.assert_allclose(float(loss0), _reference(logp, old, adv, mask, ref, beta=0)[0],
                              rtol=1e-5)
+
+
+@pytest.mark.parametrize('mode', ['sequence_mask', 'sequence_truncate', 'token_mask',
+                                  'token_truncate'])
+@pytest.mark.parametrize('clip_min, clip_max', [(None, 3.0), (0.5, 2.0), (0.5, None)])
+def test_the_rollout_weights_and_the_loss_they_weigh_equal_trls_formula_in_float64(
+    mode, clip_min, clip_max):
+  """objective.rollout_weights against a float64 NumPy transcription of TRL's (every mode; TRL's
+  default bounds, both, a lower one alone): the weight of each token (or completion), the loss
+  and its gradient with the weight on the policy term (not the KL term), and the statistics
+  logged (the weight's mean, min and max over the completion tokens, or the completions, and the
+  share outside the bounds)."""
+  rng = np.random.default_rng(11)
+  logp, old, adv, mask, ref = _batch(rng, B=16)
+  train = logp + rng.normal(0, 0.2, logp.shape)  # (the params that sampled, before the update)
+  spread = 0.35 if mode.startswith('sequence') else 0.7  # (a completion's ratio sums ~7 tokens')
+  rollout = train + spread * rng.standard_normal(logp.shape)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  c = objective.Correction(mode, clip_min or 0.0, clip_max or 0.0)
+  weight, outside = objective.rollout_weights(f32(train), f32(rollout), f32(mask), c)
+  want, want_outside = _trl_rollout_weight(train, rollout, mask, mode, clip_min, clip_max)
+  assert weight.shape == want.shape == ((16, 1) if mode.startswith('sequence') else logp.shape)
+  np.testing.assert_allclose(np.asarray(weight), want, rtol=1e-5, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(outside), want_outside)
+  units = (mask.sum(-1, keepdims=True) > 0) if want.shape[1] == 1 else mask > 0
+  share = want_outside[units].mean()
+  assert 0 < share < 0.8, share  # some tokens (completions) clipped or masked, not all
+  # The loss: the policy term times the weight, the KL term not.
+  fn = lambda lp: objective.objective(lp, f32(old), f32(adv), f32(mask), f32(ref), epsilon=EPS,
+                                      beta=BETA, rollout_weight=weight)
+  (loss, _), grad = jax.value_and_grad(fn, has_aux=True)(f32(logp))
+  want_loss, want_grad, _ = _reference(logp, old, adv, mask, ref, weight=want)
+  np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7)
+  assert abs(_reference(logp, old, adv, mask, ref)[0] - want_loss) > 1e-3  # (it weighs)
+  sums, maxima, minima = objective.correction_stats(weight, outside, f32(mask))
+  assert float(sums['rollout_units']) == units.sum()
+  np.testing.assert_allclose(float(sums['rollout_weight'] / sums['rollout_units']),
+                             want[units].mean(), rtol=1e-5)
+  np.testing.assert_allclose(float(maxima['rollout_weight_max']), want[units].max(), rtol=1e-5)
+  np.testing.assert_allclose(float(minima['rollout_weight_min']), want[units].min(), rtol=1e-5)
+  np.testing.assert_allclose(float(sums['rollout_outside'] / sums['rollout_units']), share)
 
 
 @pytest.fixture(scope='module')
@@ -299,8 +360,9 @@ def test_the_update_clips_the_ratio_to_the_configs_epsilon_and_epsilon_high(tiny
     c = grpo_config.with_group(config_lib.preset('test'))
     c.model.dtype, c.model.attention = 'float32', 'xla'
     c.grpo.task, c.grpo.epsilon, c.grpo.epsilon_high = 'train.jsonl', eps, eps_high
+    c.grpo.rollout_correction = 'none'  # (its weights: test_the_update_weighs_...)
     loss_fn = objective.update_loss_fn(build_setup(c, jax.devices()[:1]))
-    loss_sum, (weight, sums) = loss_fn(params, batch)
+    loss_sum, (weight, sums, _, _) = loss_fn(params, batch)
     want_loss, _, want_clipped = _reference(logp, old, adv, mask, logp, eps=eps, beta=0,
                                             eps_high=eps_high or None)
     np.testing.assert_allclose(float(loss_sum / weight), want_loss, rtol=1e-5)
@@ -329,7 +391,8 @@ def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(
   ref = batch['ref_logp'].astype(np.float64)
   loss_fn = objective.make_loss_fn(model, beta=BETA, temperature=temperature,
                               bias_correction_kl=corrected, epsilon=EPS)
-  (loss_sum, (weight, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+  (loss_sum, (weight, sums, _, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params,
+                                                                                     batch)
   want_loss, want_dlogp, clipped = _reference(logp, old, adv, mask, ref, corrected=corrected)
   assert (0.1 < clipped < 0.9) if off_policy else clipped == 0
   np.testing.assert_allclose(float(loss_sum / weight), want_loss, rtol=1e-5)
@@ -348,10 +411,92 @@ def test_the_train_steps_grpo_loss_and_gradient_equal_the_float64_reference(
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6)
 
 
-def _trl_trainer(hf_dir, out_dir, rows, rewards, **args):
+@pytest.mark.parametrize('temperature, off_policy, mode', [
+    (1.0, False, 'sequence_mask'), (0.7, False, 'token_truncate'), (1.0, True, 'sequence_mask'),
+    (0.7, True, 'token_mask')])
+def test_the_update_weighs_the_loss_by_the_rollout_correction_of_the_sampling_params(
+    tiny, temperature, off_policy, mode):
+  """update_loss_fn with the grpo group's correction: the weight compares the engine's
+  log-probabilities with the training forward's of the params that sampled, both at temperature 1
+  (the engine's scale): on-policy this forward's own; with num_iterations > 1 the scored
+  logp_old ('old_logp' at temperature 1, 'old_logp_at_one' at another), so that the μ updates
+  weigh alike. Loss, gradient and the logged statistics against the float64 formula."""
+  model, params = tiny
+  rng = np.random.default_rng(5)
+  batch, logp, at_one, adv = _step_batch(model, params, rng, temperature)
+  mask, ref = batch['mask'].astype(np.float64), batch['ref_logp'].astype(np.float64)
+  c = grpo_config.with_group(config_lib.preset('test'))
+  c.model.dtype, c.model.attention = 'float32', 'xla'
+  c.grpo.task, c.grpo.temperature, c.grpo.beta = 'train.jsonl', temperature, BETA
+  c.grpo.rollout_correction, c.grpo.rollout_correction_min = mode, 0.5
+  c.grpo.num_iterations = 2 if off_policy else 1
+  s = build_setup(c, jax.devices()[:1])
+  old, sampler = logp, at_one  # (on-policy: this forward's own)
+  if off_policy:  # logp_old and its temperature-1 twin, scored before the first update
+    shift = rng.uniform(-0.5, 0.5, logp.shape)
+    old, sampler = logp + shift, at_one + shift
+    batch['old_logp'] = old.astype(np.float32)
+    if temperature != 1.0:
+      batch['old_logp_at_one'] = sampler.astype(np.float32)
+  assert set(batch) == set(objective.update_batch(s, batch['tokens'].shape[1]))
+  batch['rollout_logp'] = (at_one + rng.normal(0, 0.6, logp.shape) * mask).astype(np.float32)
+  want_w, outside = _trl_rollout_weight(sampler, batch['rollout_logp'], mask, mode, 0.5)
+  units = (mask.sum(-1, keepdims=True) > 0) if want_w.shape[1] == 1 else mask > 0
+  assert 0 < outside[units].mean() < 1
+  loss_fn = objective.update_loss_fn(s)
+  (loss_sum, (weight, sums, maxima, minima)), grads = jax.value_and_grad(
+      loss_fn, has_aux=True)(params, batch)
+  want_loss, want_dlogp, _ = _reference(logp, old, adv, mask, ref, weight=want_w)
+  np.testing.assert_allclose(float(loss_sum / weight), want_loss, rtol=1e-5)
+  np.testing.assert_allclose(float(sums['rollout_weight'] / sums['rollout_units']),
+                             want_w[units].mean(), rtol=1e-4)
+  np.testing.assert_allclose(float(maxima['rollout_weight_max']), want_w[units].max(), rtol=1e-4)
+  np.testing.assert_allclose(float(minima['rollout_weight_min']), want_w[units].min(), rtol=1e-4)
+  np.testing.assert_allclose(float(sums['rollout_outside'] / sums['rollout_units']),
+                             outside[units].mean())
+  _, vjp = jax.vjp(lambda p: _logprobs(model, p, jnp.asarray(batch['tokens']), temperature),
+                   params)
+  (want,) = vjp(jnp.asarray(want_dlogp * mask.sum(), jnp.float32))
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-6)
+
+
+def test_the_train_step_reduces_the_rollout_weights_over_micro_batches_and_replicas(tiny):
+  """The weight's extremes reach the step's metrics as the maximum and minimum over the
+  micro-batches and the data-parallel replicas (state.make_train_step's maxima and minima), its
+  sums as sums: 2 replicas × 2 micro-batches give the one-batch loss function's values."""
+  model, params = tiny
+  rng = np.random.default_rng(3)
+  batch, _, at_one, _ = _step_batch(model, params, rng, 1.0)
+  del batch['ref_logp']  # beta 0
+  batch['rollout_logp'] = (at_one + rng.normal(0, 0.6, at_one.shape) * batch['mask']).astype(
+      np.float32)
+  c = grpo_config.with_group(config_lib.preset('test'))
+  c.model.dtype, c.model.attention = 'float32', 'xla'
+  c.grpo.task, c.grpo.rollout_correction_min = 'train.jsonl', 0.3
+  c.mesh.data, c.train.batch_size, c.train.micro_batch_size = 2, 8, 2
+  s = build_setup(c, jax.devices()[:2])
+  assert s.run.grad_accum_steps == 2
+  loss_fn = objective.update_loss_fn(s)
+  state = dataclasses.replace(s.init_fn(jax.random.key(0)), params=params)
+  step = state_lib.make_train_step(s.model, s.optimizer, s.schedule, grad_accum_steps=2,
+                                   pad_id=0, mesh=s.mesh, loss_fn=loss_fn)
+  _, metrics = jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding))(state, batch)
+  loss_sum, (count, sums, maxima, minima) = objective.make_loss_fn(
+      model, 0.0, epsilon=EPS, correction=objective.Correction(low=0.3))(params, batch)
+  assert 0 < float(sums['rollout_outside']) < float(sums['rollout_units'])  # (some masked)
+  for name, want in [('loss', loss_sum), *sums.items()]:
+    np.testing.assert_allclose(float(metrics[name]), float(want / count), rtol=1e-5, atol=1e-7,
+                               err_msg=name)
+  for name, want in {**maxima, **minima}.items():
+    np.testing.assert_allclose(float(metrics[name]), float(want), rtol=1e-5, err_msg=name)
+
+
+def _trl_trainer(hf_dir, out_dir, rows, rewards, logprobs=None, **args):
   """TRL's GRPOTrainer on the exported model, on the CPU in float32, its generation replaced by
-  the given rows (rollout_func: (prompt ids, completion ids) a completion) and its reward by the
-  given rewards, in order; args: GRPOConfig fields besides its defaults'."""
+  the given rows (rollout_func: (prompt ids, completion ids) a completion, with logprobs the
+  sampler's log-probability of each completion token) and its reward by the given rewards, in
+  order; args: GRPOConfig fields besides its defaults'."""
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
   datasets = pytest.importorskip('datasets')
@@ -365,16 +510,19 @@ def _trl_trainer(hf_dir, out_dir, rows, rewards, **args):
       train_dataset=datasets.Dataset.from_dict({'prompt': ['a', 'b']}),
       processing_class=transformers.AutoTokenizer.from_pretrained(str(hf_dir)),
       rollout_func=lambda prompts, _: {'prompt_ids': [p for p, _ in rows],
-                                      'completion_ids': [c for _, c in rows], 'logprobs': None})
+                                      'completion_ids': [c for _, c in rows],
+                                      'logprobs': logprobs})
   trainer.current_gradient_accumulation_steps = 1  # (set by Trainer's loop, which is not run)
   return trainer
 
 
-@pytest.mark.parametrize('temperature, beta, off_policy', [
-    (1.0, 0.0, False), (0.7, 0.0, False), (1.0, BETA, False), (0.7, BETA, False),
-    (0.7, BETA, True)])
+@pytest.mark.parametrize('temperature, beta, off_policy, correction', [
+    (1.0, 0.0, False, None), (0.7, 0.0, False, None), (1.0, BETA, False, None),
+    (0.7, BETA, False, None), (0.7, BETA, True, None),
+    (1.0, 0.0, False, ('sequence_mask', None)), (1.0, BETA, False, ('sequence_truncate', None)),
+    (1.0, BETA, False, ('token_mask', 0.5)), (1.0, 0.0, False, ('token_truncate', 0.5))])
 def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temperature, beta,
-                                                   off_policy):
+                                                   off_policy, correction):
   """TRL's GRPOTrainer (its defaults: loss_type 'dapo', epsilon 0.2, scale_rewards 'group',
   use_bias_correction_kl) and ours on the same exported model, completions and rewards: TRL's own
   code scores them (rewards -> advantages, the reference's and the policy's log-probabilities at
@@ -382,7 +530,9 @@ def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temper
   gradient; ours (group_advantages, make_loss_fn: the train step's loss) agree to 1e-5. The
   reference model is the policy moved a little (as after some steps: with the policy's own
   params the KL term and its gradient are 0, and the test would not see it). Off-policy: a later
-  update of num_iterations=2, logp_old moved off logp (the same for both), so that ratios clip."""
+  update of num_iterations=2, logp_old moved off logp (the same for both), so that ratios clip.
+
+  TRL without vLLM corrects no rollouts: ours is off (correction None); with one: _as_vllms."""
   torch = pytest.importorskip('torch')
   pytest.importorskip('trl')
   monkeypatch.setenv('TRL_EXPERIMENTAL_SILENCE', '1')  # (rollout_func is experimental)
@@ -404,16 +554,17 @@ def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temper
     rows.append((prompts[b // G], completion + ([tok.eos_id] if b % 3 == 0 else [])))
   rewards = np.array([1.0, 0.0, 0.0, 1.0, 0.25, -1.0, 2.0, 0.25])
   g = grpo_config.defaults().grpo
-  trainer = _trl_trainer(tmp_path / 'hf', tmp_path / 'out', rows, rewards, num_generations=G,
-                         beta=beta, temperature=temperature, num_iterations=2 if off_policy else 1)
+  model = model_lib.Transformer(c)
+  corr, sampled, vllm = _as_vllms(model, params, rows, correction, rng)
+  trainer = _trl_trainer(tmp_path / 'hf', tmp_path / 'out', rows, rewards, logprobs=sampled,
+                         num_generations=G, beta=beta, temperature=temperature,
+                         num_iterations=2 if off_policy else 1, **vllm)
+  _check_trls_defaults(trainer.args, g, corr)
+  if corr:  # (its rollouts taken as vLLM's, whose weights are in sync already)
+    trainer.use_vllm, trainer._last_loaded_step = True, trainer.state.global_step  # noqa: SLF001
   if beta:  # (TRL loads its reference from the policy's directory)
     trainer.ref_model.load_state_dict(
         {k: torch.from_numpy(v) for k, v in hf.to_hf(ref_params, c).items()}, strict=False)
-  a = trainer.args
-  assert (a.loss_type, a.epsilon, a.epsilon_high, a.scale_rewards, a.use_bias_correction_kl,
-          a.importance_sampling_level) == ('dapo', g.epsilon, None, g.scale_rewards,
-                                           g.use_bias_correction_kl, 'token')
-  assert g.epsilon_high == 0  # ours for TRL's None: epsilon
   trainer.model.train()
   inputs = trainer._generate_and_score_completions([{'prompt': 'ab'[b // G]} for b in range(P * G)])  # noqa: SLF001
   ids = torch.cat([inputs['prompt_ids'], inputs['completion_ids']], 1)
@@ -438,11 +589,13 @@ def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temper
   advantages = objective.group_advantages(jnp.asarray(rewards.reshape(P, G)), g.scale_rewards)
   np.testing.assert_allclose(np.asarray(advantages).reshape(-1), inputs['advantages'].numpy(),
                              rtol=1e-5, atol=1e-6)
-  model = model_lib.Transformer(c)
   score = lambda p: state_lib.target_logprobs(model, p, {'tokens': tokens}, (temperature,))[0]
+  rollout_logp = np.zeros((B, T), np.float32)
+  for b, logps in enumerate(sampled or []):
+    rollout_logp[b, T - C:T - C + len(logps)] = logps
   with jax.default_matmul_precision('float32'):
     logp = score(params)
-    batch = {'tokens': tokens, 'mask': jnp.asarray(mask), 'rollout_logp': jnp.zeros((B, T)),
+    batch = {'tokens': tokens, 'mask': jnp.asarray(mask), 'rollout_logp': rollout_logp,
              'advantages': jnp.broadcast_to(advantages.reshape(-1, 1), (B, T))}
     if beta:
       batch['ref_logp'] = score(ref_params)
@@ -453,17 +606,82 @@ def test_the_grpo_loss_equals_trls_at_its_defaults(tmp_path, monkeypatch, temper
                                  inputs['old_per_token_logps'].numpy() - shift, atol=1e-5)
       batch['old_logp'] = logp.at[:, T - C:].add(shift)
     loss_fn = objective.make_loss_fn(model, beta, temperature, epsilon=g.epsilon,
-                                     epsilon_high=g.epsilon_high)
-    (loss_sum, (weight, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+                                     epsilon_high=g.epsilon_high, correction=corr)
+    (loss_sum, (weight, sums, *extremes)), grads = jax.value_and_grad(
+        loss_fn, has_aux=True)(params, batch)
   np.testing.assert_allclose(np.asarray(logp)[:, T - C:] * completion, theirs_logp, atol=1e-5)
   np.testing.assert_allclose(float(loss_sum / weight), loss.item(), rtol=1e-5, atol=1e-6)
   clipped = float(sums['clip_fraction'] / weight)
   assert (clipped > 0.1) if off_policy else clipped == 0
+  if corr:
+    _check_rollout_weights_as_trls(trainer, inputs['importance_sampling_ratio'], sums, *extremes)
   ours = hf.to_hf(jax.tree.map(lambda x: np.asarray(x) / float(weight), grads), c)
   assert ours.keys() == theirs.keys()
   for name, grad in theirs.items():
     np.testing.assert_allclose(ours[name], grad, rtol=1e-5, atol=1e-5 * np.abs(grad).max(),
                                err_msg=name)
+
+
+def _as_vllms(model, params, rows, correction, rng):
+  """For TRL's rollout correction (correction: (mode, clip_min) or None, off): ours (a Correction
+  with TRL's clip_max), the sampler's log-probabilities of the rows (_sampled_logprobs) and
+  GRPOConfig's arguments; (None, None, {}) for none. The test then sets the trainer's use_vllm:
+  its importance-sampling code runs on the given log-probabilities, and its weights, loss and
+  gradient are to equal ours, its sampling/importance_sampling_ratio metrics our statistics."""
+  if not correction:
+    return None, None, {}
+  corr = objective.Correction(correction[0], correction[1] or 0.0, 3.0)
+  return corr, _sampled_logprobs(model, params, rows, corr, rng), {
+      'vllm_importance_sampling_mode': corr.mode,
+      'vllm_importance_sampling_clip_min': correction[1]}
+
+
+def _check_trls_defaults(a, g, corr) -> None:
+  """TRL's GRPOConfig a and our grpo group g agree on the defaults the test relies on (the
+  rollout correction's where corr is None: TRL's default mode, which is ours)."""
+  assert (a.loss_type, a.epsilon, a.epsilon_high, a.scale_rewards, a.use_bias_correction_kl,
+          a.importance_sampling_level) == ('dapo', g.epsilon, None, g.scale_rewards,
+                                           g.use_bias_correction_kl, 'token')
+  assert g.epsilon_high == 0  # ours for TRL's None: epsilon
+  assert (a.vllm_importance_sampling_correction, a.vllm_importance_sampling_mode,
+          a.vllm_importance_sampling_clip_max, g.rollout_correction,
+          g.rollout_correction_max, g.rollout_correction_min) == (
+              True, corr.mode if corr else 'sequence_mask', 3.0, 'sequence_mask', 3.0, 0.0)
+
+
+def _check_rollout_weights_as_trls(trainer, theirs, sums, maxima, minima) -> None:
+  """Our weight's statistics (make_loss_fn's) are TRL's sampling/importance_sampling_ratio
+  metrics; some tokens (or completions) were clipped or masked, not all."""
+  assert 0 < float(sums['rollout_outside'] / sums['rollout_units']) < 0.9, sums
+  assert theirs.shape[1] == 1 or float(sums['rollout_units']) > theirs.shape[0]  # (per token)
+  metrics = trainer._metrics['train']  # noqa: SLF001
+  for name, value in (('mean', sums['rollout_weight'] / sums['rollout_units']),
+                      ('min', minima['rollout_weight_min']),
+                      ('max', maxima['rollout_weight_max'])):
+    np.testing.assert_allclose(float(value),
+                               metrics[f'sampling/importance_sampling_ratio/{name}'][-1],
+                               rtol=1e-5, err_msg=name)
+
+
+def _sampled_logprobs(model, params, rows, correction, rng) -> list[list[float]]:
+  """A sampler's log-probabilities of each row's completion tokens (temperature 1): the model's
+  moved by amounts that put some tokens' (token_*) or completions' (sequence_*) ratios outside
+  the correction's bounds and every one at least 0.05 from them (in log space; the two forwards
+  agree to 1e-5, so the same ones are clipped or masked)."""
+  width = max(len(p) + len(comp) for p, comp in rows)
+  tokens = np.zeros((len(rows), width), np.int32)
+  for b, (p, comp) in enumerate(rows):
+    tokens[b, :len(p) + len(comp)] = p + comp
+  logp = np.asarray(state_lib.target_logprobs(model, params, {'tokens': jnp.asarray(tokens)})[0])
+  bounds = np.log([x for x in (correction.low, correction.high) if x])
+  sampled = []
+  for b, (p, comp) in enumerate(rows):
+    d = rng.normal(0.0, 0.9, len(comp))
+    if correction.mode.startswith('sequence'):  # the row's ratio: exp(sum d)
+      d += (rng.choice([-2.0, -0.5, 0.5, 2.0]) - d.sum()) / len(comp)
+    d = np.where(np.abs(d[:, None] - bounds).min(-1) < 0.05, d + 0.1, d)  # (clear of them)
+    sampled.append((logp[b, len(p) - 1:len(p) - 1 + len(comp)] - d).tolist())
+  return sampled
 
 
 # The program on a toy task: completions are rewarded for their share of the letter 'e' (a user's
@@ -529,12 +747,24 @@ def _straight_and_stopped(toy, tmp_path, steps: int, stop_at: int, *extra) -> tu
   return want, got
 
 
+CORRECTION_SCALARS = ('train/rollout_weight_mean', 'train/rollout_weight_min',
+                      'train/rollout_weight_max', 'train/rollout_outside')
+
+
+def _check_correction_scalars(record: dict) -> None:
+  """A step's rollout correction scalars (the default, sequence_mask at most 3.0): a weight in
+  [0, 3] (min <= mean <= max) and a share."""
+  w = [record[f'train/rollout_weight_{k}'] for k in ('min', 'mean', 'max')]
+  assert 0 <= w[0] <= w[1] <= w[2] <= 3.0 and 0 <= record['train/rollout_outside'] <= 1, record
+
+
 def test_a_grpo_run_stopped_by_sigterm_and_rerun_equals_a_straight_run_and_learns(toy, tmp_path):
   want, got = _straight_and_stopped(toy, tmp_path, STEPS, 3)
   for step in range(1, STEPS + 1):
     for name in ('train/reward', 'train/loss', 'train/grad_norm', 'train/logp_mismatch',
-                 'train/completion_tokens'):
+                 'train/completion_tokens', *CORRECTION_SCALARS):
       assert got[step][name] == want[step][name], (step, name)  # bitwise: same rollouts
+    _check_correction_scalars(want[step])
   assert 0 < want[1]['perf/generation_share'] < 1 and want[1]['train/clip_fraction'] == 0
   # The policy learns the reward: held-out greedy completions score more than before training.
   assert want[STEPS]['eval/reward'] > want[0]['eval/reward'] + 0.2, (want[0], want[STEPS])
@@ -552,8 +782,10 @@ def test_num_iterations_reuses_each_rollout_batch_clips_and_resumes_exactly(toy,
       f'--config.optim.learning_rate={lr}', f'--config.optim.min_learning_rate={lr}')
   for step in range(1, steps + 1):
     for name in ('train/reward', 'train/loss', 'train/grad_norm', 'train/logp_mismatch',
-                 'train/clip_fraction', 'train/lr', 'train/completion_tokens'):
+                 'train/clip_fraction', 'train/lr', 'train/completion_tokens',
+                 *CORRECTION_SCALARS):
       assert got[step][name] == want[step][name], (step, name)  # bitwise: same rollouts
+    _check_correction_scalars(want[step])
   # Updates 0, 1 | 2, 3 | 4, 5 ... at lr · (0, 1/4) | (2/4, 3/4) | (1, 1) ...
   np.testing.assert_allclose([want[s]['train/lr'] for s in range(1, steps + 1)],
                              [lr / 8, lr * 5 / 8, lr, lr], rtol=1e-6)
@@ -571,6 +803,31 @@ def test_a_clip_range_out_of_bounds_is_refused_at_resolve(field, value, message)
   setattr(c.grpo, field, value)
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.resolve(c, num_devices=1, backend='cpu')
+
+
+@pytest.mark.parametrize('values, message', [
+    ({'rollout_correction': 'sequence'}, "grpo.rollout_correction='sequence': choose one of "
+     r"\('sequence_mask', 'sequence_truncate', 'token_mask', 'token_truncate', 'none'\)"),
+    ({'rollout_correction_max': -1.0}, r'grpo.rollout_correction_max=-1.0 must be >= 0'),
+    ({'rollout_correction_min': -0.5}, r'grpo.rollout_correction_min=-0.5 must be >= 0'),
+    ({'rollout_correction_min': 3.0}, r'grpo.rollout_correction_min=3.0 must be less than '
+     r'grpo.rollout_correction_max=3.0'),
+    ({'rollout_correction': 'token_truncate', 'rollout_correction_max': 0.0},
+     r"grpo.rollout_correction='token_truncate' clips the weight: give it a bound"),
+])
+def test_a_bad_rollout_correction_is_one_config_error_naming_its_field(values, message):
+  c = grpo_config.defaults()
+  c.grpo.task, c.train.steps = 'train.jsonl', 10
+  for name, value in values.items():
+    setattr(c.grpo, name, value)
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.resolve(c, num_devices=1, backend='cpu')
+  g = grpo_config.defaults().grpo  # TRL's defaults: on, sequence_mask, [None, 3.0]
+  assert (g.rollout_correction, g.rollout_correction_min, g.rollout_correction_max) == (
+      'sequence_mask', 0.0, 3.0)
+  c.grpo.rollout_correction, c.grpo.rollout_correction_max = 'sequence_mask', 0.0
+  c.grpo.rollout_correction_min = 0.0
+  config_lib.resolve(c, num_devices=1, backend='cpu')  # (a mask without bounds: TRL's too)
 
 
 @pytest.mark.parametrize('extra, message', [
@@ -623,6 +880,8 @@ def test_grpo_on_a_mesh_agrees_with_one_device(toy, tmp_path, capsys):
     assert mesh[step]['train/completion_tokens'] == one[step]['train/completion_tokens'], step
     np.testing.assert_allclose(mesh[step]['train/loss'], one[step]['train/loss'], atol=1e-5)
     np.testing.assert_allclose(mesh[step]['train/kl'], one[step]['train/kl'], atol=1e-5)
+    for name in CORRECTION_SCALARS:  # (the extremes: reduced over the replicas)
+      np.testing.assert_allclose(mesh[step][name], one[step][name], atol=1e-5, err_msg=name)
     np.testing.assert_allclose(mesh[step]['train/grad_norm'], one[step]['train/grad_norm'],
                                rtol=1e-4)
 
@@ -668,7 +927,7 @@ def test_two_processes_roll_out_and_update_as_one_and_a_lost_one_stops_the_other
   for step in (1, 2, 3):
     for name in ('train/reward', 'train/completion_tokens', 'train/accuracy'):
       assert got[step][name] == want[step][name], (step, name)
-    for name in ('train/loss', 'train/grad_norm', 'train/logp_mismatch'):
+    for name in ('train/loss', 'train/grad_norm', 'train/logp_mismatch', *CORRECTION_SCALARS):
       np.testing.assert_allclose(got[step][name], want[step][name], rtol=1e-5, atol=1e-7)
 
   procs = start(tmp_path / 'lost', '--config.train.steps=400', '--heartbeat_timeout=10')

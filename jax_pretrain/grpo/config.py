@@ -17,6 +17,9 @@ from jax_pretrain.config import check
 from jax_pretrain.config import choice
 from jax_pretrain.config import field
 
+# The rollout correction's modes (TRL's vllm_importance_sampling_mode values; 'none': off).
+ROLLOUT_CORRECTIONS = ('sequence_mask', 'sequence_truncate', 'token_mask', 'token_truncate',
+                       'none')
 _UPDATES = ("the checkpoint's train state counts optimizer updates, grpo.num_iterations of them a "
             'step, and its learning-rate schedule is stretched by it')
 
@@ -55,6 +58,15 @@ class GrpoConfig:
   num_iterations: int = field(1, _UPDATES, "optimizer updates per rollout batch (TRL's "
       'num_iterations, μ): the later ones reuse it with the clipped objective; train.steps, '
       'warmup_steps and every step cadence count rollout batches')
+  rollout_correction: str = field('sequence_mask', SAFE, "each token's loss times the weight "
+      "exp(logp_train - logp_rollout), the training forward's log-probability against the "
+      "engine's, summed over the completion ('sequence_*') or per token ('token_*'), clipped to "
+      "[rollout_correction_min, _max] ('*_truncate') or 0 outside it ('*_mask') | 'none' (TRL's "
+      "vllm_importance_sampling_correction and _mode)")
+  rollout_correction_min: float = field(0.0, SAFE, "the rollout weight's lower bound; 0: none "
+      "(TRL's vllm_importance_sampling_clip_min None)")
+  rollout_correction_max: float = field(3.0, SAFE, "the rollout weight's upper bound; 0: none "
+      "(TRL's vllm_importance_sampling_clip_max)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +98,22 @@ def _resolve(g: GrpoConfig) -> None:
     raise config_lib.ConfigError(f'grpo.stop={g.stop!r}: not a string with readable backslash '
                                  f'escapes ({e}); e.g. \'\\n\' for a newline.') from None
   choice(g, 'grpo', 'scale_rewards', ('group', 'none'))
+  _resolve_correction(g)
   from jax_pretrain import tasks  # noqa: PLC0415  (it loads the data package: only here)
   choice(g, 'grpo', 'task_format', tuple(tasks.FORMATS))
+
+
+def _resolve_correction(g: GrpoConfig) -> None:
+  """The rollout correction's mode and bounds (TRL's checks of its vllm_importance_sampling_*)."""
+  choice(g, 'grpo', 'rollout_correction', ROLLOUT_CORRECTIONS)
+  low, high = g.rollout_correction_min, g.rollout_correction_max
+  check(low >= 0, f'grpo.rollout_correction_min={low} must be >= 0 (0: no lower bound).')
+  check(high >= 0, f'grpo.rollout_correction_max={high} must be >= 0 (0: no upper bound).')
+  check(not high or low < high, f'grpo.rollout_correction_min={low} must be less than '
+        f'grpo.rollout_correction_max={high}.')
+  check(not g.rollout_correction.endswith('_truncate') or bool(low or high),
+        f'grpo.rollout_correction={g.rollout_correction!r} clips the weight: give it a bound '
+        '(grpo.rollout_correction_max or _min; both are 0, none).')
 
 
 GROUP = config_lib.register(config_lib.Group('grpo', GrpoTrainConfig, _resolve,

@@ -50,7 +50,30 @@ batch per rollout, a third of an update, only when μ > 1.
 The rollout's own log-probabilities (the engine's, over the ids it may sample) are compared
 with the training forward's: train/logp_mismatch, the mean absolute gap per completion token.
 The EOS that ends a completion is one of its trained tokens, so that a policy learns to stop.
+
+The rollout correction (grpo.rollout_correction; TRL's vLLM importance sampling, on by default
+in TRL 1.16: trl/trainer/grpo_trainer.py, _generate_and_score_completions and compute_loss):
+the rollouts were sampled by the engine, whose distribution is not quite the training forward's,
+so the policy term of loss_t is multiplied by a constant weight w (the KL term is not),
+
+  d_t = logp_train_t - logp_rollout_t             (0 off the completion tokens)
+  ratio = exp(sum_t d_t) for the completion ('sequence_*'), exp(d_t) per token ('token_*')
+  w = clip(ratio, min, max) ('*_truncate') | ratio inside [min, max], else 0 ('*_mask')
+  loss_t = w · -min(ratio_t · A, clip(ratio_t, ...) · A) + beta · (the KL term)
+
+with TRL's defaults: 'sequence_mask', max 3.0, no min (TRL's None; ours 0). logp_train is the
+log-probability of the params that sampled, from the training forward, held constant: this
+forward's own with one update a batch, the scored logp_old with num_iterations > 1 (TRL's
+old_per_token_logps, scored when the batch is generated), so w is the same for the μ updates.
+Both sides are temperature-1 log-probabilities, the engine's scale (what train/logp_mismatch
+compares): at grpo.temperature 1 (the default) TRL's ratio exactly; at another temperature TRL
+compares the tempered ones (vLLM's processed_logprobs), which the engine does not report, and
+ours is that of the temperature-1 distributions. Logged: the weight's mean, min and max (over
+completion tokens, or completions with 'sequence_*': TRL's sampling/importance_sampling_ratio)
+and the share of them outside [min, max] (clipped or masked).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -72,19 +95,69 @@ def group_advantages(rewards_PxG: jax.Array, scale: str = 'group') -> jax.Array:
   return centered_PxG / (jnp.std(rewards_PxG, axis=1, keepdims=True, ddof=1) + ADVANTAGE_EPS)
 
 
+@dataclasses.dataclass(frozen=True)
+class Correction:
+  """The rollout correction (the module docstring): mode, one of grpo_config.ROLLOUT_CORRECTIONS
+  but 'none'; the weight's bounds, 0 for none."""
+  mode: str = 'sequence_mask'
+  low: float = 0.0
+  high: float = 3.0
+
+  @classmethod
+  def of(cls, g: grpo_config.GrpoConfig) -> 'Correction | None':
+    """The grpo group's correction (None: rollout_correction='none')."""
+    if g.rollout_correction == 'none':
+      return None
+    return cls(g.rollout_correction, g.rollout_correction_min, g.rollout_correction_max)
+
+
+def rollout_weights(train_logp_BxT: jax.Array, rollout_logp_BxT: jax.Array,
+                    mask_BxT: jax.Array, c: Correction) -> tuple[jax.Array, jax.Array]:
+  """(the weight w of the module docstring, whether its ratio lay outside [low, high]): float32
+  and bool, [B, 1] with 'sequence_*' (a completion's), [B, T] with 'token_*'. TRL's formula
+  (grpo_trainer.py, _generate_and_score_completions: vllm_importance_sampling_ratio)."""
+  diff_BxT = (train_logp_BxT - rollout_logp_BxT) * mask_BxT
+  sequence = c.mode.startswith('sequence_')
+  ratio = jnp.exp(jnp.sum(diff_BxT, axis=-1, keepdims=True) if sequence else diff_BxT)
+  high = c.high or jnp.inf
+  outside = (ratio < c.low) | (ratio > high)
+  if c.mode.endswith('_truncate'):
+    return jnp.clip(ratio, c.low, high), outside
+  return jnp.where(outside, 0.0, ratio), outside
+
+
+def correction_stats(weight: jax.Array, outside: jax.Array, mask_BxT: jax.Array):
+  """({rollout_weight, rollout_outside, rollout_units} sums, {rollout_weight_max},
+  {rollout_weight_min}) over the weight's units: the completion tokens, or with a weight a
+  completion ([B, 1]) the completions (rows with tokens). The means are the sums over units."""
+  if weight.shape[-1] == 1:
+    unit = jnp.sum(mask_BxT, axis=-1, keepdims=True) > 0
+  else:
+    unit = mask_BxT > 0
+  sums = {'rollout_weight': jnp.sum(jnp.where(unit, weight, 0.0)),
+          'rollout_outside': jnp.sum(unit & outside).astype(jnp.float32),
+          'rollout_units': jnp.sum(unit).astype(jnp.float32)}
+  return (sums, {'rollout_weight_max': jnp.max(jnp.where(unit, weight, -jnp.inf))},
+          {'rollout_weight_min': jnp.min(jnp.where(unit, weight, jnp.inf))})
+
+
 def token_terms(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array,
                 ref_logp_BxT: jax.Array | None = None, *, epsilon: float,
-                epsilon_high: float = 0.0, beta: float = 0.0, bias_correction_kl: bool = True):
+                epsilon_high: float = 0.0, beta: float = 0.0, bias_correction_kl: bool = True,
+                rollout_weight: jax.Array | None = None):
   """Per token: (loss_t of the formula above, whether the clipped branch is the smaller one, and
   the KL term that beta multiplies, or None when beta is 0). advantages_BxT: each token's
   completion's advantage. The KL term is k3 × ratio with bias_correction_kl (TRL's default), k3
-  alone without: like TRL's `kl` metric, it is the term the loss holds. epsilon_high 0: epsilon."""
+  alone without: like TRL's `kl` metric, it is the term the loss holds. epsilon_high 0: epsilon.
+  rollout_weight ([B, T] or [B, 1]): the rollout correction's w, on the policy term alone."""
   epsilon_high = epsilon_high or epsilon
   a_BxT = advantages_BxT.astype(jnp.float32)
   ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
   unclipped_BxT = ratio_BxT * a_BxT
   clipped_BxT = jnp.clip(ratio_BxT, 1.0 - epsilon, 1.0 + epsilon_high) * a_BxT
   per_token_BxT = -jnp.minimum(unclipped_BxT, clipped_BxT)
+  if rollout_weight is not None:  # (TRL: before the KL term is added)
+    per_token_BxT = per_token_BxT * rollout_weight
   kl_BxT = None
   if beta:
     assert ref_logp_BxT is not None  # (beta > 0 scores against the reference model)
@@ -112,29 +185,37 @@ def masked_sums(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: ja
 def objective(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_B: jax.Array,
               mask_BxT: jax.Array, ref_logp_BxT: jax.Array | None = None, *,
               epsilon: float, epsilon_high: float = 0.0, beta: float = 0.0,
-              bias_correction_kl: bool = True) -> tuple[jax.Array, dict]:
+              bias_correction_kl: bool = True,
+              rollout_weight: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """(loss, metrics) of the formula above: B completions (rows), T token positions; mask_BxT 1 at
-  completion tokens (prompt and padding 0). logp_BxT is differentiated; the rest are constants."""
+  completion tokens (prompt and padding 0). logp_BxT is differentiated; the rest are constants
+  (rollout_weight: the correction's w, rollout_weights')."""
   a_BxT = jnp.broadcast_to(advantages_B.astype(jnp.float32)[:, None], logp_BxT.shape)
   loss_sum, count, sums = masked_sums(
       logp_BxT, old_logp_BxT, a_BxT, mask_BxT.astype(jnp.float32), ref_logp_BxT, epsilon=epsilon,
-      epsilon_high=epsilon_high, beta=beta, bias_correction_kl=bias_correction_kl)
+      epsilon_high=epsilon_high, beta=beta, bias_correction_kl=bias_correction_kl,
+      rollout_weight=rollout_weight)
   tokens = jnp.maximum(count, 1.0)
   return loss_sum / tokens, {k: v / tokens for k, v in sums.items()}
 
 
 def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_kl: bool = True,
-                 *, epsilon: float, epsilon_high: float = 0.0):
+                 *, epsilon: float, epsilon_high: float = 0.0,
+                 correction: Correction | None = None):
   """The train step's loss (state.make_train_step's loss_fn): (params, batch) -> (the per-token
-  loss summed over completion tokens, (their count, {clip_fraction, logp_mismatch[, kl]} sums)).
+  loss summed over completion tokens, (their count, {clip_fraction, logp_mismatch[, kl]} sums,
+  maxima, minima)); with a rollout correction (None: none, as TRL without vLLM), the loss's
+  policy term times its weight, whose statistics (correction_stats) join the sums, maxima and
+  minima.
 
   batch: 'tokens' int32 [B, T+1]; float32 [B, T] 'mask' (1 where target t is a completion
   token), 'advantages' (its completion's advantage), 'rollout_logp' (the engine's log-probability
   of it, at temperature 1), with beta > 0 'ref_logp' (the initial model's, at `temperature`), and
-  with num_iterations > 1 'old_logp' (the sampling params', at `temperature`: logp_old).
+  with num_iterations > 1 'old_logp' (the sampling params', at `temperature`: logp_old) and, with
+  a correction at a temperature other than 1, 'old_logp_at_one' (theirs at temperature 1).
   logp is that of the sampling distribution, softmax(logits / temperature), as TRL scores it;
   without 'old_logp', logp_old is this forward's own, held constant (see the module docstring).
-  The mismatch compares temperature-1 log-probabilities, the engine's scale."""
+  The mismatch and the correction compare temperature-1 log-probabilities, the engine's scale."""
   temperatures = (temperature,) if temperature == 1.0 else (temperature, 1.0)
 
   def loss_fn(params, batch):
@@ -142,32 +223,57 @@ def make_loss_fn(model, beta: float, temperature: float = 1.0, bias_correction_k
     held_BxT = jax.lax.stop_gradient(logp_BxT)
     at_one_BxT = jax.lax.stop_gradient(untempered[0]) if untempered else held_BxT
     mask_BxT = batch['mask']
+    weight, maxima, minima, extra = None, {}, {}, {}
+    if correction is not None:
+      weight, outside = rollout_weights(_sampler_logp(batch, at_one_BxT, temperature),
+                                        batch['rollout_logp'], mask_BxT, correction)
+      extra, maxima, minima = correction_stats(weight, outside, mask_BxT)
     loss_sum, count, sums = masked_sums(
         logp_BxT, batch.get('old_logp', held_BxT), batch['advantages'], mask_BxT,
         batch.get('ref_logp'), epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
-        bias_correction_kl=bias_correction_kl)
+        bias_correction_kl=bias_correction_kl, rollout_weight=weight)
     sums['logp_mismatch'] = jnp.sum(jnp.abs(at_one_BxT - batch['rollout_logp']) * mask_BxT)
-    return loss_sum, (count, sums)
+    return loss_sum, (count, {**sums, **extra}, maxima, minima)
   return loss_fn
 
 
-def scorer(s: state_lib.Setup, temperature: float):
-  """score(params, batch) -> float32 [B, T]: each target's log-probability at the sampling
-  temperature, jitted for params in the policy's shardings, micro-batch by micro-batch as the
-  train step goes (no gradient, so no more memory than its forward). It scores the reference
-  model's logp_ref and, with num_iterations > 1, the sampling policy's logp_old."""
+def _sampler_logp(batch: dict, at_one_BxT: jax.Array, temperature: float) -> jax.Array:
+  """The params that sampled: their temperature-1 log-probabilities from the training forward
+  (the correction's logp_train): with num_iterations > 1 those scored before the first update
+  ('old_logp' at temperature 1, else 'old_logp_at_one'), else this forward's own."""
+  if 'old_logp_at_one' in batch:
+    return batch['old_logp_at_one']
+  if 'old_logp' in batch and temperature == 1.0:
+    return batch['old_logp']
+  return at_one_BxT
+
+
+def scorer(s: state_lib.Setup, temperatures: tuple[float, ...]):
+  """score(params, batch) -> (float32 [B, T], one a temperature): each target's log-probability
+  at each temperature (the sampling one first), jitted for params in the policy's shardings,
+  micro-batch by micro-batch as the train step goes (no gradient, so no more memory than its
+  forward). It scores the reference model's logp_ref and, with num_iterations > 1, the sampling
+  policy's logp_old (and old_logp_at_one: score_temperatures)."""
   A = s.run.grad_accum_steps
 
   def score(params, batch):
     def one(tokens_MxT1):
-      return state_lib.target_logprobs(s.model, params, {'tokens': tokens_MxT1},
-                                       (temperature,))[0]
+      return state_lib.target_logprobs(s.model, params, {'tokens': tokens_MxT1}, temperatures)
     tokens_BxT1 = batch['tokens']
     B, T1 = tokens_BxT1.shape
     logp_AxMxT = jax.lax.map(one, tokens_BxT1.reshape(B // A, A, T1).swapaxes(0, 1))
-    return logp_AxMxT.swapaxes(0, 1).reshape(B, T1 - 1)
+    return tuple(x.swapaxes(0, 1).reshape(B, T1 - 1) for x in logp_AxMxT)
   return jax.jit(score, in_shardings=(s.state_shardings.params, s.batch_sharding),
                  out_shardings=s.batch_sharding)
+
+
+def score_temperatures(g: grpo_config.GrpoConfig) -> tuple[float, ...]:
+  """The scorer's temperatures: the sampling one, and 1 where the rollout correction needs the
+  sampling params' temperature-1 log-probabilities apart (num_iterations > 1 at another
+  temperature: 'old_logp_at_one')."""
+  if g.temperature != 1.0 and g.num_iterations > 1 and g.rollout_correction != 'none':
+    return (g.temperature, 1.0)
+  return (g.temperature,)
 
 
 def check_batch(c: grpo_config.GrpoTrainConfig) -> None:
@@ -180,10 +286,11 @@ def check_batch(c: grpo_config.GrpoTrainConfig) -> None:
 
 def update_loss_fn(s: state_lib.Setup):
   """The update's loss for the resolved config (make_loss_fn with its beta, temperature, KL
-  correction and clip range)."""
+  correction, clip range and rollout correction)."""
   g = grpo_config.of(s.config).grpo
   return make_loss_fn(s.model, g.beta, g.temperature, g.use_bias_correction_kl,
-                      epsilon=g.epsilon, epsilon_high=g.epsilon_high)
+                      epsilon=g.epsilon, epsilon_high=g.epsilon_high,
+                      correction=Correction.of(g))
 
 
 def update_batch(s: state_lib.Setup, width: int) -> dict:
@@ -198,6 +305,8 @@ def update_batch(s: state_lib.Setup, width: int) -> dict:
     batch['ref_logp'] = row((B, T), jnp.float32)
   if c.grpo.num_iterations > 1:
     batch['old_logp'] = row((B, T), jnp.float32)
+  if len(score_temperatures(c.grpo)) > 1:
+    batch['old_logp_at_one'] = row((B, T), jnp.float32)
   return batch
 
 

@@ -15,10 +15,10 @@ checkpoint.every_steps, train.eval_every and train.log_every count steps; the tr
 and the optimizer count updates (μ a step), and the learning-rate schedule is stretched by μ
 (optim.learning_rate_schedule: the curve over steps is the same whatever μ; in TRL's terms,
 max_steps = μ · train.steps and warmup_steps = μ · optim.warmup_steps). A step's metrics are the
-means over its updates (train/logp_mismatch: its first update's, where the trained params are the
-ones that sampled; the non-finite counters: after its last). Checkpoints hold whole steps, so a
-run resumes at step state.step / μ with the same prompts and seeds, exactly; num_iterations may
-not change on resume.
+means over its updates (train/logp_mismatch and the rollout correction's statistics: its first
+update's, where the trained params are the ones that sampled; the non-finite counters: after its
+last). Checkpoints hold whole steps, so a run resumes at step state.step / μ with the same
+prompts and seeds, exactly; num_iterations may not change on resume.
 """
 import os
 import time
@@ -48,18 +48,21 @@ from jax_pretrain.grpo.rollout import rollouts
 # Step's running totals (seconds generating and updating, tokens generated and trained on).
 COUNTERS = ('rollout_seconds', 'update_seconds', 'rollout_tokens', 'update_tokens')
 # A step's metrics over its updates (grpo.num_iterations > 1): means, but these are the state's
-# after the last update (the non-finite guard reads them) and the mismatch the first update's.
+# after the last update (the non-finite guard reads them) and the mismatch and the rollout
+# correction's (objective.correction_stats) the first update's.
 LAST_UPDATE = ('nonfinite_count', 'consecutive_nonfinite', 'loss_scale', 'loss_scale_skips')
-FIRST_UPDATE = ('logp_mismatch',)
+FIRST_UPDATE = ('logp_mismatch', 'rollout_weight', 'rollout_outside', 'rollout_units',
+                'rollout_weight_max', 'rollout_weight_min')
 
 
 class GRPOLogger(train_lib.StepLogger):
-  """The step line and scalars of a GRPO step: rewards, completion lengths, the mismatch, and how
-  the steps' time splits between generating and updating."""
+  """The step line and scalars of a GRPO step: rewards, completion lengths, the mismatch, the
+  rollout correction, and how the steps' time splits between generating and updating."""
 
   def __init__(self, s, writer, start_step: int):
     super().__init__(s, writer, start_step)
-    self._beta = grpo_config.of(s.config).grpo.beta
+    g = grpo_config.of(s.config).grpo
+    self._beta, self._correction = g.beta, g.rollout_correction != 'none'
     self._last = dict.fromkeys(COUNTERS, 0.0)
 
   def report(self, step: int, m: dict, step_time: float) -> tuple[dict, str]:
@@ -84,11 +87,24 @@ class GRPOLogger(train_lib.StepLogger):
     if self._beta:
       scalars['train/kl'] = m['kl']
       kl = f' | kl {m["kl"]:.4f}'
+    if self._correction:
+      scalars.update(correction_scalars(m))
     scalars.update(self.loss_scale_scalars(m))
     return scalars, (f'reward {m["reward"]:.3f} | accuracy {m["accuracy"]:.3f} | loss '
                      f'{m["loss"]:.4f}{kl} | length {m["completion_tokens"]:.1f} | mismatch '
                      f'{m["logp_mismatch"]:.4f} | generating {share:.0%} | {step_time:.3f} s/step'
                      f'{self.skipped(m)}')
+
+
+def correction_scalars(m: dict) -> dict:
+  """The rollout correction's scalars from a step's metrics (objective.correction_stats): its
+  weight's mean, min and max over its units (completion tokens, or completions with
+  'sequence_*'), and the share of them whose ratio was clipped or masked."""
+  units = max(m['rollout_units'], 1e-9)  # (the sums are all over the same tokens' count)
+  return {'train/rollout_weight_mean': m['rollout_weight'] / units,
+          'train/rollout_weight_min': m['rollout_weight_min'],
+          'train/rollout_weight_max': m['rollout_weight_max'],
+          'train/rollout_outside': m['rollout_outside'] / units}
 
 
 class GRPO(train_lib.Program[TaskSources, TaskData, 'Step']):
@@ -146,7 +162,8 @@ class GRPO(train_lib.Program[TaskSources, TaskData, 'Step']):
     # The initial model with beta > 0, in the policy's shardings; the scoring pass scores each
     # batch with it once, and with num_iterations > 1 with the params that sampled it (logp_old).
     ref = _reference_params(s, c.checkpoint.restore_from) if g.beta else None
-    score = objective.scorer(s, g.temperature) if g.beta or g.num_iterations > 1 else None
+    score = (objective.scorer(s, objective.score_temperatures(g))
+             if g.beta or g.num_iterations > 1 else None)
     eng = engine_lib.Engine(c.model, None, data.tokenizer,
                             slots=objective.rollout_slots(c), context=data.context,
                             chunk=ROLLOUT_CHUNK, mesh=s.mesh)
@@ -236,9 +253,11 @@ class Step:
     # are added to changes its structure).
     tokens = {'tokens': batch['tokens']}
     if self.ref is not None:
-      batch['ref_logp'] = self.score(self.ref, tokens)
+      batch['ref_logp'] = self.score(self.ref, tokens)[0]
     if g.num_iterations > 1:  # logp_old: the params that sampled, before the first update
-      batch['old_logp'] = self.score(state.params, tokens)
+      batch['old_logp'], *at_one = self.score(state.params, tokens)
+      if at_one:  # (the rollout correction's, at another temperature: score_temperatures)
+        batch['old_logp_at_one'] = at_one[0]
     updates = []
     for _ in range(g.num_iterations):
       state, metrics = self.update(state, batch)
