@@ -79,9 +79,13 @@ def unknown_config_field(error: Exception, argv: list[str]) -> UserError:
   wrong = [f for f in named if f.removeprefix('--config.') not in config_lib.FIELDS] or named
   moved = [config_lib.MOVED[(f.split('.')[1], f.split('.')[2])] for f in wrong
            if f.count('.') == 2 and (f.split('.')[1], f.split('.')[2]) in config_lib.MOVED]
+  retired = [config_lib.RETIRED[(f.split('.')[1], f.split('.')[2])] for f in wrong
+             if f.count('.') == 2 and (f.split('.')[1], f.split('.')[2]) in config_lib.RETIRED]
   program = config_lib.program_group(name)
   if moved:
     hint = 'it moved to ' + ', '.join(f'{group}.{field}' for group, field in moved)
+  elif retired:
+    hint = '; '.join(retired)
   elif program is not None and wrong and all(f.split('.')[1] == name for f in wrong):
     hint = (f'the {name} group comes with --config={program.config_file}, the config of '
             f'{program.program}')

@@ -38,6 +38,10 @@ def train(tmp_path, *overrides, workdir=None):
                                   '"steps" instead of "stepz"?)'),
     (('--config.train.learning_rate=0.1',), '--config.train.learning_rate: no such config field '
                                             '(it moved to optim.learning_rate)'),
+    (('--config.model.scan_layers=False',), "--config.model.scan_layers: no such config field "
+                                            "(model.layers='scan'|'unroll'|'auto' replaced it"),
+    (('--config.model.layers=sideways',), "model.layers='sideways': choose one of ('scan', "
+                                          "'unroll', 'auto')"),
     # (train.batch_size is a field: only the grpo override is named)
     (('--config.train.batch_size=128', '--config.grpo.num_samples=16'),
      'error: --config.grpo.num_samples: no such config field (the grpo group comes with '
