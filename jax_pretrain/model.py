@@ -266,7 +266,7 @@ class Block(nn.Module):
     h, kv = Attention(self.config, self.mesh, name='attn')(
         RMSNorm(self.config, name='attn_norm')(x_BxTxD), cos_TxH2, sin_TxH2, segments_BxT, kv,
         use)
-    x_BxTxD = checkpoint_name(x_BxTxD + h, 'residual')  # (named: see config.REMAT_POLICIES)
+    x_BxTxD = checkpoint_name(x_BxTxD + h, 'residual')  # (named: 'dots' unrolled keeps it)
     h = Mlp(self.config, self.mesh, name='mlp')(RMSNorm(self.config, name='mlp_norm')(x_BxTxD))
     return x_BxTxD + h, kv
 
