@@ -75,13 +75,18 @@ def _matmul_fwd(x_MxK, w_KxN):
   return y_MxN, (qx_MxK, sx, qw_KxN, sw)
 
 
+def _backward_dots(qx_MxK, sx, qw_KxN, sw, qg_MxN, sg, dtype):
+  """(dx, dw) of a projection from its quantized operands and gradient and their scales (x, w
+  and the output share the compute dtype: the model casts the weights to it)."""
+  dx_MxK = _scaled_dot(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, dtype)
+  dw_KxN = _scaled_dot(qx_MxK, qg_MxN, ((0,), (0,)), sx * sg, dtype)
+  return dx_MxK, dw_KxN
+
+
 def _matmul_bwd(residuals, g_MxN):
   qx_MxK, sx, qw_KxN, sw = residuals
   qg_MxN, sg = _quantize(g_MxN, GRADIENT_DTYPE)
-  # (x, w and the output share the compute dtype: the model casts the weights to it.)
-  dx_MxK = _scaled_dot(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, g_MxN.dtype)
-  dw_KxN = _scaled_dot(qx_MxK, qg_MxN, ((0,), (0,)), sx * sg, g_MxN.dtype)
-  return dx_MxK, dw_KxN
+  return _backward_dots(qx_MxK, sx, qw_KxN, sw, qg_MxN, sg, g_MxN.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -107,8 +112,7 @@ def _delayed_matmul_fwd(x_MxK, w_KxN, history_2xH):
 def _delayed_matmul_bwd(residuals, g_MxN):
   qx_MxK, scale_x, qw_KxN, sw, scale_g, amax_x, history_shape = residuals
   qg_MxN = fp8_ops.quantize(g_MxN, GRADIENT_DTYPE, scale_g, jnp.float32)
-  dx_MxK = _scaled_dot(qg_MxN, qw_KxN, ((1,), (1,)), scale_g * sw, g_MxN.dtype)
-  dw_KxN = _scaled_dot(qx_MxK, qg_MxN, ((0,), (0,)), scale_x * scale_g, g_MxN.dtype)
+  dx_MxK, dw_KxN = _backward_dots(qx_MxK, scale_x, qw_KxN, sw, qg_MxN, scale_g, g_MxN.dtype)
   amax_2xH = jnp.zeros(history_shape, jnp.float32).at[:, 0].set(
       jnp.stack([amax_x, _amax(g_MxN)]))
   return dx_MxK, dw_KxN, amax_2xH
