@@ -27,6 +27,8 @@ apart, as the trainer and checkpoints keep them). Two calls:
   decode   tokens [B, T] (T = 1 a step) at positions_BxT of cache rows 0..B-1: attention over the
            first `live` positions of those rows (the live context, a static bucket), with a causal
            mask on absolute positions, reading the cache's dtype with float32 accumulation.
+A cache may store its keys and values in 8 bits (KV_CACHE_DTYPES): written quantized, read
+dequantized inside decode attention.
 Training never passes a cache.
 
 Shape suffixes: B batch, T length, D d_model, N query heads, K kv heads, H head_dim, F mlp_dim,
@@ -53,20 +55,87 @@ def _param(module: nn.Module, name: str, shape, axes, std: float):
                       module.config.master_dtype)
 
 
+# What an engine's cache may store its keys and values as (engine.kv_cache_dtype): 'auto' the
+# compute dtype; 'fp8' (float8 e4m3) and 'int8' a quarter or half of bf16's bytes, each (row,
+# position, kv head) vector of head_dim values with its own float32 scale (its largest magnitude
+# maps to the type's largest value), written quantized and dequantized where decode attention reads
+# it: the scale of a key multiplies its scores, the scale of a value its probabilities.
+KV_CACHE_DTYPES = {'auto': None, 'fp8': jnp.float8_e4m3fn, 'int8': jnp.int8}
+
+
+def kv_storage_dtype(c: ModelConfig, kv_cache_dtype: str):
+  """The dtype a cache of this kind stores keys and values in."""
+  if kv_cache_dtype not in KV_CACHE_DTYPES:
+    raise ValueError(f'kv_cache_dtype={kv_cache_dtype!r} is not one of '
+                     f'{", ".join(KV_CACHE_DTYPES)}.')
+  return jnp.dtype(KV_CACHE_DTYPES[kv_cache_dtype] or c.compute_dtype)
+
+
+def kv_bytes_per_token(c: ModelConfig, kv_cache_dtype: str = 'auto') -> int:
+  """Bytes a cache holds per token of a row: every layer's key and value (and their scales)."""
+  dtype = kv_storage_dtype(c, kv_cache_dtype)
+  scales = 0 if KV_CACHE_DTYPES[kv_cache_dtype] is None else 4  # float32, per kv head
+  return 2 * c.num_layers * c.num_kv_heads * (c.head_dim * dtype.itemsize + scales)
+
+
+@flax.struct.dataclass
+class LayerKV:
+  """One layer's cache: keys and values [B, S, K, H] and, quantized, their scales [B, S, K]
+  (float32; None: stored in the compute dtype)."""
+  k_BxSxKxH: jax.Array
+  v_BxSxKxH: jax.Array
+  k_scale_BxSxK: jax.Array | None = None
+  v_scale_BxSxK: jax.Array | None = None
+
+  def write(self, rows_B, positions_BxT, k_BxTxKxH, v_BxTxKxH) -> 'LayerKV':
+    """The new keys and values written at positions_BxT of rows_B (quantized if the cache is),
+    in place; out-of-range rows or positions are dropped."""
+    at = lambda cache, new: cache.at[rows_B[:, None], positions_BxT].set(new, mode='drop')
+    if self.k_scale_BxSxK is None:
+      return LayerKV(*(at(cache, new.astype(cache.dtype)) for cache, new in
+                       ((self.k_BxSxKxH, k_BxTxKxH), (self.v_BxSxKxH, v_BxTxKxH))))
+    (k, k_scale), (v, v_scale) = (quantize(x, self.k_BxSxKxH.dtype) for x in (k_BxTxKxH,
+                                                                            v_BxTxKxH))
+    return LayerKV(at(self.k_BxSxKxH, k), at(self.v_BxSxKxH, v), at(self.k_scale_BxSxK, k_scale),
+                   at(self.v_scale_BxSxK, v_scale))
+
+  def window(self, rows: int, live: int) -> 'LayerKV':
+    """Positions [0, live) of rows [0, rows): what a decode call's attention reads."""
+    return jax.tree.map(lambda x: x[:rows, :live], self)
+
+
+def quantize(x_BxTxKxH: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """(x in `dtype` (int8 or float8), its float32 scale [B, T, K]): each head's vector scaled so
+  that its largest magnitude is the dtype's largest value; x ≈ q × scale."""
+  dtype = jnp.dtype(dtype)
+  top = float(jnp.iinfo(dtype).max if jnp.issubdtype(dtype, jnp.integer) else
+              jnp.finfo(dtype).max)
+  x = x_BxTxKxH.astype(jnp.float32)
+  amax_BxTxK = jnp.max(jnp.abs(x), axis=-1)
+  scale_BxTxK = jnp.where(amax_BxTxK > 0, amax_BxTxK / top, 1.0)
+  y = x / scale_BxTxK[..., None]
+  if jnp.issubdtype(dtype, jnp.integer):
+    y = jnp.round(y)
+  return jnp.clip(y, -top, top).astype(dtype), scale_BxTxK
+
+
 @flax.struct.dataclass
 class KVCache:
-  """Keys and values of every layer at positions [0, S) of each row: one buffer [B, S, K, H] per
-  layer, so that a step writes its new positions into each in place (a stacked [L, ...] cache
-  through a scan is cut out and copied back every step). Positions past a row's current one hold
-  stale values; the causal mask never reads them."""
-  k: tuple[jax.Array, ...]  # L × [B, S, K, H]
-  v: tuple[jax.Array, ...]
+  """Keys and values of every layer at positions [0, S) of each row: one LayerKV per layer, so
+  that a step writes its new positions into each in place (a stacked [L, ...] cache through a
+  scan is cut out and copied back every step). Positions past a row's current one hold stale
+  values; the causal mask never reads them."""
+  layers: tuple[LayerKV, ...]
 
   @classmethod
-  def zeros(cls, c: 'ModelConfig', batch: int, max_len: int) -> 'KVCache':
+  def zeros(cls, c: 'ModelConfig', batch: int, max_len: int,
+            kv_cache_dtype: str = 'auto') -> 'KVCache':
     shape = (batch, max_len, c.num_kv_heads, c.head_dim)
-    return cls(*(tuple(jnp.zeros(shape, c.compute_dtype) for _ in range(c.num_layers))
-                 for _ in 'kv'))
+    dtype = kv_storage_dtype(c, kv_cache_dtype)
+    quantized = KV_CACHE_DTYPES[kv_cache_dtype] is not None
+    scale = lambda: jnp.ones(shape[:3], jnp.float32) if quantized else None
+    return cls(tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), scale(), scale())
+                     for _ in range(c.num_layers)))
 
 
 def rope_frequencies(c: ModelConfig) -> jax.Array:
@@ -160,7 +229,7 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT=None, kv=None,
                use: CacheUse | None = None):
-    """Returns (output, kv): kv is None in training, else this layer's updated (k, v) cache.
+    """Returns (output, kv): kv is None in training, else this layer's updated cache (LayerKV).
 
     segments_BxT (training on packed rows): attention stays within each segment."""
     c = self.config
@@ -195,35 +264,40 @@ class Attention(nn.Module):
       assert use is not None  # (a cache comes with its CacheUse, training with neither)
       B = x_BxTxD.shape[0]
       rows_B = use.slots_B if use.slots_B is not None else jnp.arange(B)
-      kv = tuple(cache_BxSxKxH.at[rows_B[:, None], use.positions_BxT].set(
-          new_BxTxKxH.astype(cache_BxSxKxH.dtype), mode='drop')
-                 for cache_BxSxKxH, new_BxTxKxH in zip(kv, (k_BxTxKxH, v_BxTxKxH)))
+      kv = kv.write(rows_B, use.positions_BxT, k_BxTxKxH, v_BxTxKxH)
       if use.slots_B is None:
-        k_BxSxKxH, v_BxSxKxH = (x[:B, :use.live] for x in kv)
-        o_BxTxNxH = _cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH,
+        o_BxTxNxH = cached_attention(q_BxTxNxH, kv.window(B, use.live),
                                       use.positions_BxT).astype(dt)
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, 'attn_out')
     return dense('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD.astype(dt), 'wo'), kv
 
 
-def _cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, positions_BxT):
-  """Attention of the new queries over the cache: a query at position p sees slots <= p.
+def cached_attention(q_BxTxNxH, kv: LayerKV, positions_BxT):
+  """Attention of the new queries over the cache's window: a query at position p sees slots <= p.
 
   Plain einsums: decoding is one query per row, so no fused kernel is needed. They read the
-  cache's keys and values as they are (the compute dtype) and accumulate in float32
-  (preferred_element_type), the softmax in float32 and its probabilities in the cache's dtype for
-  the second product, as flash attention does: no float32 copy of the window is made.
+  cache's keys and values as they are stored, converted to the compute dtype inside the products
+  (no 16-bit copy of the window is made), accumulate in float32 (preferred_element_type), the
+  softmax in float32 and its probabilities in the compute dtype for the second product, as flash
+  attention does. A quantized cache's scales multiply the scores (keys) and the probabilities
+  (values): per position, so the products never see them.
   """
   B, T, N, H = q_BxTxNxH.shape
+  k_BxSxKxH, v_BxSxKxH = kv.k_BxSxKxH, kv.v_BxSxKxH
   S, K = k_BxSxKxH.shape[1], k_BxSxKxH.shape[2]
+  dt = q_BxTxNxH.dtype if kv.k_scale_BxSxK is not None else k_BxSxKxH.dtype
   # Query head n uses kv head n // (N // K), as in the training path.
-  q_BxTxKxGxH = q_BxTxNxH.astype(k_BxSxKxH.dtype).reshape(B, T, K, N // K, H)
-  scores_BxKxGxTxS = jnp.einsum('btkgh,bskh->bkgts', q_BxTxKxGxH, k_BxSxKxH,
+  q_BxTxKxGxH = q_BxTxNxH.astype(dt).reshape(B, T, K, N // K, H)
+  scores_BxKxGxTxS = jnp.einsum('btkgh,bskh->bkgts', q_BxTxKxGxH, k_BxSxKxH.astype(dt),
                                 preferred_element_type=jnp.float32) / math.sqrt(H)
+  if kv.k_scale_BxSxK is not None:
+    scores_BxKxGxTxS = scores_BxKxGxTxS * kv.k_scale_BxSxK.transpose(0, 2, 1)[:, :, None, None]
   visible_BxTxS = jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None]
   scores_BxKxGxTxS = jnp.where(visible_BxTxS[:, None, None], scores_BxKxGxTxS, -jnp.inf)
-  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxH.dtype)
-  o_BxTxKxGxH = jnp.einsum('bkgts,bskh->btkgh', probs_BxKxGxTxS, v_BxSxKxH,
+  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
+  if kv.v_scale_BxSxK is not None:
+    probs_BxKxGxTxS = probs_BxKxGxTxS * kv.v_scale_BxSxK.transpose(0, 2, 1)[:, :, None, None]
+  o_BxTxKxGxH = jnp.einsum('bkgts,bskh->btkgh', probs_BxKxGxTxS.astype(dt), v_BxSxKxH.astype(dt),
                            preferred_element_type=jnp.float32)
   return o_BxTxKxGxH.reshape(B, T, N, H)
 
@@ -256,7 +330,7 @@ class Mlp(nn.Module):
 
 class Block(nn.Module):
   """Pre-norm residual block. Returns (x, kv): kv is None in training, else this layer's updated
-  (k, v) cache."""
+  cache (LayerKV)."""
   config: ModelConfig
   mesh: Mesh | None = None
 
@@ -329,16 +403,14 @@ class Transformer(nn.Module):
                       metadata_params={nn.PARTITION_NAME: 'layers'})
       x_BxTxD, _ = stack(c, self.mesh, name='layers')(x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT)
     else:
-      ks, vs = [], []
+      written = []
       for i in range(c.num_layers):
-        kv = None if cache is None else (cache.k[i], cache.v[i])
+        kv = None if cache is None else cache.layers[i]
         x_BxTxD, kv = block(c, self.mesh, name=f'layers_{i}')(
             x_BxTxD, cos_TxH2, sin_TxH2, segments_BxT, kv, use)
-        if kv is not None:
-          ks.append(kv[0])
-          vs.append(kv[1])
+        written.append(kv)
       if cache is not None:
-        cache = KVCache(tuple(ks), tuple(vs))
+        cache = KVCache(tuple(written))
     if use is not None and use.logits_at_B is not None:
       x_BxTxD = x_BxTxD[jnp.arange(x_BxTxD.shape[0]), use.logits_at_B][:, None]
 

@@ -272,6 +272,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   """
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import engine as engine_lib  # noqa: PLC0415
+  from jax_pretrain import model as model_lib  # noqa: PLC0415
   from jax_pretrain.grpo import config as grpo_config  # noqa: PLC0415
   from jax_pretrain.grpo import objective  # noqa: PLC0415
   from jax_pretrain.grpo import rollout  # noqa: PLC0415
@@ -314,7 +315,8 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   eng = engine_lib.Engine(resolved.model, s.abstract_state.params,
                           _Vocabulary(resolved.model.vocab_size),
                           slots=objective.rollout_slots(resolved), context=context,
-                          chunk=rollout.ROLLOUT_CHUNK, mesh=s.mesh)
+                          chunk=rollout.ROLLOUT_CHUNK, mesh=s.mesh,
+                          kv_cache_dtype=g.kv_cache_dtype)
   params = memory.device_bytes(s.abstract_state.params)
   state_bytes = memory.device_bytes(s.abstract_state)
   reference = {'reference params': params} if g.beta else {}
@@ -382,7 +384,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
   # Bytes per generated token, per device: the compiled decode's against the least a step must
   # read (the bf16 weights once, and each row's live keys and values once).
   weights = memory.device_bytes(eng.params)
-  kv_token = engine_lib.cache_bytes(resolved.model, 1, 1, 1) - resolved.model.vocab_size * 4
+  kv_token = model_lib.kv_bytes_per_token(resolved.model, g.kv_cache_dtype)
   tokens = eng.local_slots * g.max_new_tokens  # a wave's, per device
   compiled_bytes = sum(d['calls_per_wave'] * d['hbm_bytes_per_call']
                        for d in decode_reports.values())
@@ -396,7 +398,7 @@ def grpo_plan(config, target: str = 'h100', num_devices: int = 1, prompt_tokens:
                'rollout_slots': eng.slots, 'devices': eng.devices,
                'slots_per_device': eng.local_slots, 'context': context, 'chunk': eng.chunk,
                'params_gib': params / memory.GIB, 'engine_params_gib': weights / memory.GIB,
-               'engine_cache_gib': cache / memory.GIB,
+               'engine_cache_gib': cache / memory.GIB, 'kv_cache_dtype': g.kv_cache_dtype,
                'reference_gib': params / memory.GIB if g.beta else 0.0},
       'update': update_report,
       'prefill': {'rows': rows, 'length': length, 'copies': largest.copies, **prefill_report},

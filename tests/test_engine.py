@@ -66,16 +66,17 @@ def test_decode_updates_the_cache_in_place_and_reads_the_live_window(tiny):
   assert moved(_compiled_decode(cfg, params, slots, context, live=256)[1]) > moved(compiled)
 
 
-def test_on_a_mesh_each_device_holds_and_decodes_its_slots(tiny):
+@pytest.mark.parametrize('kv_cache_dtype', ['auto', 'int8'])
+def test_on_a_mesh_each_device_holds_and_decodes_its_slots(tiny, kv_cache_dtype):
+  """And an 8-bit cache's scales split with its rows: the same tokens as on one device."""
   cfg, params = tiny
   mesh = sharding.make_mesh((2, 2, 2), jax.devices()[:8])
   replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.P()))
   eng = engine.Engine(cfg, replicated, tokenizer_lib.ByteTokenizer(), slots=16, context=64,
-                      mesh=mesh)
+                      mesh=mesh, kv_cache_dtype=kv_cache_dtype)
   assert (eng.slots, eng.local_slots, eng.devices) == (16, 2, 8)
-  cache = eng.runner.state().cache
-  assert cache.k[0].sharding.shard_shape(cache.k[0].shape) == (2, 64, cfg.num_kv_heads,
-                                                               cfg.head_dim)
+  for x in jax.tree.leaves(eng.runner.state().cache):
+    assert x.sharding.shard_shape(x.shape) == (2, 64, cfg.num_kv_heads, cfg.head_dim)[:x.ndim]
   compiled = eng.lower_decode(2, live=64).compile()
   # The per-device program's cache parameters are its 2 slots; it gathers only the new tokens.
   assert f'[2,64,{cfg.num_kv_heads},{cfg.head_dim}]' in compiled.as_text()
@@ -92,7 +93,8 @@ def test_on_a_mesh_each_device_holds_and_decodes_its_slots(tiny):
     eng.generate(seqs)
     return seqs
 
-  one = run(engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=4, context=64))
+  one = run(engine.Engine(cfg, params, tokenizer_lib.ByteTokenizer(), slots=4, context=64,
+                          kv_cache_dtype=kv_cache_dtype))
   many = run(eng)
   assert [s.tokens for s in one] == [s.tokens for s in many]
   np.testing.assert_allclose(np.concatenate([s.logprobs for s in one]),

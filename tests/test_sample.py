@@ -31,11 +31,15 @@ def rel_err(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize('dtype, tolerance', [('float32', 1e-5), ('bfloat16', 2e-2)])
-def test_cached_logits_equal_full_forward_with_per_row_prompt_lengths(dtype, tolerance):
+@pytest.mark.parametrize('dtype, kv_cache_dtype, tolerance', [
+    ('float32', 'auto', 1e-5), ('bfloat16', 'auto', 2e-2), ('float32', 'int8', 3e-2),
+    ('float32', 'fp8', 0.12), ('bfloat16', 'fp8', 0.12)])
+def test_cached_logits_equal_full_forward_with_per_row_prompt_lengths(dtype, kv_cache_dtype,
+                                                                      tolerance):
   """The engine's model: a prefill into cache rows 2 and 0 (rows out of order, one padding row
   dropped), then one token a step at each row's own position over a live window of the cache.
-  bfloat16: the cache's keys and values read as they are, with float32 accumulation."""
+  bfloat16: the cache's keys and values read as they are, with float32 accumulation; int8 and
+  fp8: stored in 8 bits, dequantized by their scales where attention reads them."""
   cfg, model, params = model_and_params(tie_embeddings=False, dtype=dtype)
   decoder = runner.decoding_model(cfg)
   dparams = runner.decoding_params(decoder.config, params)
@@ -45,7 +49,7 @@ def test_cached_logits_equal_full_forward_with_per_row_prompt_lengths(dtype, tol
 
   lengths = np.array([5, 3])  # row 1's prompt is right-padded with junk (tokens 3 and 4)
   slots = np.array([2, 0])
-  cache = model_lib.KVCache.zeros(decoder.config, 3, S)
+  cache = model_lib.KVCache.zeros(decoder.config, 3, S, kv_cache_dtype)
   apply = jax.jit(decoder.apply)
   prompts = jnp.concatenate([tokens_BxT[:, :5], jnp.zeros((1, 5), jnp.int32)])  # + a padding row
   use = model_lib.CacheUse(jnp.broadcast_to(jnp.arange(5), (3, 5)), slots_B=jnp.array([2, 0, 3]),
@@ -54,7 +58,7 @@ def test_cached_logits_equal_full_forward_with_per_row_prompt_lengths(dtype, tol
   for b in range(B):
     assert rel_err(last_Bx1xV[b, 0], full_BxTxV[b, lengths[b] - 1]) < tolerance
   # Rows 0 and 1 of the decode: the prompts' slots.
-  cache = model_lib.KVCache(*(tuple(x[slots] for x in kv) for kv in (cache.k, cache.v)))
+  cache = jax.tree.map(lambda x: x[slots], cache)
   for i in range(T - 5):  # one token per step, each row at its own position
     pos_B = lengths + i
     token_Bx1 = tokens_BxT[jnp.arange(B), pos_B][:, None]
@@ -62,6 +66,44 @@ def test_cached_logits_equal_full_forward_with_per_row_prompt_lengths(dtype, tol
     logits_Bx1xV, cache = apply({'params': dparams}, token_Bx1, cache,
                                 model_lib.CacheUse(jnp.asarray(pos_B)[:, None], live=live))
     assert rel_err(logits_Bx1xV[:, 0], full_BxTxV[jnp.arange(B), pos_B]) < tolerance
+
+
+@pytest.mark.parametrize('kv_cache_dtype', ['int8', 'fp8'])
+def test_quantized_cache_rounds_each_vector_and_decode_attention_reads_it_exactly(kv_cache_dtype):
+  """An 8-bit cache: each (row, position, head) vector stored as q × scale, q within the type's
+  rounding of x / scale (int8: half a step; fp8 e4m3: 2^-4 relative, or the subnormal step); and
+  decode attention over it equals a float64 NumPy attention over the dequantized keys and values
+  (the scales applied to the scores and the probabilities, not to a copy of the window)."""
+  cfg, _, _ = model_and_params()
+  B, T, S, K, G, H = 3, 1, 11, 2, 2, 16
+  rng = np.random.default_rng(0)
+  k_BxSxKxH, v_BxSxKxH = (rng.normal(size=(B, S, K, H)) * rng.uniform(0.01, 30, (B, S, K, 1))
+                          for _ in 'kv')
+  q_BxTxNxH = rng.normal(size=(B, T, K * G, H))
+  empty = model_lib.KVCache.zeros(dataclasses.replace(
+      cfg, num_layers=1, num_kv_heads=K, num_heads=K * G, d_model=K * G * H, dtype='float32'),
+      B, S, kv_cache_dtype).layers[0]
+  kv = empty.write(jnp.arange(B), jnp.broadcast_to(jnp.arange(S), (B, S)),
+                   jnp.asarray(k_BxSxKxH, jnp.float32), jnp.asarray(v_BxSxKxH, jnp.float32))
+  assert kv.k_BxSxKxH.dtype == model_lib.KV_CACHE_DTYPES[kv_cache_dtype]
+  deq = {}
+  for name, x in (('k', k_BxSxKxH), ('v', v_BxSxKxH)):
+    q = np.asarray(getattr(kv, f'{name}_BxSxKxH').astype(jnp.float32), np.float64)
+    scale = np.asarray(getattr(kv, f'{name}_scale_BxSxK'), np.float64)[..., None]
+    top = 127 if kv_cache_dtype == 'int8' else 448
+    np.testing.assert_allclose(np.abs(q).max(-1), top, rtol=1e-6)  # each vector's full range
+    step = 0.5 if kv_cache_dtype == 'int8' else np.maximum(np.abs(x / scale) * 2.0**-4, 2.0**-9)
+    assert np.all(np.abs(q - x / scale) <= step * (1 + 1e-5))
+    deq[name] = q * scale
+  positions_BxT = np.array([[10], [4], [7]])
+  got = model_lib.cached_attention(jnp.asarray(q_BxTxNxH, jnp.float32), kv,
+                                    jnp.asarray(positions_BxT))
+  scores = np.einsum('btkgh,bskh->bkgts', q_BxTxNxH.reshape(B, T, K, G, H), deq['k']) / H**0.5
+  scores = np.where(np.arange(S) <= positions_BxT[:, None, None, :, None], scores, -np.inf)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  want = np.einsum('bkgts,bskh->btkgh', probs, deq['v']).reshape(B, T, K * G, H)
+  assert rel_err(got, want) < 1e-5
 
 
 def full_forward_greedy(forward, prompt, max_new_tokens, eos_id):

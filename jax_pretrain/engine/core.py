@@ -54,15 +54,17 @@ class Engine:
   set_params; mesh: the devices that decode (default: those of the params, else the first
   device); slots: over all of them (rounded up to a multiple of the device count); chunk: decoding
   steps per call at most; prefill_tokens: prompt tokens per device per prefill call at most (its
-  activations are [rows, P, mlp]).
+  activations are [rows, P, mlp]); kv_cache_dtype: 'auto' (the compute dtype), 'fp8' or 'int8'
+  (model.KV_CACHE_DTYPES: 8 bits with a scale per head and position).
   """
 
   def __init__(self, model_config: model_lib.ModelConfig, params, tokenizer, *, slots: int = 16,
                context: int, chunk: int = 8, prefill_tokens: int = 16384,
-               mesh: Mesh | None = None):
+               mesh: Mesh | None = None, kv_cache_dtype: str = 'auto'):
     self.tokenizer = tokenizer
     self.runner = runner_lib.ModelRunner(model_config, params, tokenizer, slots=slots,
-                                         context=context, chunk=chunk, mesh=mesh)
+                                         context=context, chunk=chunk, mesh=mesh,
+                                         kv_cache_dtype=kv_cache_dtype)
     r = self.runner
     self.model, self.mesh, self.devices, self.local_slots = r.model, r.mesh, r.devices, (
         r.local_slots)

@@ -16,7 +16,8 @@ num_samples completions of a GRPO prompt cost one prefill, and decode what they 
 What a decoding step moves, and nothing more: the runner holds its own copy of the params, every
 matrix in the compute dtype and the layers apart (decoding_params: converted once, when the params
 change: GRPO, once a step), so a step reads bf16 weights (on a GPU) once instead of casting float32
-ones; the cache (one buffer [slots, context, kv_heads, head_dim] per layer, model.KVCache) is
+ones; the cache (keys and values [slots, context, kv_heads, head_dim] per layer, model.KVCache:
+in the compute dtype, or in 8 bits with a scale per head and position, kv_cache_dtype) is
 allocated once and donated to each call, which writes the new positions in place (a scatter),
 never copying it; and the attention reads only the live part of each row (positions [0, live)),
 not the whole context.
@@ -105,11 +106,11 @@ def decoding_model(config: model_lib.ModelConfig) -> model_lib.Transformer:
   return model_lib.Transformer(dataclasses.replace(config, remat='none', layers='unroll'))
 
 
-def cache_bytes(config: model_lib.ModelConfig, slots: int, context: int, devices: int) -> float:
+def cache_bytes(config: model_lib.ModelConfig, slots: int, context: int, devices: int,
+                kv_cache_dtype: str = 'auto') -> float:
   """Bytes one device holds of an engine's cache and last logits (`slots` over `devices`)."""
   local = -(-slots // devices)
-  kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * (
-      config.compute_dtype.itemsize)
+  kv = model_lib.kv_bytes_per_token(config, kv_cache_dtype)
   return float(local * (context * kv + config.vocab_size * 4))
 
 
@@ -205,8 +206,7 @@ def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V) -
   rows = start(state.rows, slots_N, admitted.rows_N)
   if slots_C.shape[0]:
     from_C = slots_N[admitted.prompt_C]
-    copy = lambda x: x.at[slots_C, :P_].set(x[from_C, :P_], mode='drop')
-    cache = model_lib.KVCache(tuple(map(copy, cache.k)), tuple(map(copy, cache.v)))
+    cache = jax.tree.map(lambda x: x.at[slots_C, :P_].set(x[from_C, :P_], mode='drop'), cache)
     logits_SxV = logits_SxV.at[slots_C].set(last_NxV[admitted.prompt_C], mode='drop')
     rows = start(rows, slots_C, admitted.rows_C)
   return State(cache, logits_SxV, rows)
@@ -223,7 +223,7 @@ def _decode_local(model, params, state: State, allowed_V, eos, steps, want_top, 
   Sampling's variants are runtime branches, not programs: the top-k/top-p cut runs when a row
   asks for it (sampling.filter_logits), the alternatives when want_top (a traced bool)."""
   R = rows
-  context = state.cache.k[0].shape[1]
+  context = state.cache.layers[0].k_BxSxKxH.shape[1]
   r = jax.tree.map(lambda x: x[:R], state.rows)
   streams_R = sampling.row_streams(r.seeds, r.streams)
 
@@ -300,12 +300,16 @@ class ModelRunner:
 
   params: the model's (float32, stacked layers, on their devices), abstract ones (for lowering),
   or None (set later: set_params); mesh: the devices that decode (default: those of the params,
-  else the first device); slots: over all of them (rounded up to a multiple of the device count).
+  else the first device); slots: over all of them (rounded up to a multiple of the device count);
+  kv_cache_dtype: what the cache stores keys and values in (model.KV_CACHE_DTYPES).
   """
 
   def __init__(self, model_config: model_lib.ModelConfig, params, tokenizer, *, slots: int,
-               context: int, chunk: int, mesh: Mesh | None = None):
+               context: int, chunk: int, mesh: Mesh | None = None,
+               kv_cache_dtype: str = 'auto'):
     self.model = decoding_model(model_config)
+    model_lib.kv_storage_dtype(model_config, kv_cache_dtype)  # (refuses an unknown one)
+    self.kv_cache_dtype = kv_cache_dtype
     self.mesh = mesh if mesh is not None else _mesh_of(params)
     self.devices = self.mesh.size
     self.local_slots = -(-slots // self.devices)  # each device's rows of the cache
@@ -389,7 +393,7 @@ class ModelRunner:
   def compile(self, shape: Shape):
     """The call of this shape compiled, once per process for this model, mesh, cache and params'
     shapes: runners that share them share their programs (_COMPILED), as jit's cache would."""
-    key = (shape, self.model, self.mesh, self.slots, self.context, self.chunk,
+    key = (shape, self.model, self.mesh, self.slots, self.context, self.chunk, self.kv_cache_dtype,
            jax.tree.structure(self.params),
            tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(self.params)))
     program = _COMPILED.get(key)
@@ -453,7 +457,7 @@ class ModelRunner:
 
   def _zeros(self) -> State:
     c = self.model.config
-    return State(model_lib.KVCache.zeros(c, self.slots, self.context),
+    return State(model_lib.KVCache.zeros(c, self.slots, self.context, self.kv_cache_dtype),
                  jnp.zeros((self.slots, c.vocab_size), jnp.float32),
                  jax.tree.map(jnp.asarray, Rows.start([None] * self.slots)))
 

@@ -11,6 +11,7 @@ import dataclasses
 import ml_collections
 
 from jax_pretrain import config as config_lib
+from jax_pretrain import model as model_lib
 from jax_pretrain.config import SAFE
 from jax_pretrain.config import STREAM
 from jax_pretrain.config import check
@@ -42,6 +43,9 @@ class GrpoConfig:
   rollout_slots: int = field(0, SAFE, "completions decoded at once over all devices (the engine's "
       'KV-cache rows, split over the devices; rounded up to a multiple of them); 0: all of a '
       "step's (train.batch_size)")
+  kv_cache_dtype: str = field('auto', SAFE, "what the rollout engine's KV cache stores keys and "
+      "values in: 'auto' (the compute dtype) | 'fp8' (e4m3) | 'int8', 8 bits with a float32 scale "
+      "per head and position (vLLM's --kv-cache-dtype)")
   temperature: float = field(1.0, SAFE, 'rollout sampling temperature (TRL: 1.0)')
   stop: str = field('\\n', SAFE, "a completion ends at this text (backslash escapes read; '': only "
       'at EOS or max_new_tokens); rewards see the text before it')
@@ -98,6 +102,7 @@ def _resolve(g: GrpoConfig) -> None:
     raise config_lib.ConfigError(f'grpo.stop={g.stop!r}: not a string with readable backslash '
                                  f'escapes ({e}); e.g. \'\\n\' for a newline.') from None
   choice(g, 'grpo', 'scale_rewards', ('group', 'none'))
+  choice(g, 'grpo', 'kv_cache_dtype', tuple(model_lib.KV_CACHE_DTYPES))
   _resolve_correction(g)
   from jax_pretrain import tasks  # noqa: PLC0415  (it loads the data package: only here)
   choice(g, 'grpo', 'task_format', tuple(tasks.FORMATS))

@@ -334,6 +334,6 @@ def engine_cache_bytes(c: grpo_config.GrpoTrainConfig, longest_prompt: int,
                        num_devices: int) -> float:
   """Bytes a device holds of the engine's cache (kept between rollouts, so beside the update)."""
   return engine_lib.cache_bytes(c.model, rollout_slots(c), engine_context(c, longest_prompt),
-                                num_devices)
+                                num_devices, c.grpo.kv_cache_dtype)
 
 

@@ -166,14 +166,15 @@ class GRPO(train_lib.Program[TaskSources, TaskData, 'Step']):
              if g.beta or g.num_iterations > 1 else None)
     eng = engine_lib.Engine(c.model, None, data.tokenizer,
                             slots=objective.rollout_slots(c), context=data.context,
-                            chunk=ROLLOUT_CHUNK, mesh=s.mesh)
+                            chunk=ROLLOUT_CHUNK, mesh=s.mesh, kv_cache_dtype=g.kv_cache_dtype)
     multihost.log(
         f'grpo              {len(data.sources.items)} task items, {B // g.num_samples} prompts × '
         f'{g.num_samples} completions a step (rows of {data.width} tokens), at most '
         f'{g.max_new_tokens} new tokens, temperature {g.temperature}, reward {g.reward!r}, '
         f'beta {g.beta}' + (f', {g.num_iterations} updates a rollout batch'
                             if g.num_iterations > 1 else '') +
-        f'; engine {eng.slots} slots × {eng.context} tokens over {eng.devices} devices' +
+        f'; engine {eng.slots} slots × {eng.context} tokens over {eng.devices} devices, KV '
+        f'cache {g.kv_cache_dtype}' +
         (f'; eval on {len(data.sources.eval_items)} held-out items'
          if data.sources.eval_items else ''))
     return Step(s, data, update, eng, ref, score)
