@@ -11,24 +11,19 @@ What can go wrong, and what happens:
   by the next `check()` (every step) naming the step and the cause; its temporary directory is
   removed. Before each save the free space is compared with the state's size.
 - A complete-looking checkpoint whose files are damaged (missing, truncated, undecodable: see
-  `_kind`), or whose arrays do not match the digests computed on the device when it was saved, is
-  moved to STEP.damaged and the previous one is used. A file not found is first read again once
-  after the step's directories were listed again (a network file system's client may have cached
-  an old listing). When every checkpoint is damaged the run stops rather than start over from
-  step 0.
+  checkpoint_errors.kind), or whose arrays do not match the digests computed on the device when
+  it was saved, is moved to STEP.damaged and the previous one is used. A file not found is first
+  read again once after the step's directories were listed again (a network file system's client
+  may have cached an old listing). When every checkpoint is damaged the run stops rather than
+  start over from step 0.
 - Any other failure to read a checkpoint (an I/O error, a device out of memory, an orbax error)
   says nothing about the files: the run stops naming the step and the cause, and no checkpoint is
   moved. Transient I/O errors (EIO, a stale NFS handle, a timeout) are first tried again
   (RETRY_DELAYS).
 """
 import dataclasses
-import errno
-import json
-import logging as pylogging
 import os
-import re
 import shutil
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -40,7 +35,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jax_pretrain import checkpoint_errors as errors_lib
 from jax_pretrain import multihost
+from jax_pretrain.checkpoint_errors import DamagedCheckpoint
 from jax_pretrain.errors import UserError
 
 DIRECTORY = 'checkpoints'  # under the workdir
@@ -53,10 +50,6 @@ DAMAGED_SUFFIX = '.damaged'  # a step set aside: STEP.damaged, beside the checkp
 
 class CheckpointError(UserError):
   """A checkpoint that cannot be used or written; the message says which and why."""
-
-
-class DamagedCheckpoint(Exception):
-  """A checkpoint's arrays differ from the digests written with them."""
 
 
 def abstract_with_shardings(tree, shardings):
@@ -108,19 +101,12 @@ def _digest_one(x: jax.Array) -> jax.Array:
   return jnp.stack([total, weighted])
 
 
-def digests(tree) -> dict[str, list[int]]:
-  """{path: [plain sum, weighted sum]} of every array, computed on the devices one array at a
-  time: the temporaries are one array's bits, not the whole state's (a 1.2B-parameter state on
-  the CPU needed 30 GB computed at once)."""
-  return _digests_later(tree)()
-
-
 def _digests_later(tree) -> Callable[[], dict[str, list[int]]]:
-  """digests(tree) in two halves: the reductions dispatched now, one program per array, from the
-  arrays as they are now (training may donate them once this returns: the programs are queued
-  before its next step); and a function that waits for them and reads the sums (a save calls it
-  in the background). A device runs the programs in turn, so the temporaries are still one
-  array's (on the CPU, six 256 MiB arrays' dispatched at once peaked no higher than one's)."""
+  """{path: [plain sum, weighted sum]} of every array, in two halves: the reductions dispatched
+  now, one program per array, from the arrays as they are now (training may donate them once this
+  returns: the programs are queued before its next step); and a function that waits for them and
+  reads the sums (a save calls it in the background). A device runs the programs in turn, so the
+  temporaries are one array's bits, never the whole state's."""
   pending = [(_path_str(p), _DIGEST_PROGRAMS.get(_signature(x), _digest_one)(x))
              for p, x in jax.tree_util.tree_leaves_with_path(tree)]
   return lambda: {name: [int(v) for v in jax.device_get(d)] for name, d in pending}
@@ -142,12 +128,12 @@ def _compile_digests(abstract_tree) -> None:
 
 
 class _DigestsHandler(ocp.JsonCheckpointHandler):
-  """The 'digests' item: JSON as JsonCheckpointHandler writes it (checkpoints read the same either
-  way), from a function of no arguments (_digests_later's second half) called where orbax writes
-  it, in the background of an asynchronous save, before the checkpoint is complete."""
+  """The 'digests' item: JSON as JsonCheckpointHandler writes it, from a function of no arguments
+  (_digests_later's second half) called where orbax writes it, in the background of an
+  asynchronous save, before the checkpoint is complete."""
 
   async def _save_fn(self, x, directory):
-    await super()._save_fn(x() if callable(x) else x, directory)
+    await super()._save_fn(x(), directory)
 
 
 @ocp.args.register_with_handler(_DigestsHandler, for_save=True)
@@ -162,12 +148,9 @@ class _DigestsRestore(ocp.args.CheckpointArgs):
   pass
 
 
-def _verify(tree, saved: dict[str, list[int]] | None, prefix: str = '') -> None:
-  """Raises DamagedCheckpoint naming the first array whose digest differs (saved None: a
-  checkpoint from before digests, not verified)."""
-  if not saved:
-    return
-  for name, value in digests(tree).items():
+def _verify(tree, saved: dict[str, list[int]], prefix: str = '') -> None:
+  """Raises DamagedCheckpoint naming the first array whose digest differs."""
+  for name, value in _digests_later(tree)().items():
     name = f'{prefix}{name}'
     if name in saved and saved[name] != value:
       raise DamagedCheckpoint(f'{name!r} does not match the digest written with it (the file was '
@@ -181,97 +164,6 @@ def _size(num_bytes: float) -> str:
   return f'{num_bytes:.0f} bytes'
 
 
-# What a failed read says about the checkpoint, from least to most serious: when processes differ,
-# the most serious one is what they all do.
-_OK, _MISSING, _DAMAGED, _TRANSIENT, _OTHER = 'ok', 'missing', 'damaged', 'transient', 'other'
-_KINDS = (_OK, _MISSING, _DAMAGED, _TRANSIENT, _OTHER)
-# tensorstore raises ValueError for every failure; its message starts with the status code (none
-# for INVALID_ARGUMENT) and ends with [os_error_code='N'] when a system call failed.
-_TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='?(\d+)")
-_TENSORSTORE_MISSING = re.compile(r'^NOT_FOUND: ')
-_TENSORSTORE_DAMAGED = re.compile(r'^(OUT_OF_RANGE|DATA_LOSS): |Truncated|decompress|'
-                                  r'Error decoding|Invalid JSON')
-_TENSORSTORE_TRANSIENT = re.compile(r'^(UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED): ')
-
-
-def _read_error(error: BaseException) -> BaseException:
-  """The error under orbax's wrapper of a failed array read (a bare Exception, 'Encountered error
-  while reading array index: ...', raised from tensorstore's)."""
-  while type(error) is Exception:
-    inner = error.__cause__ or error.__context__
-    if inner is None:
-      break
-    error = inner
-  return error
-
-
-def _errno_kind(code: int | None) -> str:
-  if code == errno.ENOENT:
-    return _MISSING
-  if code in (errno.EACCES, errno.EPERM):
-    return _OTHER  # no retry mends a permission
-  return _TRANSIENT  # EIO, EAGAIN, ETIMEDOUT, ESTALE, ...
-
-
-def _kind(error: BaseException) -> str:
-  """What a failed read of a checkpoint says about its files (measured with orbax 0.12.8 and
-  tensorstore 0.1.86 on a checkpoint whose files were deleted, truncated or overwritten:
-  tests/test_checkpoint_faults.py):
-
-  missing (damaged, unless a second read after listing the directories again succeeds): a
-    FileNotFoundError (orbax: a JSON item's file, an array's directory; ours: a missing state
-    directory); tensorstore's ValueError of a missing file (NOT_FOUND) or of a system call that
-    found no file (os_error_code 2).
-  damaged: our DamagedCheckpoint (a digest differs); json.JSONDecodeError (a truncated JSON
-    file: an item, the state's _METADATA, array_metadatas); tensorstore's ValueError of a cut
-    array file (OUT_OF_RANGE, DATA_LOSS) or of bytes that do not decode ('Truncated
-    Zstd-compressed stream' is also what a deleted data file gives, 'Error decoding',
-    'ZSTD_decompressStream() failed', 'Invalid JSON').
-  transient: another OSError, or tensorstore's os_error_code, other than a permission (EIO,
-    EAGAIN, ETIMEDOUT, ESTALE, ...); tensorstore's UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED.
-  other: everything else (a permission, a device's RESOURCE_EXHAUSTED, any other orbax error).
-  """
-  error = _read_error(error)
-  if isinstance(error, FileNotFoundError):
-    return _MISSING
-  if isinstance(error, (DamagedCheckpoint, json.JSONDecodeError)):
-    return _DAMAGED
-  if isinstance(error, OSError):
-    return _errno_kind(error.errno)
-  if isinstance(error, ValueError):
-    text = str(error)
-    found = _TENSORSTORE_OS_ERROR.search(text)
-    if found:
-      return _errno_kind(int(found.group(1)))
-    if _TENSORSTORE_MISSING.match(text):
-      return _MISSING
-    if _TENSORSTORE_DAMAGED.search(text):
-      return _DAMAGED
-    if _TENSORSTORE_TRANSIENT.match(text):
-      return _TRANSIENT
-  return _OTHER
-
-
-def _cause(error: BaseException) -> str:
-  """The gist of an orbax/tensorstore error: the OS error when there is one (their messages
-  repeat long paths), else the start of the message (without tensorstore's spec)."""
-  error = _read_error(error)
-  text = str(error).strip()
-  found = _TENSORSTORE_OS_ERROR.search(text)
-  if found:
-    return f'{os.strerror(int(found.group(1)))} (errno {found.group(1)})'
-  text = text.split(' [tensorstore_spec=')[0]
-  return text.splitlines()[0][:300] if text else type(error).__name__
-
-
-def _described(error: BaseException) -> str:
-  """_cause, after the error's type unless it is an OS error (whose text says what it is)."""
-  error = _read_error(error)
-  if isinstance(error, OSError) or _TENSORSTORE_OS_ERROR.search(str(error)):
-    return _cause(error)
-  return f'{type(error).__name__}: {_cause(error)}'
-
-
 def _options(read_only: bool, **kwargs) -> ocp.CheckpointManagerOptions:
   """Options that a reader (read_only) needs no orbax warning to correct."""
   if read_only:
@@ -280,79 +172,82 @@ def _options(read_only: bool, **kwargs) -> ocp.CheckpointManagerOptions:
                                       cleanup_tmp_directories=not read_only, **kwargs)
 
 
-def _manager(directory: str, **kwargs) -> ocp.CheckpointManager:
-  """A CheckpointManager, made without orbax's warning that a reader's directory is read only."""
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.ERROR)
+def _remove_temporary(directory: str, step: int | None) -> None:
+  """Removes what a failed save of `step` left (its temporary directory; process 0)."""
+  if multihost.is_main() and step is not None and os.path.isdir(directory):
+    for name in os.listdir(directory):
+      if name.startswith(f'{step}.orbax-checkpoint-tmp'):
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _steps_named(directory: str, suffix: str = '') -> list[int]:
+  """The steps of the directories STEP + suffix in `directory`, oldest first."""
   try:
-    return ocp.CheckpointManager(directory, **kwargs)
-  finally:
-    logging.set_verbosity(verbosity)
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  return sorted(int(name[:len(name) - len(suffix)]) for name in names
+                if name.endswith(suffix) and name[:len(name) - len(suffix)].isdigit())
 
 
-class _OrbaxFailureTracebacks(pylogging.Filter):
-  """Drops the tracebacks orbax logs for a failed background save: the CheckpointError raised for
-  it says what failed in one line (and chains the exception)."""
+def _read(what: str, where: str, read, relist):
+  """(read(), None), or (None, the error) when it shows the checkpoint `where`'s files damaged
+  (checkpoint_errors.kind).
 
-  def filter(self, record: pylogging.LogRecord) -> bool:
-    return not (record.levelno >= pylogging.ERROR and record.exc_info
-                and f'{os.sep}orbax{os.sep}' in record.pathname)
-
-
-_ORBAX_FILTER = _OrbaxFailureTracebacks()
-
-
-class _AbandonedReads:
-  """sys.unraisablehook from the first checkpoint read on: when a read fails, orbax abandons the
-  checkpoint's other reads, and Python reports each as an exception it could not raise
-  ('Exception ignored in: <coroutine ...>' with a page of tensorstore's spec, asyncio's 'Event
-  loop is closed'), some at exit, after the one line that said what happened. Those two kinds are
-  dropped for the rest of the process; any other goes to the hook as before.
-  (The defaults hold what __call__ needs at exit, when module globals and builtins may be
-  gone.)"""
-
-  def __init__(self, previous):
-    self.previous = previous
-
-  def __call__(self, u, getattr=getattr, isinstance=isinstance, str=str, sep=os.sep):
-    where = getattr(getattr(u.object, 'cr_code', None), 'co_filename', '') or ''
-    if f'{sep}orbax{sep}' in where or (isinstance(u.exc_value, RuntimeError)
-                                       and str(u.exc_value) == 'Event loop is closed'):
-      return
-    self.previous(u)
-
-
-class _AbandonedTasks(pylogging.Filter):
-  """The other way an abandoned read is reported: asyncio's logger, 'Task exception was never
-  retrieved' with the traceback of tensorstore's error (its spec, a page). Dropped."""
-
-  def filter(self, record: pylogging.LogRecord) -> bool:
-    error = record.exc_info[1] if record.exc_info else None
-    return not ('exception was never retrieved' in str(record.msg)
-                and 'tensorstore' in str(error))
-
-
-class _ClosedLoop:
-  """sys.excepthook: a callback of tensorstore's thread into the event loop of an abandoned read,
-  closed meanwhile, is printed as a bare 'Event loop is closed' traceback. Dropped; any other goes
-  to the hook as before."""
-
-  def __init__(self, previous):
-    self.previous = previous
-
-  def __call__(self, kind, value, tb, isinstance=isinstance, str=str):
-    if isinstance(value, RuntimeError) and str(value) == 'Event loop is closed':
-      return
-    self.previous(kind, value, tb)
+  A file not found is read again once, after RETRY_DELAYS[0] and relist() and a new listing of
+  the step's directories (a network file system's client, NFS, may answer from an attribute
+  cache that a listing renews); found missing again, the step is damaged. A transient I/O error
+  is tried again after each of RETRY_DELAYS; one that persists, and any other failure, raise
+  CheckpointError naming the step, the cause and what to do, and nothing is moved. With several
+  processes they agree (one collective per try): the most serious outcome on any process is what
+  all do. A CheckpointError from read() (a checkpoint that does not fit the config) passes
+  through.
+  """
+  tries, listed_again = 0, ''  # transient failures; the file not found, read again
+  while True:
+    result, error, kind = None, None, errors_lib.OK
+    try:
+      result = read()
+    except CheckpointError:
+      raise
+    except Exception as e:  # noqa: BLE001  (sorted by kind; the rest stops the run below)
+      error, kind = e, errors_lib.kind(e)
+    kind = errors_lib.KINDS[-int(multihost.minimum(-errors_lib.KINDS.index(kind)))]
+    if kind == errors_lib.OK:
+      if listed_again:
+        logging.warning('%s checkpoint %s: read after its directories were listed again (a file '
+                        'was not found at first: %s).', what, where, listed_again)
+      return result, None
+    error = error or RuntimeError('failed on another process (see its log)')
+    if kind == errors_lib.MISSING and not listed_again:
+      listed_again = errors_lib.cause(error)
+      time.sleep(RETRY_DELAYS[0])
+      relist()
+      for _ in os.walk(where):
+        pass
+      continue
+    if kind in (errors_lib.MISSING, errors_lib.DAMAGED):
+      return None, error
+    tries += kind == errors_lib.TRANSIENT
+    if kind != errors_lib.TRANSIENT or tries > len(RETRY_DELAYS):
+      raise _read_failed(what, where, error, kind, tries) from error
+    logging.warning('%s checkpoint %s: %s; trying again in %g s (try %d of %d).', what, where,
+                    errors_lib.cause(error), RETRY_DELAYS[tries - 1], tries, len(RETRY_DELAYS) + 1)
+    time.sleep(RETRY_DELAYS[tries - 1])
 
 
-def _quiet_abandoned_reads() -> None:
-  """A failed read's abandoned siblings stay quiet (_AbandonedReads, _AbandonedTasks, _ClosedLoop):
-  installed once, before the first read (some report while the failure is being raised)."""
-  if not isinstance(sys.unraisablehook, _AbandonedReads):
-    sys.unraisablehook = _AbandonedReads(sys.unraisablehook)
-    sys.excepthook = _ClosedLoop(sys.excepthook)
-    pylogging.getLogger('asyncio').addFilter(_AbandonedTasks())
+def _read_failed(what: str, where: str, error: BaseException, kind: str,
+                 tries: int) -> CheckpointError:
+  """The error that stops a read which failed for a reason other than damage."""
+  if kind == errors_lib.TRANSIENT:
+    advice = (f'it failed {tries} times over {sum(RETRY_DELAYS):g} s: check the file system '
+              '(disk, mount, network) and run the same command to resume.')
+  else:
+    advice = (f'fix the cause and run the same command to resume (if this checkpoint itself '
+              f'cannot be read, move {where} out of {os.path.dirname(where)} to resume from the '
+              'one before).')
+  return CheckpointError(f'{what} checkpoint {where} failed: {errors_lib.described(error)}. No '
+                         f'checkpoint was moved or deleted; {advice}')
 
 
 class Checkpointer:
@@ -368,28 +263,23 @@ class Checkpointer:
     if keep_best > 0:
       keep_policies.append(policies.BestN(get_metric_fn=lambda m: m['eval/loss'], reverse=True,
                                           n=keep_best, keep_checkpoints_without_metrics=False))
-    self._manager = _manager(
+    self._manager = ocp.CheckpointManager(
         self.directory,
         item_handlers={'state': ocp.StandardCheckpointHandler(**limit),
-                       'config': ocp.JsonCheckpointHandler(),
-                       'digests': _DigestsHandler(),
-                       'data': ocp.JsonCheckpointHandler()},  # (written before 2026-11-23)
+                       'config': ocp.JsonCheckpointHandler(), 'digests': _DigestsHandler()},
         options=_options(read_only, enable_async_checkpointing=async_save,
                          preservation_policy=policies.AnyPreservationPolicy(keep_policies)))
     self._pending: int | None = None  # the step being saved in the background
     self._preparing: threading.Thread | None = None  # prepare's compiles (None: none started)
-    logging.get_absl_logger().addFilter(_ORBAX_FILTER)  # (once: a filter is added only once)
     if not read_only:  # said by the line a lost process ends the run with
       multihost.set_resume_hint(self.resume_hint)
 
   def prepare(self, abstract_state) -> None:
     """Compiles the digests' programs for a state of these shapes and shardings (one per array
-    shape) in a background thread. A save dispatches them in its blocking part, where compiling
-    them made the first save of the small preset (8 shapes) stall 12.6 s on the dev CPU (1.0 s
-    compiled ahead). A save waits for it; a state it did not prepare compiles them at its first
-    save. The thread is this Checkpointer's: close() joins it (a compile in flight cannot be
-    cancelled, and one still running when the interpreter exits aborts the process inside XLA);
-    it is not a daemon, so that a caller that never closes still waits for it at exit."""
+    shape) in a background thread, so that the first save, which dispatches them in its blocking
+    part, does not compile them there. A save waits for it. The thread is this Checkpointer's:
+    close() joins it on every path (a compile in flight cannot be cancelled, and one still running
+    when the interpreter exits aborts the process inside XLA)."""
     self.wait_prepared()  # (one at a time)
 
     def compile_all():
@@ -460,15 +350,12 @@ class Checkpointer:
       self._failed(step, error or RuntimeError('the save failed on another process'))
 
   def _failed(self, step: int | None, error: Exception):
-    """Removes the temporary directory the failed save left and raises a CheckpointError naming
-    the step and the cause."""
-    if multihost.is_main() and step is not None and os.path.isdir(self.directory):
-      for name in os.listdir(self.directory):
-        if name.startswith(f'{step}.orbax-checkpoint-tmp'):
-          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    """Removes what the failed save left and raises a CheckpointError naming the step and the
+    cause."""
+    _remove_temporary(self.directory, step)
     self._manager.reload()
     raise CheckpointError(f'saving step {step if step is not None else "?"} to {self.directory} '
-                          f'failed: {_cause(error)}. {self.last_complete()}') from error
+                          f'failed: {errors_lib.cause(error)}. {self.last_complete()}') from error
 
   def last_complete(self) -> str:
     last = self.latest_step()
@@ -479,13 +366,14 @@ class Checkpointer:
     """Where a restarted run resumes, read from the directory alone (no orbax state, no
     collective: it runs on the heartbeat thread while the main thread may be stuck in a save).
     A step's directory has its final name only once every process wrote it."""
-    try:
-      steps = [int(name) for name in os.listdir(self.directory) if name.isdigit()]
-    except OSError:
-      steps = []
+    steps = _steps_named(self.directory)
     if not steps:
       return f'no checkpoint was completed yet in {self.directory}'
-    return f'the last complete checkpoint is step {max(steps)} in {self.directory}'
+    return f'the last complete checkpoint is step {steps[-1]} in {self.directory}'
+
+  def damaged_steps(self) -> list[int]:
+    """The steps set aside as damaged (STEP.damaged directories), oldest first."""
+    return _steps_named(self.directory, DAMAGED_SUFFIX)
 
   def saved_config(self, step: int) -> dict:
     """The config a checkpoint was saved with (raises what orbax raised: see latest_config)."""
@@ -498,19 +386,14 @@ class Checkpointer:
     because a config could not be read."""
     return self._newest('reading the config of', self.saved_config)
 
-  def _state_metadata(self, step: int, abstract, key: str | None = None):
-    """The step's items' metadata, after checking that its state (or state[key]) has the shapes
-    of `abstract`; FileNotFoundError without a state directory."""
+  def _checked(self, step: int, abstract, key: str | None = None) -> dict:
+    """The step's digests, after checking that its state (or state[key]) has the shapes of
+    `abstract`; FileNotFoundError without a state directory."""
     metadata = self._manager.item_metadata(step)
     if 'state' not in metadata:
       raise FileNotFoundError('its state directory is missing')
     check_shapes(metadata['state'] if key is None else metadata['state'][key], abstract,
                  f'checkpoint {os.path.join(self.directory, str(step))}')
-    return metadata
-
-  def _saved_digests(self, step: int, metadata) -> dict | None:
-    if 'digests' not in (metadata or {}):
-      return None  # written before digests existed
     return dict(self._manager.restore(step, args=ocp.args.Composite(
         digests=_DigestsRestore()))['digests'])
 
@@ -524,20 +407,21 @@ class Checkpointer:
     starting over, every checkpoint kept as it is.
     """
     def restore(step: int):
-      metadata = self._state_metadata(step, abstract_state)
+      saved = self._checked(step, abstract_state)
       state = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state)))['state']
-      _verify(state, self._saved_digests(step, metadata))
+      _verify(state, saved)
       return state
     return self._newest('restoring', restore)
 
   def _newest(self, what: str, read):
-    """(step, read(step)) of the newest step that reads (`_read`), setting damaged ones aside;
+    """(step, read(step)) of the newest step that reads (_read), setting damaged ones aside;
     None when there are no checkpoints. A workdir whose checkpoints are all damaged (now or
     before: only STEP.damaged directories left) raises CheckpointError: starting over from step 0
     is the user's decision."""
     for step in reversed(self.all_steps()):
-      result, damage = self._read(step, what, lambda step=step: read(step))
+      result, damage = _read(what, os.path.join(self.directory, str(step)),
+                             lambda step=step: read(step), self._manager.reload)
       if damage is None:
         return step, result
       if step in self.all_steps():  # (not if it went away meanwhile: nothing to set aside)
@@ -551,79 +435,12 @@ class Checkpointer:
           f'use a new --workdir, or move the .damaged directories out of {self.directory}.')
     return None
 
-  def damaged_steps(self) -> list[int]:
-    """The steps set aside as damaged (STEP.damaged directories), oldest first."""
-    try:
-      names = os.listdir(self.directory)
-    except OSError:
-      return []
-    return sorted(int(name[:-len(DAMAGED_SUFFIX)]) for name in names
-                  if name.endswith(DAMAGED_SUFFIX) and name[:-len(DAMAGED_SUFFIX)].isdigit())
-
-  def _read(self, step: int, what: str, read):
-    """(read(), None), or (None, the error) when it shows the step's files damaged (`_kind`).
-
-    A file not found is read again once, after RETRY_DELAYS[0] and a new listing of the
-    checkpoints and of the step's directories (a network file system's client, NFS, may answer
-    from an attribute cache that a listing renews); found missing again, the step is damaged.
-    A transient I/O error is tried again after each of RETRY_DELAYS; one that persists, and any
-    other failure, raise CheckpointError naming the step, the cause and what to do, and nothing
-    is moved. With several processes they agree (one collective per try): the most serious
-    outcome on any process is what all do. A CheckpointError from read() (a checkpoint that does
-    not fit the config) passes through.
-    """
-    where = os.path.join(self.directory, str(step))
-    _quiet_abandoned_reads()
-    tries, listed_again = 0, ''  # transient failures; the file not found, read again
-    while True:
-      result, error, kind = None, None, _OK
-      try:
-        result = read()
-      except CheckpointError:
-        raise
-      except Exception as e:  # noqa: BLE001  (sorted by _kind; the rest stops the run below)
-        error, kind = e, _kind(e)
-      kind = _KINDS[-int(multihost.minimum(-_KINDS.index(kind)))]
-      if kind == _OK:
-        if listed_again:
-          logging.warning('%s checkpoint %s: read after its directories were listed again (a '
-                          'file was not found at first: %s).', what, where, listed_again)
-        return result, None
-      if error is None:
-        error = RuntimeError('failed on another process (see its log)')
-      if kind == _MISSING and not listed_again:
-        listed_again = _cause(error)
-        time.sleep(RETRY_DELAYS[0])
-        self._manager.reload()
-        for _ in os.walk(where):
-          pass
-        continue
-      if kind in (_MISSING, _DAMAGED):
-        return None, error
-      if kind == _TRANSIENT:
-        tries += 1
-      if kind == _TRANSIENT and tries <= len(RETRY_DELAYS):
-        delay = RETRY_DELAYS[tries - 1]
-        logging.warning('%s checkpoint %s: %s; trying again in %g s (try %d of %d).', what, where,
-                        _cause(error), delay, tries, len(RETRY_DELAYS) + 1)
-        time.sleep(delay)
-        continue
-      if kind == _TRANSIENT:
-        advice = (f'it failed {tries} times over {sum(RETRY_DELAYS):g} s: check the file system '
-                  '(disk, mount, network) and run the same command to resume.')
-      else:
-        advice = (f'fix the cause and run the same command to resume (if this checkpoint itself '
-                  f'cannot be read, move {where} out of {self.directory} to resume from the one '
-                  'before).')
-      raise CheckpointError(f'{what} checkpoint {where} failed: {_described(error)}. No checkpoint '
-                            f'was moved or deleted; {advice}') from error
-
   def _set_aside(self, step: int, error: BaseException) -> None:
     """Renames a damaged step to STEP.damaged (kept for inspection), so that the resumed run can
     save that step again."""
     damaged = os.path.join(self.directory, f'{step}{DAMAGED_SUFFIX}')
     logging.warning('checkpoint %s/%d is damaged (%s); moved to %s, trying the previous one.',
-                    self.directory, step, _cause(error), damaged)
+                    self.directory, step, errors_lib.cause(error), damaged)
     if multihost.is_main():
       if os.path.exists(damaged):
         shutil.rmtree(damaged)
@@ -640,28 +457,28 @@ class Checkpointer:
     if step not in self.all_steps():
       raise CheckpointError(f'no checkpoint of step {step} in {self.directory}; its steps are '
                             f'{", ".join(map(str, self.all_steps()))}.')
-    where = f'checkpoint {os.path.join(self.directory, str(step))}'
     # The standard handler restores whole trees only; the PyTree handler reads the same files and
     # can skip the optimizer state (which may differ in structure between runs).
-    reader = _manager(self.directory, item_handlers={'state': ocp.PyTreeCheckpointHandler()},
-                      options=_options(read_only=True))
+    reader = ocp.CheckpointManager(self.directory, options=_options(read_only=True),
+                                   item_handlers={'state': ocp.PyTreeCheckpointHandler()})
     abstract = {'params': abstract_params}
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
                                 abstract)
 
-    def read():
-      # (metadata damaged or unreadable: as the arrays)
-      metadata = self._state_metadata(step, abstract_params, key='params')
+    def read():  # (metadata damaged or unreadable: as the arrays)
+      saved = self._checked(step, abstract_params, key='params')
       params = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
           abstract, restore_args=restore_args, partial_restore=True)))['state']['params']
-      _verify(params, self._saved_digests(step, metadata), prefix='params/')
+      _verify(params, saved, prefix='params/')
       return params
     try:
-      params, damage = self._read(step, 'reading the params of', read)
+      params, damage = _read('reading the params of', os.path.join(self.directory, str(step)),
+                             read, self._manager.reload)
     finally:
       reader.close()
     if damage is not None:  # (another run's: read, not set aside)
-      raise CheckpointError(f'{where} is damaged: {_cause(damage)}. Use another step (--step) or '
+      raise CheckpointError(f'checkpoint {os.path.join(self.directory, str(step))} is damaged: '
+                            f'{errors_lib.cause(damage)}. Use another step (--step) or '
                             're-export it.') from damage
     return step, params
 

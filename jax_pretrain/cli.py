@@ -1,10 +1,12 @@
 """The common start and end of our programs (training, sampling, evaluation, scripts).
 
-`run(main)` is absl's app.run with: stray arguments refused, INFO logs quiet unless asked for, and
-every UserError printed as one `error: ...` line with exit status 1 (no traceback). Programs that
-parse their own arguments (argparse) wrap their body in `with user_errors():`.
+`run(main)` is absl's app.run with: stray arguments refused, the output policy installed
+(`output_policy`), and every UserError printed as one `error: ...` line with exit status 1 (no
+traceback). Programs that parse their own arguments (argparse) call `output_policy()` first and
+wrap their body in `with user_errors():`.
 """
 import contextlib
+import logging as pylogging
 import os
 import sys
 
@@ -14,6 +16,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from jax_pretrain import PRESETS_DIR
+from jax_pretrain import checkpoint_errors
 from jax_pretrain.errors import UserError
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow (under clu, tfds) is noisy
@@ -30,11 +33,27 @@ def user_errors():
     sys.exit(1)
 
 
+def output_policy(verbosity: bool = False) -> None:
+  """What the process prints, set by every entry point before its work, in this one place
+  (library code raises and logs, and changes no hook or level of the process): absl's logs from
+  WARNING on unless --verbosity was given (`verbosity`: orbax logs every file it touches at INFO),
+  and none of what orbax and tensorstore print after a failure that one `error:` line or warning
+  already says (checkpoint_errors: a failed save's traceback, the reads a failed restore
+  abandons, which Python reports at exit). Installed once however often it is called."""
+  if not verbosity:
+    logging.set_verbosity(logging.WARNING)
+  if isinstance(sys.unraisablehook, checkpoint_errors.AbandonedReads):
+    return
+  sys.unraisablehook = checkpoint_errors.AbandonedReads(sys.unraisablehook)
+  sys.excepthook = checkpoint_errors.ClosedLoop(sys.excepthook)
+  logging.get_absl_logger().addFilter(checkpoint_errors.OrbaxNoise())
+  pylogging.getLogger('asyncio').addFilter(checkpoint_errors.AbandonedTasks())
+
+
 def _start(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every file it touches at INFO
+  output_policy(verbosity=bool(flags.FLAGS['verbosity'].present))
 
 
 def run(main) -> None:
@@ -128,9 +147,10 @@ def define_run_flags(workdir_help: str = 'Workdir of a training run (or of scrip
 
 def define_process_flags():
   """--coordinator_address, --num_processes, --process_id and --heartbeat_timeout (a run over
-  several processes, jax_pretrain/multihost.py). Returns start(): jax.distributed initialized
-  from them (or from SLURM / Open MPI variables), after runtime.configure and before any
-  computation."""
+  several processes, jax_pretrain/multihost.py). Returns processes(): the context, around the
+  program's work, of jax.distributed initialized from them (or from SLURM / Open MPI variables)
+  and of the heartbeat, stopped and joined on the way out; entered after runtime.configure and
+  before any computation."""
   coordinator = flags.DEFINE_string('coordinator_address', None,
                                     'host:port of process 0, for a multi-process run.')
   count = flags.DEFINE_integer('num_processes', None, 'Processes in a multi-process run.')
@@ -140,7 +160,7 @@ def define_process_flags():
       'multi-process run counts as lost: the others then stop with one error line naming it and '
       'the last complete checkpoint (see jax_pretrain/multihost.py).')
 
-  def start() -> None:
+  def processes():
     from jax_pretrain import multihost  # noqa: PLC0415  (imports jax: after runtime.configure)
-    multihost.initialize(coordinator.value, count.value, index.value, heartbeat.value)
-  return start
+    return multihost.processes(coordinator.value, count.value, index.value, heartbeat.value)
+  return processes

@@ -14,16 +14,14 @@ _CONFIG = cli.define_config(
     'Config file (configs/*.py); fields are overridden with --config.group.field=value.')
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default',
                                'Directory for config, logs, TensorBoard and checkpoints.')
-_START_PROCESSES = cli.define_process_flags()
+_PROCESSES = cli.define_process_flags()
 
 
 def main():
   from jax_pretrain import runtime  # noqa: PLC0415
   runtime.configure()  # before jax starts its backend; train.describe prints the settings
-  _START_PROCESSES()
-  from jax_pretrain import multihost  # noqa: PLC0415  (after configure)
-  from jax_pretrain import pretrain  # noqa: PLC0415  (after distributed init)
-  with multihost.peer_failures():
+  with _PROCESSES():
+    from jax_pretrain import pretrain  # noqa: PLC0415  (after distributed init)
     pretrain.train_and_evaluate(cli.config_value(_CONFIG), _WORKDIR.value)
 
 

@@ -14,7 +14,7 @@ are collectives: every process calls them at the same point, or they wait for ea
   look, without a collective (the coordination service's key-value store): signals.StopSignal
   announces a stop with it.
 
-A lost process (`initialize`, `set_resume_hint`, `peer_failures`). jax.distributed's own answer
+A lost process (`processes`, `set_resume_hint`). jax.distributed's own answer
 to a dead process is a C++ abort on the others: `F... client.h:86] Terminating process because
 the JAX distributed service detected fatal errors`, a C++ stack trace and `Fatal Python error:
 Aborted`, after its heartbeat timeout. In jax 0.12 that abort cannot be replaced from Python:
@@ -23,7 +23,8 @@ in C++ (`std::bad_cast`: the status it passes has no Python type), and `jax.dist
 does not take it anyway. So this module keeps its own heartbeat, through the coordination
 service's key-value store: a daemon thread on every process writes a counter every
 `heartbeat_timeout / 10` seconds (at most 5) and reads all the others' in one call (N values per
-process and interval: with hundreds of processes, a longer timeout spares the coordinator). A
+process and interval: with hundreds of processes, a longer timeout spares the coordinator). The
+entry point owns it: `processes()` around the program stops it and joins it on every way out. A
 process whose counter has not moved for `heartbeat_timeout` seconds (measured on the reader's
 clock) is lost: each surviving process prints one line,
 
@@ -34,11 +35,11 @@ and exits with status 1 (os._exit, after flushing: the main thread may be blocke
 collective that will never complete). jax's own heartbeat timeout is set to twice ours plus 10 s,
 so that its abort comes only if this thread could not run (a process whose Python is stuck
 holding the interpreter lock). A collective that fails at once because its peer is gone (gloo's
-`Connection reset by peer`) raises in the main thread: `peer_failures()` (around the whole program)
-then waits for the heartbeat's verdict instead of printing a traceback, and re-raises the error
-if no process was lost. A process that exits through Python (done, stopped by a signal, an
-`error:` line) writes 'done' as its last heartbeat and is never reported; one killed, frozen or
-aborted (a second Ctrl-C) is.
+`Connection reset by peer`) raises in the main thread: `processes()` then waits for the
+heartbeat's verdict instead of printing a traceback, and re-raises the error if no process was
+lost. A process that leaves `processes()` (done, stopped by a signal, an `error:` line) writes
+'done' as its last heartbeat and is never reported; one killed, frozen or aborted (a second
+Ctrl-C) is.
 
 Measured (two processes of the test preset on a 2-core CPU, --heartbeat_timeout=5, process 1
 signalled at step 150, checkpoint every 100 steps): SIGKILL: process 0's line came 5.0-5.3 s after
@@ -57,7 +58,6 @@ What it cannot do:
   longer than the timeout: both stop heartbeating. Compiles, collectives and checkpoint writes
   release the lock; a timeout of 60 s leaves ample room.
 """
-import atexit
 import contextlib
 import os
 import re
@@ -185,18 +185,20 @@ class _Watchdog:
     self._thread.start()
 
   def stop(self) -> None:
-    """No more heartbeats or checks: this process is leaving (at exit), and says so to the others,
-    which then do not count it as lost."""
-    locked = self._lock.acquire(timeout=self.interval + 10)  # (not forever: the process is exiting)
+    """No more heartbeats or checks: this process is leaving, and says so to the others, which
+    then do not count it as lost; then the thread is joined. Bounded: a call into the
+    coordination service that never returns (the service gone: jax aborts anyway) is not waited
+    for past a heartbeat and 10 s (the thread is a daemon for that case only)."""
+    locked = self._lock.acquire(timeout=self.interval + 10)
     try:
-      if self._stopped.is_set():
-        return
-      self._stopped.set()
-      with contextlib.suppress(Exception):
-        self._client.key_value_set(f'{_HEARTBEAT_DIR}{self._me}', _DONE, allow_overwrite=True)
+      if not self._stopped.is_set():
+        self._stopped.set()
+        with contextlib.suppress(Exception):
+          self._client.key_value_set(f'{_HEARTBEAT_DIR}{self._me}', _DONE, allow_overwrite=True)
     finally:
       if locked:
         self._lock.release()
+    self._thread.join(timeout=self.interval + 10)
 
   def _run(self) -> None:
     beat, start = 0, time.monotonic()
@@ -224,7 +226,6 @@ class _Watchdog:
         _report_lost(lost, self._count, self.timeout, self.interval)
 
 
-_watchdog: _Watchdog | None = None
 _resume_hint: Callable[[], str] | None = None
 
 
@@ -262,16 +263,37 @@ def _report_lost(lost: list[int], count: int, timeout: float, interval: float) -
   os._exit(EXIT_LOST_PEER)
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None,
-               heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
-  """jax.distributed.initialize when this is one of several processes (given, or a SLURM / Open
-  MPI launch), and the heartbeat that reports a lost process; nothing for a single process."""
-  global _watchdog
+@contextlib.contextmanager
+def processes(coordinator_address: str | None = None, num_processes: int | None = None,
+              process_id: int | None = None,
+              heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT):
+  """Around a program (its entry point's): jax.distributed initialized when this is one of several
+  processes (given, or a SLURM / Open MPI launch), and the heartbeat that reports a lost process;
+  nothing for a single process. An error that may come from a lost process (a collective failing
+  because its peer is gone) waits for the heartbeat's verdict, which prints its line and exits;
+  other errors, and this one if no process was lost, go on as they are. On every way out the
+  heartbeat is stopped and its thread joined."""
+  watchdog = _initialize(coordinator_address, num_processes, process_id, heartbeat_timeout)
+  try:
+    yield
+  except Exception as e:
+    if watchdog is not None and _from_lost_peer(e):
+      watchdog.lost.wait(watchdog.timeout + 4 * watchdog.interval + 5)
+      if watchdog.lost.is_set():  # the heartbeat thread is printing its line and exiting
+        time.sleep(3600)
+    raise
+  finally:
+    if watchdog is not None:
+      watchdog.stop()
+
+
+def _initialize(coordinator_address: str | None, num_processes: int | None,
+                process_id: int | None, heartbeat_timeout: float) -> _Watchdog | None:
+  """jax.distributed.initialize and the heartbeat's thread, when there are several processes."""
   explicit = coordinator_address is not None or (num_processes or 1) > 1
   launched = any(int(os.environ.get(v, '1')) > 1 for v in _LAUNCHER_VARIABLES)
   if not (explicit or launched):
-    return
+    return None
   # CPU-only multi-process runs (tests, debugging) need a collectives backend; GPUs use NCCL.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   # jax's own timeout later than ours: its abort only if our heartbeat thread could not run.
@@ -286,26 +308,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                   jax.process_count(), jax.local_device_count())
   client = _client()
   if client is None or jax.process_count() == 1:
-    return
-  _watchdog = _Watchdog(client, heartbeat_timeout)
-  atexit.register(_watchdog.stop)  # runs before jax's shutdown (registered earlier)
+    return None
+  return _Watchdog(client, heartbeat_timeout)
 
 
 def _from_lost_peer(error: BaseException) -> bool:
   """Whether an error may come from a peer that went away (a failed collective)."""
   return any(_PEER_ERROR.search(f'{type(e).__name__}: {e}') for e in errors.chain(error))
-
-
-@contextlib.contextmanager
-def peer_failures():
-  """Around a program: an error that may come from a lost process (a collective failing because
-  its peer is gone) waits for the heartbeat's verdict, which prints its line and exits; other
-  errors, and this one if no process was lost, go on as they are."""
-  try:
-    yield
-  except Exception as e:
-    if _watchdog is not None and _from_lost_peer(e):
-      _watchdog.lost.wait(_watchdog.timeout + 4 * _watchdog.interval + 5)
-      if _watchdog.lost.is_set():  # the heartbeat thread is printing its line and exiting
-        time.sleep(3600)
-    raise

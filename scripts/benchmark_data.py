@@ -96,6 +96,7 @@ def benchmark_prepare(a, directory: str) -> None:
 
 
 def main() -> None:
+  cli.output_policy()
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument('--data', default='', help='source list (default: a temporary random mixture)')
   p.add_argument('--tokens', type=int, default=300_000_000, help='tokens in the temp mixture')

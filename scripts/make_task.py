@@ -91,6 +91,7 @@ def write_task(output_dir: str, task: str, train: int, heldout: int, seed: int) 
 
 
 def main() -> None:
+  cli.output_policy()
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument('--output-dir', required=True)
   p.add_argument('--task', default='reverse', choices=sorted(TASKS))

@@ -15,6 +15,7 @@ from jax_pretrain.data import prepare
 
 
 def main() -> None:
+  cli.output_policy()
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument('--train', required=True, help="source list 'SOURCE[#field][:weight],...'")
   p.add_argument('--val', default='', help='eval source list (or use --val-ratio)')

@@ -33,6 +33,7 @@ SHAPES = {
 
 
 def main() -> None:
+  cli.output_policy()
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument('--shape', default='llama-3.2-1b', choices=sorted(SHAPES))
   p.add_argument('--out', required=True)

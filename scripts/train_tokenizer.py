@@ -22,6 +22,7 @@ from jax_pretrain.data import tokenizer as tokenizer_lib
 
 
 def main() -> None:
+  cli.output_policy()
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument('--input', required=True, help='text source list (weights are ignored)')
   p.add_argument('--output', required=True,

@@ -38,25 +38,30 @@ def losses(workdir, key='train/loss', name='metrics.jsonl'):
 
 
 AGREEMENTS = """
-import sys
+import sys, threading
 import jax
 import numpy as np
 from jax_pretrain import multihost
-multihost.initialize('127.0.0.1:' + sys.argv[1], 2, int(sys.argv[2]), heartbeat_timeout=60)
-i = jax.process_index()
-mesh = jax.make_mesh((2,), ('x',))
-sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x'))
-x = jax.make_array_from_callback((4, 3), sharding, lambda idx: np.arange(12.).reshape(4, 3)[idx])
-full = multihost.gather({'x': x})['x']
-multihost.barrier('checked')
-print(multihost.any_process(i == 1), multihost.all_processes(i == 1), multihost.from_main(i == 0),
-      multihost.minimum(5.0 - 2 * i), multihost.is_main(),
-      full.tolist() == np.arange(12.).reshape(4, 3).tolist())
+with multihost.processes('127.0.0.1:' + sys.argv[1], 2, int(sys.argv[2]), heartbeat_timeout=60):
+  i = jax.process_index()
+  mesh = jax.make_mesh((2,), ('x',))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x'))
+  x = jax.make_array_from_callback((4, 3), sharding,
+                                   lambda idx: np.arange(12.).reshape(4, 3)[idx])
+  full = multihost.gather({'x': x})['x']
+  multihost.barrier('checked')
+  print(multihost.any_process(i == 1), multihost.all_processes(i == 1),
+        multihost.from_main(i == 0), multihost.minimum(5.0 - 2 * i), multihost.is_main(),
+        full.tolist() == np.arange(12.).reshape(4, 3).tolist())
+  heartbeat = [t.name for t in threading.enumerate() if 'heartbeat' in t.name]
+  multihost.barrier('done')  # (neither leaves before the other read its heartbeat)
+print(heartbeat, [t.name for t in threading.enumerate() if 'heartbeat' in t.name])
 """
 
 
 def test_agreements_between_two_processes():
-  """Each of multihost's agreements, with process 0 and 1 giving different values."""
+  """Each of multihost's agreements, with process 0 and 1 giving different values; the heartbeat
+  thread runs inside multihost.processes() and is joined when it is left."""
   port = free_port()
   procs = [subprocess.Popen([sys.executable, '-c', AGREEMENTS, str(port), str(i)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -65,8 +70,10 @@ def test_agreements_between_two_processes():
   for p, (_, err) in zip(procs, outputs):
     assert p.returncode == 0, err
   # any: True, all: False, process 0's flag: True, the smaller number: 3.0, a full array on both.
-  assert outputs[0][0].splitlines()[-1].split() == ['True', 'False', 'True', '3.0', 'True', 'True']
-  assert outputs[1][0].splitlines()[-1].split() == ['True', 'False', 'True', '3.0', 'False', 'True']
+  assert outputs[0][0].splitlines()[-2].split() == ['True', 'False', 'True', '3.0', 'True', 'True']
+  assert outputs[1][0].splitlines()[-2].split() == ['True', 'False', 'True', '3.0', 'False', 'True']
+  for out, _ in outputs:
+    assert out.splitlines()[-1] == "['multihost heartbeat'] []"
 
 
 def test_two_processes_match_one_process_and_checkpoint_restores_in_one(tmp_path):

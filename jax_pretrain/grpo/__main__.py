@@ -8,7 +8,6 @@ import os
 import sys
 
 from jax_pretrain import PRESETS_DIR
-from jax_pretrain import multihost
 from jax_pretrain.errors import UserError
 
 
@@ -37,22 +36,21 @@ def _init_into_config(argv: list[str]) -> list[str]:
   return out
 
 
-def main(workdir: str, config_holder, flag_values, start_processes) -> None:
+def main(workdir: str, config_holder, flag_values, processes) -> None:
   from jax_pretrain import cli  # noqa: PLC0415
   from jax_pretrain import runtime  # noqa: PLC0415
   runtime.configure()
-  start_processes()
-  config = cli.config_value(config_holder)
-  for field in ('task', 'eval_task'):
-    if flag_values[field]:
-      config.grpo[field] = flag_values[field]
-  init = flag_values['init']
-  if init and os.path.normpath(config.checkpoint.restore_from) != os.path.normpath(init):
-    raise UserError(f'--init={init} but the config restores from '
-                    f'{config.checkpoint.restore_from!r}: give one of them.')
-  from jax_pretrain import train as train_lib  # noqa: PLC0415  (after jax.distributed starts)
-  from jax_pretrain.grpo import program  # noqa: PLC0415
-  with multihost.peer_failures():
+  with processes():
+    config = cli.config_value(config_holder)
+    for field in ('task', 'eval_task'):
+      if flag_values[field]:
+        config.grpo[field] = flag_values[field]
+    init = flag_values['init']
+    if init and os.path.normpath(config.checkpoint.restore_from) != os.path.normpath(init):
+      raise UserError(f'--init={init} but the config restores from '
+                      f'{config.checkpoint.restore_from!r}: give one of them.')
+    from jax_pretrain import train as train_lib  # noqa: PLC0415  (after jax.distributed starts)
+    from jax_pretrain.grpo import program  # noqa: PLC0415
     train_lib.train(config, workdir, program.GRPO())
 
 
@@ -69,7 +67,6 @@ if __name__ == '__main__':
                               '(sets grpo.task).')
   _EVAL_TASK = flags.DEFINE_string('eval_task', '', 'Held-out task for eval/accuracy (sets '
                                    'grpo.eval_task).')
-  _START_PROCESSES = cli.define_process_flags()
+  _PROCESSES = cli.define_process_flags()
   cli.run(lambda: main(_WORKDIR.value, _CONFIG, {'init': _INIT.value, 'task': _TASK.value,
-                                                 'eval_task': _EVAL_TASK.value},
-                       _START_PROCESSES))
+                                                 'eval_task': _EVAL_TASK.value}, _PROCESSES))
