@@ -42,7 +42,8 @@ class _Ids:
 
 def generate(model_config: model_lib.ModelConfig, params, prompts: list, max_new_tokens: int, *,
              eos_id: int, pad_id: int, vocab_size: int | None = None,
-             sampling: Sampling = Sampling(), seed: int = 0) -> list[list[int]]:
+             sampling: Sampling = Sampling(), seed: int = 0,
+             kv_cache_dtype: str = 'auto') -> list[list[int]]:
   """New token ids for each prompt (a sequence of ids, at least one), EOS excluded: the engine's
   (engine/), every prompt in a slot of its own, row b sampling with `seed` and stream b.
 
@@ -50,17 +51,18 @@ def generate(model_config: model_lib.ModelConfig, params, prompts: list, max_new
   """
   tokenizer = _Ids(vocab_size or model_config.vocab_size, eos_id, pad_id)
   return [seq.tokens for seq in _generate(model_config, params, tokenizer, prompts,
-                                          max_new_tokens, sampling, seed)]
+                                          max_new_tokens, sampling, seed, kv_cache_dtype)]
 
 
 def _generate(model_config, params, tokenizer, prompts: list, max_new_tokens: int,
-              sampling: Sampling, seed: int) -> list[engine_lib.Sequence]:
+              sampling: Sampling, seed: int, kv_cache_dtype: str) -> list[engine_lib.Sequence]:
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError('every prompt needs at least one token')
   # A power of two: calls with other lengths share the engine's compiled shapes.
   context = engine_lib.bucket(max(len(p) for p in prompts) + max_new_tokens, 1 << 30,
                               engine_lib.MIN_BUCKET)
-  eng = engine_lib.Engine(model_config, params, tokenizer, slots=len(prompts), context=context)
+  eng = engine_lib.Engine(model_config, params, tokenizer, slots=len(prompts), context=context,
+                          kv_cache_dtype=kv_cache_dtype)
   return eng.generate([engine_lib.Sequence(
       prompt=[int(t) for t in p], max_new_tokens=max_new_tokens, temperature=sampling.temperature,
       top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, stream=b)
@@ -75,11 +77,11 @@ def encode_prompt(tokenizer, prompt: str) -> np.ndarray:
 
 def generate_texts(model_config: model_lib.ModelConfig, params, tokenizer, prompts: list[str],
                    max_new_tokens: int, *, temperature: float = 0.8, top_k: int = 0,
-                   top_p: float = 1.0, seed: int = 0) -> list[str]:
+                   top_p: float = 1.0, seed: int = 0, kv_cache_dtype: str = 'auto') -> list[str]:
   """Continuations (decoded new tokens only) of a batch of prompts, each stopping at EOS."""
   return [seq.text for seq in _generate(
       model_config, params, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
-      max_new_tokens, Sampling(temperature, top_k, top_p), seed)]
+      max_new_tokens, Sampling(temperature, top_k, top_p), seed, kv_cache_dtype)]
 
 
 def generate_text(model_config: model_lib.ModelConfig, params, tokenizer, prompt: str,
@@ -96,7 +98,7 @@ def main():
   prompts = f.prompt or ['']
   texts = generate_texts(run.config.model, run.params, run.tokenizer, prompts,
                          f.max_new_tokens, temperature=f.temperature, top_k=f.top_k,
-                         top_p=f.top_p, seed=f.seed)
+                         top_p=f.top_p, seed=f.seed, kv_cache_dtype=f.kv_cache_dtype)
   for k, (prompt, text) in enumerate(zip(prompts, texts)):
     if k:
       print('-' * 40)
@@ -117,4 +119,5 @@ if __name__ == '__main__':
                      'probability; 1.0 disables.')
   flags.DEFINE_integer('seed', 0, 'Random seed of the sampling.')
   flags.DEFINE_bool('echo', True, 'Print each prompt before its continuation.')
+  cli.define_kv_cache_flag()
   cli.run(main)
