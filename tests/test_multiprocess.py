@@ -76,6 +76,57 @@ def test_agreements_between_two_processes():
     assert out.splitlines()[-1] == "['multihost heartbeat'] []"
 
 
+ENGINE = """
+import dataclasses, json, sys
+import jax, jax.numpy as jnp
+from flax.linen import meta
+from jax_pretrain import config as config_lib, engine, model as model_lib, multihost
+from jax_pretrain.data.tokenizer import ByteTokenizer
+port, count, index = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with multihost.processes('127.0.0.1:' + port, count, index, heartbeat_timeout=60):
+  config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
+  cfg = dataclasses.replace(config.model, init_std=0.2)
+  mesh = jax.make_mesh((jax.device_count(),), ('slots',))
+  init = jax.jit(model_lib.Transformer(cfg).init,
+                 out_shardings=jax.sharding.NamedSharding(mesh, jax.P()))
+  params = meta.unbox(init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params'])
+  eng = engine.Engine(cfg, params, ByteTokenizer(), slots=2, context=16, chunk=8, mesh=mesh)
+  lines = []
+  eng.warmup(background=True, report=lines.append)
+  covering, rest = eng.scheduler.programs()
+  warmed = set(covering) | set(rest)
+  ready_at_return = set(eng.shapes) >= warmed and eng.runner.programs.pending() == 0
+  seqs = [engine.Sequence(prompt=list(range(1, 2 + i)), max_new_tokens=2 + i,
+                          temperature=1.0, seed=3, stream=i) for i in range(6)]
+  eng.generate(seqs)
+  print(json.dumps({'ready_at_return': ready_at_return, 'report': lines[0],
+                    'tokens': [s.tokens for s in seqs], 'programs': len(eng.shapes)}))
+"""
+
+
+def test_the_engine_warms_up_alike_on_two_processes_and_decodes_as_one():
+  """A mesh over two processes: the warmup compiles every program before it returns (no
+  background compiler whose progress differs between them), and both decode the same tokens as
+  one process does."""
+  port = free_port()
+  run = lambda count, i: subprocess.Popen(
+      [sys.executable, '-c', ENGINE, str(port), str(count), str(i)], stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
+  procs = [run(2, i) for i in range(2)]
+  port = free_port()
+  one = run(1, 0)
+  outputs = [p.communicate(timeout=300) for p in [*procs, one]]
+  for p, (_, err) in zip([*procs, one], outputs):
+    assert p.returncode == 0, err[-3000:]
+  two_0, two_1, alone = (json.loads(out.splitlines()[-1]) for out, _ in outputs)
+  for two in (two_0, two_1):
+    assert two['ready_at_return'], two
+    assert 'spans 2 processes' in two['report']
+  assert two_0['tokens'] == two_1['tokens'] == alone['tokens']
+  assert [len(t) for t in alone["tokens"]] == [2 + i for i in range(6)]
+  assert 'spans' not in alone['report']
+
+
 def test_two_processes_match_one_process_and_checkpoint_restores_in_one(tmp_path):
   port = free_port()
   two = tmp_path / 'two'

@@ -14,6 +14,11 @@ only by float rounding (other shapes sum in other orders).
 
 The background compiler is one thread: it lowers and compiles one shape at a time (XLA compiles
 outside the GIL) and reports its progress with an ETA.
+
+Over several processes (a mesh whose devices belong to more than one) every process must run the
+same program at each call, and what a background compiler has finished differs between them: there
+the warmup compiles every program before it returns, and a call whose shape was not warmed up runs
+as itself (compiled at the call, by every process alike), never as a cover chosen by timing.
 """
 from collections.abc import Callable
 import threading
@@ -33,8 +38,9 @@ class Programs:
   """The compiled program of each shape (the module docstring). compile: lowers and compiles a
   shape (ModelRunner.lower(shape).compile)."""
 
-  def __init__(self, compile: Callable[[Shape], Any]):
+  def __init__(self, compile: Callable[[Shape], Any], processes: int = 1):
     self._compile = compile
+    self._processes = processes  # the mesh's (the module docstring: several, no background)
     self.ready: dict[Shape, Any] = {}
     self.warm = False  # after a warmup: calls never wait for a compile (fit)
     self._queue: list[Shape] = []  # shapes the background compiler is to compile, next first
@@ -62,7 +68,7 @@ class Programs:
   def fit(self, shape: ShapeT) -> ShapeT:
     """The shape a call of `shape` runs as: itself once ready (or when not warm: compiled at the
     call); else the smallest ready shape that covers it, and it goes first in the queue."""
-    if not self.warm or shape in self.ready:
+    if not self.warm or shape in self.ready or self._processes > 1:
       return shape
     with self._lock:
       ready = [s for s in self.ready if isinstance(s, type(shape)) and s.covers(shape)]
@@ -78,7 +84,12 @@ class Programs:
   def warmup(self, covering: list[Shape], rest: list[Shape], background: bool,
              report: Callable[[str], None]) -> None:
     """Compiles `covering` now, then `rest` (in the background, or now), reporting each with the
-    count, the time so far and an ETA; calls never wait for a compile from then on."""
+    count, the time so far and an ETA; calls never wait for a compile from then on. Over several
+    processes, all of them now (the module docstring)."""
+    if background and self._processes > 1:
+      report(f'warmup: the mesh spans {self._processes} processes, so every program compiles '
+             'before serving (the same program on each at every call)')
+      background = False
     self._report, self._done, self._t0 = report, 0, time.perf_counter()
     todo = [s for s in covering if s not in self.ready]
     later = [s for s in rest if s not in self.ready and s not in covering]

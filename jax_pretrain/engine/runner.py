@@ -324,7 +324,8 @@ class ModelRunner:
                             np.int32(tokenizer.eos_id))
     self._constants: tuple | None = None
     self._state: State | None = None  # allocated at the first call (state())
-    self.programs = programs_lib.Programs(self.compile)
+    self.programs = programs_lib.Programs(
+        self.compile, processes=len({d.process_index for d in self.mesh.devices.flat}))
     self.prompts_prefilled = 0  # prompts run through the model (once for all their sequences)
     self.set_params(params)
 
