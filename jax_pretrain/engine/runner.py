@@ -105,12 +105,16 @@ def decoding_model(config: model_lib.ModelConfig) -> model_lib.Transformer:
   return model_lib.Transformer(dataclasses.replace(config, remat='none', layers='unroll'))
 
 
+def kv_bytes(config: model_lib.ModelConfig) -> int:
+  """Bytes of one position's keys and values in an engine's cache, over all layers."""
+  return 2 * config.num_layers * config.num_kv_heads * config.head_dim * (
+      config.compute_dtype.itemsize)
+
+
 def cache_bytes(config: model_lib.ModelConfig, slots: int, context: int, devices: int) -> float:
   """Bytes one device holds of an engine's cache and last logits (`slots` over `devices`)."""
   local = -(-slots // devices)
-  kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * (
-      config.compute_dtype.itemsize)
-  return float(local * (context * kv + config.vocab_size * 4))
+  return float(local * (context * kv_bytes(config) + config.vocab_size * 4))
 
 
 @struct.dataclass
