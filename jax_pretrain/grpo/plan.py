@@ -104,7 +104,7 @@ def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | Non
   Raises plan.PlanError (no CUDA plugin, too few CPU devices, prompts that leave no room, an
   update that cuDNN's attention does not compile) and config.ConfigError.
   """
-  step = shapes(config, target, num_devices, memory_gib, prompt_tokens)
+  step = resolve_step(config, target, num_devices, memory_gib, prompt_tokens)
   u = update(step, hlo_path)
   r = rollout_calls(step, u)
   c, eng = step.config, r.engine
@@ -130,8 +130,8 @@ def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | Non
   }
 
 
-def shapes(config, target: str, num_devices: int, memory_gib: float | None,
-           prompt_tokens: int) -> Step:
+def resolve_step(config, target: str, num_devices: int, memory_gib: float | None,
+                 prompt_tokens: int) -> Step:
   """The step's config resolved for the target's devices, and its shapes, checked: a config with
   the grpo group, prompts that leave room for grpo.max_new_tokens in data.seq_len."""
   config = config_lib.typed(config)
@@ -141,8 +141,8 @@ def shapes(config, target: str, num_devices: int, memory_gib: float | None,
                              'configs/grpo.py:RUN.')
   t = plan_lib.target_of(target, memory_gib)
   devices = plan_lib.devices_for(t, num_devices)
-  given, run = config_lib.resolve(config, len(devices), device=devices[0])
-  resolved = grpo_config.of(given)
+  c, run = config_lib.resolve(config, len(devices), device=devices[0])
+  resolved = grpo_config.of(c)
   g, T = resolved.grpo, resolved.data.seq_len
   objective.check_batch(resolved)
   prompt_tokens = prompt_tokens or T - g.max_new_tokens
