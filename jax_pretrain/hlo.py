@@ -240,6 +240,18 @@ class Stats:
       default_factory=lambda: collections.defaultdict(float))
   unknown_trip_counts: int = 0
 
+  def add(self, k: Kernel) -> None:
+    """Counts a kernel's cost, times it runs, into the totals (and its kind's)."""
+    self.kernels.append(k)
+    self.flops += k.flops * k.times
+    self.hbm_bytes += k.hbm_bytes * k.times
+    if k.kind.startswith('matmul'):
+      self.matmul_flops += k.flops * k.times
+    if k.kind == 'matmul_fp8':
+      self.fp8_matmul_flops += k.flops * k.times
+    elif k.kind.startswith('attention'):
+      self.attention_flops += k.flops * k.times
+
 
 def _dot_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
   m = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', instruction.attrs)
@@ -351,6 +363,17 @@ def _fusion_bytes(instruction: Instruction, computations, shapes) -> float:
   return total
 
 
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """A parsed program as `analyze` reads it: each computation's instructions, every instruction
+  by name and its result type, and the two settings of the analysis."""
+  computations: dict[str, list[Instruction]]
+  by_name: dict[str, Instruction]
+  shapes: dict[str, str]
+  devices_per_node: int
+  unknown_trips: int
+
+
 def analyze(text: str, devices_per_node: int = 8, unknown_trips: int = 1) -> Stats:
   """Per-device FLOPs, HBM bytes, kernels and collectives of one run of the program in `text`.
   unknown_trips: how many times a while loop whose trip count the HLO does not say runs (e.g. a
@@ -358,126 +381,124 @@ def analyze(text: str, devices_per_node: int = 8, unknown_trips: int = 1) -> Sta
   computations, entry = parse(text)
   by_name = {i.name: i for body in computations.values() for i in body}
   shapes = {name: i.shape for name, i in by_name.items()}
+  p = _Program(computations, by_name, shapes, devices_per_node, unknown_trips)
   stats = Stats(fp8_matmuls=sum(_dot_kind(i, shapes) == 'matmul_fp8' for i in by_name.values()
                                 if i.opcode == 'dot' or '__cublas' in i.attrs))
-
-  def flops_inside(name: str, seen=()) -> tuple[float, str]:
-    """FLOPs and kind of a fusion body (dots inside it)."""
-    flops, kind = 0.0, 'other'
-    for i in computations.get(name, []):
-      if i.opcode == 'dot':
-        flops, kind = flops + _dot_flops(i, shapes), _dot_kind(i, shapes)
-      elif i.opcode == 'custom-call':
-        cost = _custom_call_cost(i, shapes)
-        if cost:
-          flops, kind = flops + cost[1], cost[0]
-      elif i.opcode in ('fusion', 'call') and name not in seen:
-        for c in i.called('calls') or i.called('to_apply'):
-          f, k = flops_inside(c, seen + (name,))
-          flops, kind = flops + f, (k if k != 'other' else kind)
-    return flops, kind
-
-  def collective(i: Instruction, kind: str, times: float) -> None:
-    n, spans = group_size_and_span(i, devices_per_node)
-    size = sum(shape_bytes(shapes.get(o, '')) for o in i.operands)
-    if kind == 'all-gather':
-      size *= n
-    factor = {'all-reduce': 2 * (n - 1) / n, 'collective-permute': 1.0}.get(kind, (n - 1) / n)
-    c = stats.collectives[kind]
-    c.count += times
-    c.bytes += size * times
-    c.wire_bytes += factor * size * times
-    if spans:
-      c.cross_node_wire_bytes += factor * size * times
-
-  def walk(name: str, times: float) -> None:
-    for i in computations.get(name, []):
-      op = i.opcode
-      base = op[:-len('-start')] if op.endswith('-start') else op
-      if base in COLLECTIVES:
-        collective(i, base, times)
-        continue
-      if op.endswith('-done') or op in ('async-update',):
-        continue
-      if op == 'async-start':
-        for c in i.called('calls'):
-          inner = computations.get(c, [])
-          kinds = [x for x in inner if x.opcode in COLLECTIVES]
-          if kinds:
-            for x in kinds:
-              collective(x, x.opcode, times)
-          else:
-            walk(c, times)
-        continue
-      if op == 'while':
-        n = trip_count(i, computations, by_name)
-        if n is None:
-          stats.unknown_trip_counts += 1
-          n = unknown_trips
-        for body in i.called('body'):
-          walk(body, times * n)
-        continue
-      if op == 'conditional':  # the costliest branch
-        branches = i.called('branch_computations') or (
-            i.called('true_computation') + i.called('false_computation'))
-        costs = []
-        for b in branches:
-          sub = analyze_computation(b)
-          costs.append((sub.flops + sub.hbm_bytes, b))
-        if costs:
-          walk(max(costs)[1], times)
-        continue
-      if op == 'call':
-        for c in i.called('to_apply') or i.called('calls'):
-          walk(c, times)
-        continue
-      if op in _FREE:
-        continue
-      kind, flops = 'other', 0.0
-      if op == 'dot':
-        kind, flops = _dot_kind(i, shapes), _dot_flops(i, shapes)
-      elif op == 'custom-call':
-        cost = _custom_call_cost(i, shapes)
-        if cost:
-          kind, flops = cost
-        else:
-          target = re.search(r'custom_call_target="([^"]*)"', i.attrs)
-          stats.uncounted[target.group(1) if target else '?'] += times
-      elif op in ('fusion', 'fusion-start'):
-        for c in i.called('calls'):
-          f, k = flops_inside(c)
-          flops, kind = flops + f, k
-      if kind == 'other' and op != 'custom-call':
-        kind = 'copy' if _is_copy(i, computations) else 'elementwise'
-      if op in ('fusion', 'fusion-start'):
-        hbm = _fusion_bytes(i, computations, shapes)
-      elif op == 'dynamic-update-slice':
-        hbm = 2 * shape_bytes(shapes.get(i.operands[1], ''))
-      elif op == 'scatter':  # in place: reads its indices and updates, writes the updates
-        hbm = sum(shape_bytes(shapes.get(o, '')) for o in i.operands[1:]) + sum(
-            shape_bytes(shapes.get(o, '')) for o in i.operands[2:])
-      elif op in _SLICES:
-        hbm = 2 * shape_bytes(i.shape)
-      else:
-        hbm = sum(shape_bytes(shapes.get(o, '')) for o in i.operands) + shape_bytes(i.shape)
-      stats.kernels.append(Kernel(i.name, op, kind, flops, hbm, times))
-      stats.flops += flops * times
-      stats.hbm_bytes += hbm * times
-      if kind.startswith('matmul'):
-        stats.matmul_flops += flops * times
-      if kind == 'matmul_fp8':
-        stats.fp8_matmul_flops += flops * times
-      elif kind.startswith('attention'):
-        stats.attention_flops += flops * times
-
-  def analyze_computation(name: str) -> Stats:
-    nonlocal stats
-    outer, stats = stats, Stats()
-    try:
-      walk(name, 1.0)
-      return stats
-    finally:
-      stats = outer
-
-  walk(entry, 1.0)
+  _walk(p, entry, 1.0, stats)
   return stats
+
+
+def _walk(p: _Program, name: str, times: float, stats: Stats) -> None:
+  """Adds to stats what computation `name` does when it runs `times` times: its kernels and
+  collectives, and those of the computations it runs (loops times their trips)."""
+  for i in p.computations.get(name, []):
+    op = i.opcode
+    base = op.removesuffix('-start')
+    if base in COLLECTIVES:
+      _collective(p, i, base, times, stats)
+    elif op.endswith('-done') or op == 'async-update':
+      continue
+    elif op == 'async-start':
+      for c in i.called('calls'):
+        inner = [x for x in p.computations.get(c, []) if x.opcode in COLLECTIVES]
+        for x in inner:
+          _collective(p, x, x.opcode, times, stats)
+        if not inner:
+          _walk(p, c, times, stats)
+    elif op == 'while':
+      n = trip_count(i, p.computations, p.by_name)
+      if n is None:
+        stats.unknown_trip_counts += 1
+        n = p.unknown_trips
+      for body in i.called('body'):
+        _walk(p, body, times * n, stats)
+    elif op == 'conditional':
+      branch = _costliest_branch(p, i)
+      if branch is not None:
+        _walk(p, branch, times, stats)
+    elif op == 'call':
+      for c in i.called('to_apply') or i.called('calls'):
+        _walk(p, c, times, stats)
+    elif op not in _FREE:
+      _kernel(p, i, times, stats)
+
+
+def _costliest_branch(p: _Program, i: Instruction) -> str | None:
+  """The branch of a conditional with the most FLOPs + HBM bytes (what `analyze` counts of it)."""
+  branches = i.called('branch_computations') or (
+      i.called('true_computation') + i.called('false_computation'))
+  costs = []
+  for b in branches:
+    sub = Stats()
+    _walk(p, b, 1.0, sub)
+    costs.append((sub.flops + sub.hbm_bytes, b))
+  return max(costs)[1] if costs else None
+
+
+def _collective(p: _Program, i: Instruction, kind: str, times: float, stats: Stats) -> None:
+  """Adds a collective's executions, its buffer's bytes and a ring algorithm's wire bytes."""
+  n, spans = group_size_and_span(i, p.devices_per_node)
+  size = sum(shape_bytes(p.shapes.get(o, '')) for o in i.operands)
+  if kind == 'all-gather':
+    size *= n
+  factor = {'all-reduce': 2 * (n - 1) / n, 'collective-permute': 1.0}.get(kind, (n - 1) / n)
+  c = stats.collectives[kind]
+  c.count += times
+  c.bytes += size * times
+  c.wire_bytes += factor * size * times
+  if spans:
+    c.cross_node_wire_bytes += factor * size * times
+
+
+def _flops_inside(p: _Program, name: str, seen: tuple[str, ...] = ()) -> tuple[float, str]:
+  """FLOPs and kind of a fusion body (dots inside it)."""
+  flops, kind = 0.0, 'other'
+  for i in p.computations.get(name, []):
+    if i.opcode == 'dot':
+      flops, kind = flops + _dot_flops(i, p.shapes), _dot_kind(i, p.shapes)
+    elif i.opcode == 'custom-call':
+      cost = _custom_call_cost(i, p.shapes)
+      if cost:
+        flops, kind = flops + cost[1], cost[0]
+    elif i.opcode in ('fusion', 'call') and name not in seen:
+      for c in i.called('calls') or i.called('to_apply'):
+        f, k = _flops_inside(p, c, seen + (name,))
+        flops, kind = flops + f, (k if k != 'other' else kind)
+  return flops, kind
+
+
+def _kernel(p: _Program, i: Instruction, times: float, stats: Stats) -> None:
+  """Adds one launch site's kernel, of its kind, FLOPs and HBM bytes (a custom call of unknown
+  cost to stats.uncounted)."""
+  op = i.opcode
+  kind, flops = 'other', 0.0
+  if op == 'dot':
+    kind, flops = _dot_kind(i, p.shapes), _dot_flops(i, p.shapes)
+  elif op == 'custom-call':
+    cost = _custom_call_cost(i, p.shapes)
+    if cost:
+      kind, flops = cost
+    else:
+      target = re.search(r'custom_call_target="([^"]*)"', i.attrs)
+      stats.uncounted[target.group(1) if target else '?'] += times
+  elif op in ('fusion', 'fusion-start'):
+    for c in i.called('calls'):
+      f, k = _flops_inside(p, c)
+      flops, kind = flops + f, k
+  if kind == 'other' and op != 'custom-call':
+    kind = 'copy' if _is_copy(i, p.computations) else 'elementwise'
+  stats.add(Kernel(i.name, op, kind, flops, _kernel_bytes(p, i), times))
+
+
+def _kernel_bytes(p: _Program, i: Instruction) -> float:
+  """HBM bytes a kernel reads and writes (the module docstring's)."""
+  op, size = i.opcode, lambda names: sum(shape_bytes(p.shapes.get(o, '')) for o in names)
+  if op in ('fusion', 'fusion-start'):
+    return _fusion_bytes(i, p.computations, p.shapes)
+  if op == 'dynamic-update-slice':
+    return 2 * size(i.operands[1:2])
+  if op == 'scatter':  # in place: reads its indices and updates, writes the updates
+    return size(i.operands[1:]) + size(i.operands[2:])
+  if op in _SLICES:
+    return 2 * shape_bytes(i.shape)
+  return size(i.operands) + shape_bytes(i.shape)

@@ -135,6 +135,19 @@ def test_the_trainer_imports_nothing_that_runs_after_training():
   assert {'jax_pretrain.lm_eval', 'jax_pretrain.sample'} <= composed
 
 
+def test_plan_knows_no_program_and_grpo_registers_its_own():
+  """plan.py imports nothing of the grpo package (imports inside functions included): GRPO's plan
+  lives in jax_pretrain/grpo/plan.py, which registers it with plan.py as grpo/config.py registers
+  its config group, and plan.program_plan loads it by name (a fresh interpreter)."""
+  graph = import_graph()
+  assert 'jax_pretrain.plan' in graph['jax_pretrain.grpo.plan']
+  assert not {m for m in graph['jax_pretrain.plan'] if m.startswith('jax_pretrain.grpo')}
+  code = ('import sys; from jax_pretrain import plan; '
+          'loaded = [m for m in sys.modules if m.startswith("jax_pretrain.grpo")]; '
+          'p = plan.program_plan("grpo"); print(loaded, p.name, p.plan.__module__)')
+  assert run_cli('-c', code).split() == ['[]', 'grpo', 'jax_pretrain.grpo.plan']
+
+
 def test_the_training_path_resolves_the_config_once():
   """config.resolve is called in train.train and nowhere else that a training run goes through
   (memory.fit_micro_batch re-derives the micro-batch; state.build takes the resolved config)."""

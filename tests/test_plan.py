@@ -21,6 +21,7 @@ from jax_pretrain import model as model_lib
 from jax_pretrain import plan
 from jax_pretrain import runtime
 from jax_pretrain.grpo import config as grpo_config
+from jax_pretrain.grpo import plan as grpo_plan
 from tests.conftest import ROOT
 from tests.conftest import run_cli
 from tests.conftest import subprocess_env
@@ -415,6 +416,17 @@ def test_plan_cli_prints_json_and_config_errors_as_one_line():
       'error: mesh.tensor=3 must divide model.num_heads=4 and model.num_kv_heads=2.']
 
 
+def test_plan_main_imported_plans_as_the_command_does():
+  """plan.main called from Python, as `python -m jax_pretrain.plan` calls it once its flags are
+  read (in a fresh interpreter: main sets jax's CPU devices), prints the plan."""
+  code = ('from jax_pretrain import config, plan; '
+          'plan.main(config.preset("test"), "cpu", 2, as_json=True)')
+  r = json.loads(run_cli('-c', code))
+  assert (r['target'], r['num_devices']) == ('cpu', 2)
+  assert r['mesh'] == {'data': 2, 'fsdp': 1, 'tensor': 1}
+  assert r['tokens_per_step'] == 16 * 32  # configs/test.py: 16 sequences of 32 tokens a step
+
+
 def test_a_gpu_target_without_the_plugin_says_what_to_install(monkeypatch):
   monkeypatch.setattr(gpu_targets, 'plugin_library', lambda: None)
   with pytest.raises(plan.PlanError, match=r'pip install -r requirements-gpu.txt'):
@@ -509,7 +521,7 @@ def _grpo_test_config(beta: float = 0.0, num_iterations: int = 1):
 
 @pytest.mark.parametrize('beta, num_iterations', [(0.0, 1), (0.04, 1), (0.0, 2), (0.04, 2)])
 def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta, num_iterations):
-  r = plan.grpo_plan(_grpo_test_config(beta, num_iterations), target='cpu', num_devices=2,
+  r = grpo_plan.plan(_grpo_test_config(beta, num_iterations), target='cpu', num_devices=2,
                      prompt_tokens=10)
   g, update, prefill, decode = r['grpo'], r['update'], r['prefill'], r['decode']
   # 10 + 8 tokens, of which the model's inputs are all but the last: 17, rounded up to 24 (cuDNN
@@ -608,7 +620,7 @@ def test_xlarge_grpo_on_one_h100_at_64_slots_decodes_in_place_near_the_bandwidth
   c = grpo_config.with_group(config_lib.preset('xlarge'))
   c.train.batch_size, c.grpo.num_samples, c.grpo.max_new_tokens = 128, 16, 512
   c.grpo.rollout_slots = 64
-  r = plan.grpo_plan(c, target='h100', num_devices=1, prompt_tokens=512)
+  r = grpo_plan.plan(c, target='h100', num_devices=1, prompt_tokens=512)
   decode, rollout = r['decode'], r['rollout']
   assert decode['live'] == 1024 and decode['temp_gib'] < 1  # the cache is written in place
   assert decode['tokens_per_s'] > 9000  # roofline at the longest live window
@@ -626,7 +638,7 @@ def test_xlarge_grpo_on_8_gpus_splits_the_rollout_over_them_and_fits(target):
   c = grpo_config.with_group(config_lib.preset('xlarge'))  # attention auto: cuDNN
   c.train.batch_size, c.train.micro_batch_size = 128, 8
   c.grpo.num_samples, c.grpo.max_new_tokens = 16, 512
-  r = plan.grpo_plan(c, target=target, num_devices=8, prompt_tokens=512)
+  r = grpo_plan.plan(c, target=target, num_devices=8, prompt_tokens=512)
   g, update, decode = r['grpo'], r['update'], r['decode']
   # Rows of 1,025 tokens: 1,024 inputs (512 + 512 - 1, rounded up to 8: cuDNN trains on no odd
   # length) and the last target.
@@ -651,7 +663,7 @@ def test_the_grpo_step_counts_its_scoring_passes_and_every_update():
   c = grpo_config.with_group(config_lib.preset('xlarge'))
   c.train.batch_size, c.grpo.num_samples, c.grpo.max_new_tokens = 128, 16, 512
   c.grpo.beta, c.grpo.num_iterations = 0.04, 2
-  r = plan.grpo_plan(c, target='h100', num_devices=8, prompt_tokens=512)
+  r = grpo_plan.plan(c, target='h100', num_devices=8, prompt_tokens=512)
   score, ro = r['score'], r['rollout']
   assert score['calls_per_step'] == 2 and score['fits']
   assert set(score['alongside_gib']) == {'train state', 'engine cache'}  # it scores the reference
@@ -669,7 +681,7 @@ def test_the_grpo_update_is_fitted_as_it_will_run_not_as_pretraining():
   c = grpo_config.with_group(config_lib.preset('xlarge'))
   c.train.batch_size, c.grpo.num_samples, c.grpo.max_new_tokens = 128, 16, 128
   c.grpo.rollout_slots = 32
-  grpo = plan.grpo_plan(c, target='h100', num_devices=1, prompt_tokens=128)['update']
+  grpo = grpo_plan.plan(c, target='h100', num_devices=1, prompt_tokens=128)['update']
   pretraining = plan.plan(c, target='h100', num_devices=1)
   assert grpo['tokens_per_step'] == 128 * 257 and grpo['fits']
   assert grpo['micro_batch_size'] >= 4 * pretraining['micro_batch_size']
