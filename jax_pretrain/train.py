@@ -221,8 +221,8 @@ class Program(Generic[SourcesT, DataT, StepT]):
     return []
 
 
-def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str, program: Program,
-          devices=None) -> dict[str, float]:
+def train(config: config_lib.Config | ml_collections.ConfigDict, workdir: str,
+          program: Program[SourcesT, DataT, StepT], devices=None) -> dict[str, float]:
   """Trains per the config (a config file's ConfigDict, with the command line's overrides; or a
   Config) and the program, writing logs and checkpoints to workdir; returns the last logged
   scalars ({} when a stop signal came before the first step).
@@ -277,7 +277,8 @@ def _open_checkpointer(resources: contextlib.ExitStack, workdir: str,
 
 
 def _restore(config: config_lib.Config, resolved: config_lib.Config,
-             run_shape: config_lib.RunShape, devices, program: Program, sources, workdir: str,
+             run_shape: config_lib.RunShape, devices, program: Program[SourcesT, Any, Any],
+             sources: SourcesT, workdir: str,
              checkpointer: checkpoint_lib.Checkpointer,
              stop: signals.StopSignal) -> tuple[Setup, TrainState, int]:
   """(Setup, state, step): the config against the checkpoint's (a change that does not fit it
@@ -312,8 +313,8 @@ def _restore(config: config_lib.Config, resolved: config_lib.Config,
   return s, state, step
 
 
-def _open_data(resources: contextlib.ExitStack, program: Program, resolved: config_lib.Config,
-               sources, step: int):
+def _open_data(resources: contextlib.ExitStack, program: Program[SourcesT, DataT, Any],
+               resolved: config_lib.Config, sources: SourcesT, step: int) -> DataT:
   """program.open_data, its close registered as it opens (a stop signal while it loads discards
   the result: the data is closed all the same)."""
   data = program.open_data(resolved, sources, step)
@@ -321,7 +322,8 @@ def _open_data(resources: contextlib.ExitStack, program: Program, resolved: conf
   return data
 
 
-def _run_loop(resources: contextlib.ExitStack, program: Program, s: Setup, data, update,
+def _run_loop(resources: contextlib.ExitStack, program: Program[Any, DataT, StepT], s: Setup,
+              data: DataT, update,
               state: TrainState, step: int, workdir: str,
               checkpointer: checkpoint_lib.Checkpointer,
               stop: signals.StopSignal) -> dict[str, float]:
