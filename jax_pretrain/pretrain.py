@@ -58,6 +58,7 @@ def train_and_evaluate(config: config_lib.Config | ml_collections.ConfigDict, wo
 
 def run_eval(eval_step, params, data: data_lib.Data, s: state_lib.Setup, logger: StepLogger,
              step: int) -> dict:
+  """The held-out loss of params over data.eval_batches(), written and logged at `step`."""
   nll, count = state_lib.summed_loss(eval_step, params, data.eval_batches(), s.batch_sharding)
   loss = nll / max(count, 1.0)
   scalars = {'eval/loss': loss, 'eval/ppl': metrics_lib.perplexity(loss)}
