@@ -3,8 +3,9 @@
 
   pretrain.train_and_evaluate(config, workdir)   # what `python -m jax_pretrain.main` runs
 
-The hooks that run after training has produced a state (lm_eval, the end-of-run sample) live here,
-so that train.py imports none of lm_eval, sample, engine or serve.
+Pretraining's own hooks live here: the held-out loss, and those that run after training has
+produced a state (lm_eval, the end-of-run sample), so that train.py imports none of lm_eval,
+sample, engine or serve. Those of every program (checkpointing, profiling) are hooks.py's.
 """
 import time
 from typing import Callable
@@ -14,25 +15,29 @@ import ml_collections
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import data as data_lib
+from jax_pretrain import hooks as hooks_lib
 from jax_pretrain import loop as loop_lib
+from jax_pretrain import metrics as metrics_lib
 from jax_pretrain import multihost
 from jax_pretrain import sample as sample_lib
+from jax_pretrain import state as state_lib
 from jax_pretrain import train as train_lib
+from jax_pretrain.step_logger import StepLogger
 
 
 class Pretraining(train_lib.Program[data_lib.Sources, data_lib.Data, Callable]):
   """Pretraining and SFT: train.Program's data (data.train's text or SFT examples) and step, with
   the hooks below."""
 
-  def hooks(self, ctx: train_lib.Context[data_lib.Data, Callable]) -> list[loop_lib.Hook]:
+  def hooks(self, ctx: hooks_lib.Context[data_lib.Data, Callable]) -> list[loop_lib.Hook]:
     """Every hook of a pretraining run (loop.py says when each phase runs). The step metrics (the
     console line, TensorBoard, W&B) and the non-finite check are the loop's `metrics` and `checks`
     (train.py)."""
     t = ctx.config.train
     return [
-        *train_lib.profile_hooks(ctx),  # BEFORE_STEP / AFTER_STEP: train.profile_steps
-        train_lib.eval_hook(ctx),  # EVAL: every train.eval_every steps and at the end
-        *train_lib.checkpoint_hooks(ctx),  # SAVE: checkpoint.every_steps, the end, a stop
+        *hooks_lib.profile_hooks(ctx),  # BEFORE_STEP / AFTER_STEP: train.profile_steps
+        eval_hook(ctx),  # EVAL: every train.eval_every steps and at the end
+        *hooks_lib.checkpoint_hooks(ctx),  # SAVE: checkpoint.every_steps, the end, a stop
         *([lm_eval_hook(ctx)] if t.lm_eval_tasks else []),  # AFTER_SAVE
         *([sample_hook(ctx)] if t.sample_prompt and t.sample_tokens > 0 else []),  # END
     ]
@@ -51,8 +56,30 @@ def train_and_evaluate(config: config_lib.Config | ml_collections.ConfigDict, wo
   return train_lib.train(config, workdir, Pretraining(), devices)
 
 
-def run_lm_eval(params, tokenizer, config: config_lib.Config,
-                logger: train_lib.StepLogger, step: int) -> None:
+def run_eval(eval_step, params, data: data_lib.Data, s: state_lib.Setup, logger: StepLogger,
+             step: int) -> dict:
+  """The held-out loss of params over data.eval_batches(), written and logged at `step`."""
+  nll, count = state_lib.summed_loss(eval_step, params, data.eval_batches(), s.batch_sharding)
+  loss = nll / max(count, 1.0)
+  scalars = {'eval/loss': loss, 'eval/ppl': metrics_lib.perplexity(loss)}
+  logger.write(step, scalars)
+  multihost.log(f'eval at step {step} | loss {loss:.4f} | ppl {scalars["eval/ppl"]:.2f}')
+  return scalars
+
+
+def eval_hook(ctx: hooks_lib.Context) -> loop_lib.Hook:
+  """The held-out loss every train.eval_every steps and at the end (eval/loss, eval/ppl)."""
+  s = ctx.setup
+  eval_step = state_lib.jit_eval_step(s, ctx.data.tokenizer.pad_id)
+
+  def evaluate(info: loop_lib.StepInfo) -> dict:
+    return run_eval(eval_step, info.state.params, ctx.data, s, ctx.logger, info.step)
+  return loop_lib.Hook(evaluate, every=s.config.train.eval_every, phase=loop_lib.EVAL,
+                       at_last=True, name='eval')
+
+
+def run_lm_eval(params, tokenizer, config: config_lib.Config, logger: StepLogger,
+                step: int) -> None:
   """train.lm_eval_tasks through lm-evaluation-harness, logged as lm_eval/TASK/METRIC. A failure of
   the harness or its tasks (a task's download, a task the model cannot run:
   lm_eval.harness_failed) is a warning and training goes on; one of our code (the model, the
@@ -74,7 +101,7 @@ def run_lm_eval(params, tokenizer, config: config_lib.Config,
     multihost.log(f'lm_eval at step {step} | {shown} ({time.perf_counter() - t0:.1f}s)')
 
 
-def lm_eval_hook(ctx: train_lib.Context) -> loop_lib.Hook:
+def lm_eval_hook(ctx: hooks_lib.Context) -> loop_lib.Hook:
   """train.lm_eval_tasks after the save (a failing task costs no training), every
   train.lm_eval_every steps (0: at every eval) and at the end."""
   t = ctx.config.train
@@ -82,10 +109,10 @@ def lm_eval_hook(ctx: train_lib.Context) -> loop_lib.Hook:
   def lm_eval(info: loop_lib.StepInfo) -> None:
     run_lm_eval(info.state.params, ctx.data.tokenizer, ctx.config, ctx.logger, info.step)
   return loop_lib.Hook(lm_eval, every=t.lm_eval_every or t.eval_every, phase=loop_lib.AFTER_SAVE,
-                       name='lm_eval')
+                       at_last=True, name='lm_eval')
 
 
-def sample_hook(ctx: train_lib.Context) -> loop_lib.Hook:
+def sample_hook(ctx: hooks_lib.Context) -> loop_lib.Hook:
   """A continuation of train.sample_prompt from the final model, printed."""
   t = ctx.config.train
 

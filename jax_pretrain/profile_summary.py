@@ -37,8 +37,8 @@ from jax_pretrain import hlo
 from jax_pretrain.errors import UserError
 
 TRACE = 'perfetto_trace.json.gz'  # (jax.profiler's, under plugins/profile/DATE/)
-PROGRAM = 'train_step.hlo.txt'  # the compiled train step's HLO, written by loop.Profiler
-INFO = 'profile.json'  # {'first_step', 'last_step', 'trace'}, written by loop.Profiler
+PROGRAM = 'train_step.hlo.txt'  # the compiled train step's HLO, written by hooks.Profiler
+INFO = 'profile.json'  # {'first_step', 'last_step', 'trace'}, written by hooks.Profiler
 
 # The table's rows, in the order in which time that several kinds share is counted.
 KINDS = ('matmul', 'attention forward', 'attention backward', 'recomputation',

@@ -122,23 +122,89 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   rollout weights). The optimizer steps on the gradient of loss sum / weight.
 
   loss_scaling (float16 runs; state.loss_scale is then a LossScale): each micro-batch's gradient is
-  that of its mean loss × scale (see local_sums), and the summed gradients are divided by the scale
-  before clipping. Non-finite gradients with a finite loss (an overflow) skip the step like the
-  non-finite guard does, but count in loss_scale.skips, not nonfinite_count.
+  that of its mean loss × scale (see _local_sums), and the summed gradients are divided by the
+  scale before clipping. Non-finite gradients with a finite loss (an overflow) skip the step like
+  the non-finite guard does, but count in loss_scale.skips, not nonfinite_count.
+
+  The step in three parts: the gradient sums over micro-batches and replicas (_gradient_sums),
+  the guarded optimizer update (_guarded_update), and the step's metrics.
+  """
+  loss_with_sums = _with_sums(loss_fn or make_loss_fn(model, pad_id))
+  sums_fn = _gradient_sums(model, loss_with_sums, grad_accum_steps, mesh,
+                           given_sums=loss_fn is not None)
+
+  def train_step(state: TrainState, batch):
+    old_scale = state.loss_scale if loss_scaling else None  # (a LossScale where loss_scaling)
+    scale = old_scale.scale if old_scale is not None else None
+    loss_sum, (weight, sums, maxima, minima), grads, amaxes = sums_fn(state.params, state.fp8,
+                                                                       batch, scale)
+    weight = jnp.maximum(weight, 1.0)
+    grads = jax.tree.map(lambda g: g / weight, grads)
+    loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
+    new_state = _guarded_update(optimizer, state, grads, loss, grad_norm, amaxes, old_scale)
+    # The rate this step's update used (dropped with it on a skip), from the optimizer's count.
+    lr = optim.applied_learning_rate(schedule, state.opt_state)
+    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr,
+               'nonfinite_count': new_state.nonfinite_count,
+               'consecutive_nonfinite': new_state.consecutive_nonfinite,
+               **{name: total / weight for name, total in sums.items()}, **maxima, **minima}
+    if new_state.loss_scale is not None:
+      metrics['loss_scale'] = new_state.loss_scale.scale
+      metrics['loss_scale_skips'] = new_state.loss_scale.skips
+    return new_state, metrics
+
+  return train_step
+
+
+def _with_sums(loss_fn):
+  """loss_fn (make_train_step's) as (params, batch) -> (loss sum, (weight, sums, maxima,
+  minima)): the dicts it leaves out, empty."""
+  def loss_with_sums(params, batch):
+    loss, aux = loss_fn(params, batch)
+    aux = aux if isinstance(aux, tuple) else (aux,)
+    return loss, (*aux, {}, {}, {})[:4]
+  return loss_with_sums
+
+
+def _gradient_sums(model, loss_with_sums, grad_accum_steps: int, mesh, given_sums: bool):
+  """(params, fp8 histories, batch, loss scale or None) -> (loss sum, (weight, sums, maxima,
+  minima), float32 grads, FP8 amaxes) over the whole batch.
 
   Gradients are reduced across data-parallel replicas once per optimizer step, not once per
-  micro-batch: the accumulation runs under a shard_map over the 'data' axis, where each replica
-  sums its own micro-batches' float32 gradients, and one psum follows the loop. 'fsdp' and
-  'tensor' stay with the compiler (GSPMD): FSDP gathers each layer's weights, and reduce-scatters
-  their gradients, per micro-batch, which is what keeps its memory at 1/fsdp of the state.
-  """
-  default_loss_fn = make_loss_fn(model, pad_id)
-  given_loss_fn = loss_fn or default_loss_fn
+  micro-batch: the accumulation (_local_sums) runs under a shard_map over the 'data' axis, where
+  each replica sums its own micro-batches' float32 gradients, and one psum follows the loop.
+  'fsdp' and 'tensor' stay with the compiler (GSPMD): FSDP gathers each layer's weights, and
+  reduce-scatters their gradients, per micro-batch, which is what keeps its memory at 1/fsdp of
+  the state."""
+  local_sums = _local_sums(model, loss_with_sums, grad_accum_steps, mesh, given_sums)
+  if mesh is None or mesh.shape['data'] == 1:  # (XLA rejects a psum over a 1-device axis)
+    return local_sums
 
-  def loss_with_sums(params, batch):  # -> (loss sum, (weight, sums, maxima, minima))
-    loss, aux = given_loss_fn(params, batch)
-    aux = aux if isinstance(aux, tuple) else (aux,)
-    return loss, (*aux, {}, {}, {})[:4]  # (the dicts a loss_fn leaves out: empty)
+  def data_parallel_sums(params, histories, batch, scale):
+    # check_vma=False: no implicit psum per micro-batch for the replicated params; the one
+    # reduction is this explicit psum, in float32 (and the amaxes' maximum).
+    loss_sum, (weight, sums, maxima, minima), grads, amaxes = local_sums(params, histories,
+                                                                          batch, scale)
+    loss_sum, weight, sums, grads = jax.lax.psum((loss_sum, weight, sums, grads), 'data')
+    aux = (weight, sums, jax.lax.pmax(maxima, 'data'), jax.lax.pmin(minima, 'data'))
+    return loss_sum, aux, grads, jax.lax.pmax(amaxes, 'data')
+  return jax.shard_map(data_parallel_sums, mesh=mesh,
+                       in_specs=(jax.P(), jax.P(), jax.P('data'), jax.P()),
+                       out_specs=jax.P(), axis_names={'data'}, check_vma=False)
+
+
+def _local_sums(model, loss_with_sums, grad_accum_steps: int, mesh, given_sums: bool):
+  """(params, histories, batch, scale) -> (loss sum, (weight, sums, maxima, minima), float32
+  grads, FP8 amaxes) over this replica's rows, micro-batch by micro-batch
+  (_split_micro_batches). With model.fp8, histories are the amax histories (TrainState.fp8) that
+  scale the FP8 matmuls, and the amaxes this step's: the maximum over the micro-batches
+  (fp8.combine); else None and None.
+
+  With a loss scale, the backward pass starts from scale × the micro-batch's mean loss (over its
+  B/A·T target positions), the magnitude GradScaler's defaults are set for (PyTorch losses are
+  means; the sum's gradients, B/A·T times larger, overflow float16 at the initial scale:
+  BENCHMARKS.md); the summed float32 gradients are unscaled here, before the psum, the norm and
+  the clipping."""
   loss_and_grad = jax.value_and_grad(loss_with_sums, has_aux=True)
 
   def scaled_loss(params, batch, factor):
@@ -147,26 +213,10 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
   scaled_loss_and_grad = jax.value_and_grad(scaled_loss, has_aux=True)
 
   def local_sums(params, histories, batch, scale):
-    """(loss sum, (target count, further sums), float32 grads, FP8 amaxes) over this replica's
-    rows, micro-batch by micro-batch. Micro-batch a takes rows a, a+A, a+2A, ...: every device
-    keeps its own rows. With model.fp8, histories are the amax histories (TrainState.fp8) that
-    scale the FP8 matmuls, and the amaxes this step's: the maximum over the micro-batches
-    (fp8.combine); else None and None.
-
-    With a loss scale, the backward pass starts from scale × the micro-batch's mean loss (over its
-    B/A·T target positions), the magnitude GradScaler's defaults are set for (PyTorch losses are
-    means; the sum's gradients, B/A·T times larger, overflowed float16 at the initial scale:
-    BENCHMARKS.md); the summed float32 gradients are unscaled here, before the psum, the norm and
-    the clipping."""
     factor = None
     if scale is not None:
       B, T1 = batch['tokens'].shape if isinstance(batch, dict) else batch.shape
       factor = scale / ((B // grad_accum_steps) * (T1 - 1))
-    def micro_batches(x_BxT):  # [B, T] -> [A, B / A, T], for every key of the batch
-      B, T = x_BxT.shape
-      x_AxMxT = x_BxT.reshape(B // grad_accum_steps, grad_accum_steps, T).swapaxes(0, 1)
-      return sharding.constrain(x_AxMxT, (None, 'batch', None), mesh)
-
     # Once, not per micro-batch: cast, and unrolled, each layer's apart (model.layers).
     weights = model_lib.with_compute_weights(model.config, params, histories)
 
@@ -179,15 +229,9 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
       return (loss_sum + loss_i, _combine_aux(aux, aux_i),
               jax.tree_util.tree_map_with_path(fp8.combine, grads, grads_i)), None
 
-    micro = jax.tree.map(micro_batches, batch)
-    aux_zeros: tuple
-    if given_loss_fn is default_loss_fn:
-      aux_zeros = (jnp.zeros((), jnp.float32), {}, {}, {})
-    else:  # the structure of its sums, from an abstract trace of one micro-batch
-      shapes = jax.eval_shape(
-          lambda: loss_with_sums(params, jax.tree.map(lambda x: x[0], micro))[1])
-      aux_zeros = tuple(jax.tree.map(lambda x, v=v: jnp.full(x.shape, v, jnp.float32), tree)
-                        for tree, v in zip(shapes, (0.0, 0.0, -jnp.inf, jnp.inf)))
+    micro = jax.tree.map(lambda x: _split_micro_batches(x, grad_accum_steps, mesh), batch)
+    aux_zeros = (_aux_zeros(loss_with_sums, params, micro) if given_sums
+                 else (jnp.zeros((), jnp.float32), {}, {}, {}))  # (make_loss_fn's: a weight)
     zeros = (jnp.zeros((), jnp.float32), aux_zeros,
              jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
     (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, zeros, micro)
@@ -195,66 +239,52 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     if factor is not None:
       grads = jax.tree.map(lambda g: g / factor, grads)
     return loss_sum, aux, grads, amaxes
+  return local_sums
 
-  def data_parallel_sums(params, histories, batch, scale):
-    # check_vma=False: no implicit psum per micro-batch for the replicated params; the one
-    # reduction is this explicit psum, in float32 (and the amaxes' maximum).
-    loss_sum, (weight, sums, maxima, minima), grads, amaxes = local_sums(params, histories,
-                                                                          batch, scale)
-    loss_sum, weight, sums, grads = jax.lax.psum((loss_sum, weight, sums, grads), 'data')
-    aux = (weight, sums, jax.lax.pmax(maxima, 'data'), jax.lax.pmin(minima, 'data'))
-    return loss_sum, aux, grads, jax.lax.pmax(amaxes, 'data')
 
-  if mesh is not None and mesh.shape['data'] > 1:  # (XLA rejects a psum over a 1-device axis)
-    sums_fn = jax.shard_map(data_parallel_sums, mesh=mesh,
-                            in_specs=(jax.P(), jax.P(), jax.P('data'), jax.P()),
-                            out_specs=jax.P(), axis_names={'data'}, check_vma=False)
-  else:
-    sums_fn = local_sums
+def _split_micro_batches(x_BxT, grad_accum_steps: int, mesh):
+  """[B, T] -> [A, B / A, T]: micro-batch a takes rows a, a+A, a+2A, ..., so that every device
+  keeps its own rows."""
+  B, T = x_BxT.shape
+  x_AxMxT = x_BxT.reshape(B // grad_accum_steps, grad_accum_steps, T).swapaxes(0, 1)
+  return sharding.constrain(x_AxMxT, (None, 'batch', None), mesh)
 
-  def train_step(state: TrainState, batch):
-    old_scale = state.loss_scale if loss_scaling else None  # (a LossScale where loss_scaling)
-    scale = old_scale.scale if old_scale is not None else None
-    loss_sum, (weight, sums, maxima, minima), grads, amaxes = sums_fn(state.params, state.fp8,
-                                                                       batch, scale)
-    weight = jnp.maximum(weight, 1.0)
-    grads = jax.tree.map(lambda g: g / weight, grads)
-    loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    # A non-finite loss or gradient drops the whole update: params and moments stay as they were.
-    # An elementwise select, not lax.cond: XLA fuses it into the update and writes in place,
-    # where a cond kept a second copy of the whole state alive.
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                     (params, opt_state), (state.params, state.opt_state))
-    loss_scale, guarded = None, finite
-    if old_scale is not None:
-      # Overflowing gradients of a finite loss are the scaler's to skip (and halve the scale);
-      # the non-finite guard counts (and halts on) a non-finite loss only.
-      overflow = (jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
-                  & (old_scale.scale >= LOSS_SCALE_MIN))
-      loss_scale = old_scale.update(jnp.isfinite(grad_norm), overflow)
-      guarded = finite | overflow
-    new_state = dataclasses.replace(
-        state,
-        step=state.step + 1, params=params, opt_state=opt_state,
-        fp8=None if amaxes is None else fp8.updated(state.fp8, amaxes, keep=~finite),
-        nonfinite_count=state.nonfinite_count + (~guarded).astype(jnp.int32),
-        consecutive_nonfinite=jnp.where(guarded, 0, state.consecutive_nonfinite + 1),
-        loss_scale=loss_scale)
-    # The rate this step's update used (dropped with it on a skip), from the optimizer's count.
-    lr = optim.applied_learning_rate(schedule, state.opt_state)
-    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr,
-               'nonfinite_count': new_state.nonfinite_count,
-               'consecutive_nonfinite': new_state.consecutive_nonfinite,
-               **{name: total / weight for name, total in sums.items()}, **maxima, **minima}
-    if loss_scale is not None:
-      metrics['loss_scale'] = loss_scale.scale
-      metrics['loss_scale_skips'] = loss_scale.skips
-    return new_state, metrics
 
-  return train_step
+def _aux_zeros(loss_with_sums, params, micro) -> tuple:
+  """The accumulation's start for a given loss_fn's (weight, sums, maxima, minima): zeros, and
+  -inf and inf for the extremes, in the structure of an abstract trace of one micro-batch."""
+  shapes = jax.eval_shape(lambda: loss_with_sums(params, jax.tree.map(lambda x: x[0], micro))[1])
+  return tuple(jax.tree.map(lambda x, v=v: jnp.full(x.shape, v, jnp.float32), tree)
+               for tree, v in zip(shapes, (0.0, 0.0, -jnp.inf, jnp.inf)))
+
+
+def _guarded_update(optimizer, state: TrainState, grads, loss, grad_norm, amaxes,
+                    old_scale: LossScale | None) -> TrainState:
+  """The state after the optimizer's update, or with its params and moments as they were where
+  the loss or gradient norm is not finite (counted; with a loss scale, an overflow is the
+  scaler's to skip and halve)."""
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  # An elementwise select, not lax.cond: XLA fuses it into the update and writes in place,
+  # where a cond kept a second copy of the whole state alive.
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                   (params, opt_state), (state.params, state.opt_state))
+  loss_scale, guarded = None, finite
+  if old_scale is not None:
+    # Overflowing gradients of a finite loss are the scaler's to skip (and halve the scale);
+    # the non-finite guard counts (and halts on) a non-finite loss only.
+    overflow = (jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)
+                & (old_scale.scale >= LOSS_SCALE_MIN))
+    loss_scale = old_scale.update(jnp.isfinite(grad_norm), overflow)
+    guarded = finite | overflow
+  return dataclasses.replace(
+      state,
+      step=state.step + 1, params=params, opt_state=opt_state,
+      fp8=None if amaxes is None else fp8.updated(state.fp8, amaxes, keep=~finite),
+      nonfinite_count=state.nonfinite_count + (~guarded).astype(jnp.int32),
+      consecutive_nonfinite=jnp.where(guarded, 0, state.consecutive_nonfinite + 1),
+      loss_scale=loss_scale)
 
 
 def _combine_aux(aux, aux_i):

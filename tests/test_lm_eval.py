@@ -262,7 +262,7 @@ def test_agrees_with_lm_eval_hugging_face_backend(run, loaded, tasks, tmp_path):
 
 
 class _Logger:
-  """What run_lm_eval writes its scalars to (train.StepLogger's write)."""
+  """What run_lm_eval writes its scalars to (step_logger.StepLogger's write)."""
 
   def __init__(self):
     self.written = []

@@ -2,6 +2,8 @@
 import dataclasses
 import json
 import os
+import signal
+import threading
 
 import jax
 import numpy as np
@@ -9,6 +11,8 @@ import pytest
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import pretrain
+from jax_pretrain import train as train_lib
+from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import corpus
 from jax_pretrain.data.tokenizer import ByteTokenizer
 from tests.conftest import build_setup
@@ -111,3 +115,54 @@ def test_weights_cast_once_a_step_train_exactly_as_casting_them_at_use(monkeypat
   assert ours[0] == theirs[0]
   for a, b in zip(ours[1], theirs[1]):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class Watched(pretrain.Pretraining):
+  """Pretraining that notes the closing of its data and fails its second step."""
+
+  def __init__(self):
+    self.closed = []
+
+  def open_data(self, resolved, sources, step):
+    data = super().open_data(resolved, sources, step)
+    close = data.train.close
+
+    def noted_close():
+      self.closed.append('data')
+      close()
+    data.train.close = noted_close
+    return data
+
+  def make_step(self, s, data, update):
+    def step(state, batch):
+      if int(state.step) == 1:
+        raise RuntimeError('injected at step 2')
+      return update(state, batch)
+    return step
+
+
+@pytest.mark.parametrize('fail_at', ['compiling', 'step 2, profiling'])
+def test_a_run_that_fails_closes_what_it_opened(tmp_path, monkeypatch, fail_at):
+  """A failure while compiling (the checkpointer's digests compiling in their thread, the data
+  open) or in a step being profiled (the prefetch and step-clock threads running, a trace
+  started): the error comes out, and the data is closed, no thread the run started is left, the
+  trace is stopped, the signal handlers are Python's again and the workdir's lock is free."""
+  c = config_lib.preset('test')
+  c.train.steps, c.train.log_every, c.train.profile_steps = 6, 1, '2:3'
+  if fail_at == 'compiling':
+    def failing_compile(*args):
+      raise RuntimeError('injected while compiling')
+    monkeypatch.setattr(train_lib, 'compile_step', failing_compile)
+  program = Watched()
+  threads, handlers = set(threading.enumerate()), signal.getsignal(signal.SIGTERM)
+  with pytest.raises(RuntimeError, match='injected'):
+    train_lib.train(c, str(tmp_path), program, devices=jax.devices()[:1])
+  assert program.closed == ['data']
+  left = [t.name for t in threading.enumerate() if t not in threads and t.is_alive()]
+  assert not left, left
+  assert signal.getsignal(signal.SIGTERM) is handlers
+  workdir_lib.claim(str(tmp_path)).close()  # (raises WorkdirError while the lock is held)
+  jax.profiler.start_trace(str(tmp_path / 'again'))  # (raises while a trace runs)
+  jax.profiler.stop_trace()
+  if fail_at != 'compiling':
+    assert os.path.exists(tmp_path / 'profile' / 'profile.json')

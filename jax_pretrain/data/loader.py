@@ -23,6 +23,7 @@ from jax_pretrain.data.sources import Component
 
 if TYPE_CHECKING:  # (not imported at run time: it imports jax, which data workers need not load)
   from jax_pretrain.config import Config
+  from jax_pretrain.data.pipeline import LockedIterator
 
 Batch = dict[str, np.ndarray]
 
@@ -30,7 +31,7 @@ Batch = dict[str, np.ndarray]
 @dataclasses.dataclass
 class Data:
   tokenizer: object  # data.tokenizer's Byte-, SentencePiece-, Hf- or IdTokenizer
-  train: Iterator[Batch]  # pipeline.LockedIterator over grain's
+  train: 'LockedIterator'  # over grain's: next(), close()
   eval_batches: Callable[[], Iterator[Batch]]
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import engine as engine_lib
+from jax_pretrain import hooks as hooks_lib
 from jax_pretrain import loop as loop_lib
 from jax_pretrain import multihost
 from jax_pretrain import state as state_lib
@@ -44,6 +45,7 @@ from jax_pretrain.grpo.data import TaskData
 from jax_pretrain.grpo.data import TaskSources
 from jax_pretrain.grpo.rollout import ROLLOUT_CHUNK
 from jax_pretrain.grpo.rollout import rollouts
+from jax_pretrain.step_logger import StepLogger
 
 # Step's running totals (seconds generating and updating, tokens generated and trained on).
 COUNTERS = ('rollout_seconds', 'update_seconds', 'rollout_tokens', 'update_tokens')
@@ -55,7 +57,7 @@ FIRST_UPDATE = ('logp_mismatch', 'rollout_weight', 'rollout_outside', 'rollout_u
                 'rollout_weight_max', 'rollout_weight_min')
 
 
-class GRPOLogger(train_lib.StepLogger):
+class GRPOLogger(StepLogger):
   """The step line and scalars of a GRPO step: rewards, completion lengths, the mismatch, the
   rollout correction, and how the steps' time splits between generating and updating."""
 
@@ -185,11 +187,11 @@ class GRPO(train_lib.Program[TaskSources, TaskData, 'Step']):
   def logger(self, s, writer, step: int) -> GRPOLogger:
     return GRPOLogger(s, writer, step)
 
-  def hooks(self, ctx: train_lib.Context[TaskData, 'Step']) -> list[loop_lib.Hook]:
-    hooks = [*train_lib.profile_hooks(ctx)]
+  def hooks(self, ctx: hooks_lib.Context[TaskData, 'Step']) -> list[loop_lib.Hook]:
+    hooks = [*hooks_lib.profile_hooks(ctx)]
     if ctx.data.sources.eval_items:
       hooks += task_eval_hooks(ctx, ctx.step.engine)
-    return hooks + train_lib.checkpoint_hooks(ctx)
+    return hooks + hooks_lib.checkpoint_hooks(ctx)
 
 
 def _width(c: grpo_config.GrpoTrainConfig, sources: TaskSources) -> int:
@@ -277,7 +279,7 @@ class Step:
     return state, metrics
 
 
-def task_eval_hooks(ctx: train_lib.Context[TaskData, 'Step'], eng) -> list[loop_lib.Hook]:
+def task_eval_hooks(ctx: hooks_lib.Context[TaskData, 'Step'], eng) -> list[loop_lib.Hook]:
   """eval/accuracy (greedy, the task's reward) on the held-out task: before the first step of a
   new run (logged as step 0), every train.eval_every steps and at the end."""
   from jax_pretrain import evaluate  # noqa: PLC0415  (evaluate's task accuracy, the one way)
@@ -302,9 +304,10 @@ def task_eval_hooks(ctx: train_lib.Context[TaskData, 'Step'], eng) -> list[loop_
     if info.step == 1 and ctx.start_step == 0:
       accuracy(0, info.state.params)
 
-  return [loop_lib.Hook(at_start, every=1, phase=loop_lib.BEFORE_STEP, at_last=False,
+  return [loop_lib.Hook(at_start, every=1, phase=loop_lib.BEFORE_STEP,
                         name='eval_task_at_start'),
           loop_lib.Hook(lambda info: accuracy(info.step, info.state.params),
-                        every=ctx.config.train.eval_every, phase=loop_lib.EVAL, name='eval_task')]
+                        every=ctx.config.train.eval_every, phase=loop_lib.EVAL, at_last=True,
+                        name='eval_task')]
 
 
