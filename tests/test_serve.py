@@ -7,7 +7,9 @@ or held on purpose): the API key, the cap on sequences per request, failures tha
 requests only and never show their text, stopping; a server whose every step fails, which exits
 1; and backpressure: a burst beyond the queue (429s, all answered), the openai client retrying a
 429, a client that disconnects, /health on a stalled engine, no tokenizer call on the event loop,
-and a shutdown that answers every request in flight in time."""
+and a shutdown that answers every request in flight by its deadline. Chat completions on a copy
+of the run given a chat template: the completion of the rendered messages, streamed, n, stop,
+logprobs, bad requests, a run without a template (400), and the template in the HF export."""
 import asyncio
 import concurrent.futures
 import contextlib
