@@ -42,7 +42,6 @@ class Sources:
   val: list[sources_lib.Source]  # []: eval data is held out of train
   tokenizer: Any  # data.tokenizer's Byte-, SentencePiece-, Hf- or IdTokenizer
   options: sources_lib.ReadOptions
-  tokenizer_setting: str = ''  # data.tokenizer, or (SFT) the restore_from run's tokenizer/
 
 
 def resolve_tokenizer(setting: str, sources: list[sources_lib.Source], model_vocab_size: int):
@@ -85,7 +84,7 @@ def open_sources(config: 'Config') -> Sources:
       and os.path.isdir(run_tokenizer)):
     setting = run_tokenizer  # fine-tuning text is read with the tokenizer the model learned
   tokenizer = resolve_tokenizer(setting, train + val, config.model.vocab_size)
-  return Sources(train, val, tokenizer, sources_lib.ReadOptions.from_config(d), setting)
+  return Sources(train, val, tokenizer, sources_lib.ReadOptions.from_config(d))
 
 
 def eval_components(sources: list[sources_lib.Source], tokenizer,
@@ -230,7 +229,7 @@ def eval_sets(config: 'Config', tokenizer, batch_size: int, data: str = '',
     from jax_pretrain.data import sft  # noqa: PLC0415
     if data:
       sources = Sources([], sources_lib.parse(data, '--data'), tokenizer,
-                        sources_lib.ReadOptions.from_config(config.data), config.data.tokenizer)
+                        sources_lib.ReadOptions.from_config(config.data))
     else:
       sources = dataclasses.replace(open_sources(config), tokenizer=tokenizer)
     return [EvalSet(rows.examples.name, rows.examples.weight, batches(rows, count(rows)))

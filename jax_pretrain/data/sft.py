@@ -72,11 +72,14 @@ class ChatTemplate:
     return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                  **self.specials)
 
-  def pieces(self, messages: list[dict]) -> list[tuple[str, bool]]:
+  def pieces(self, messages: list[dict],
+             add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
     """The rendered conversation as (text, is_completion) pieces: each assistant turn's text is
-    what rendering through it adds to rendering up to it with the generation prompt."""
+    what rendering through it adds to rendering up to it with the generation prompt (with
+    add_generation_prompt, the conversation ends with the prompt of the next turn: a chat
+    request's)."""
     try:
-      full = self.render(messages, False)
+      full = self.render(messages, add_generation_prompt)
       out, pos = [], 0
       for i, m in enumerate(messages):
         if m['role'] != 'assistant':
@@ -98,8 +101,7 @@ def find_chat_template(directories: list[str]) -> ChatTemplate | None:
   """The chat_template of the first tokenizer_config.json in directories that has one."""
   for directory in directories:
     path = os.path.join(directory, tokenizer_lib.HF_CONFIG_FILE)
-    config = tokenizer_lib.read_hf_file(directory, tokenizer_lib.HF_CONFIG_FILE)
-    template = config.get('chat_template') if isinstance(config, dict) else None
+    template = tokenizer_lib.chat_template_field(directory)
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
       named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
       template = named.get('default')
@@ -108,17 +110,18 @@ def find_chat_template(directories: list[str]) -> ChatTemplate | None:
   return None
 
 
-def template_directories(tokenizer_setting: str, tokenizer) -> list[str]:
-  """Where a chat template may be: the data.tokenizer directory (or the one its file is in), and
-  the directory of the tokenizer's file."""
-  out = []
-  if tokenizer_setting and tokenizer_setting != 'byte':
-    out.append(tokenizer_setting if os.path.isdir(tokenizer_setting)
-               else os.path.dirname(os.path.abspath(tokenizer_setting)))
-  path = getattr(tokenizer, 'path', '')
-  if path and os.path.isfile(path):
-    out.append(os.path.dirname(os.path.abspath(path)))
-  return out
+def tokenizer_chat_template(tokenizer) -> ChatTemplate | None:
+  """The chat template of the tokenizer's tokenizer_config.json (in tokenizer.directory:
+  data.tokenizer's directory, or its file's; a run keeps it in its tokenizer/), or None."""
+  return find_chat_template([tokenizer.directory] if tokenizer.directory else [])
+
+
+def chat_prompt(template: ChatTemplate, messages: list[dict], tokenizer) -> np.ndarray:
+  """The ids of a conversation for the assistant to continue (a chat request's prompt): rendered
+  with the generation prompt and encoded piece by piece as SFT encodes its examples, so that the
+  model sees the tokens it was fine-tuned on. Raises ValueError for a template that fails."""
+  return np.concatenate([_encode(tokenizer, text, False) for text, _ in
+                         template.pieces(messages, add_generation_prompt=True)]).astype(np.int32)
 
 
 def _string_error(obj: dict, key: str) -> str | None:
@@ -290,7 +293,7 @@ def packed_sources(sources, seq_len: int, val_ratio: float, pad_id: int
                    ) -> tuple[list[PackedRows], list[PackedRows]]:
   """(train rows, eval rows) per source of a loader.Sources; eval is data.val's examples, else the
   last val_ratio of each training source's examples."""
-  template = find_chat_template(template_directories(sources.tokenizer_setting, sources.tokenizer))
+  template = tokenizer_chat_template(sources.tokenizer)
   tok, options = sources.tokenizer, sources.options
   train, val = [], []
   for source in sources.train:

@@ -1,9 +1,12 @@
 """Tokenizers: UTF-8 bytes (the embedded default), sentencepiece, Hugging Face tokenizer.json, and
 bare ids (pre-tokenized data).
 
-All have encode(str) -> int32 [n], decode(ids) -> str, vocab_size, bos_id, eos_id, pad_id, and
-`identity`: equal for two tokenizers exactly when they map text to the same ids. Prepared data
-records the identity of the tokenizer that made it, so training can refuse a different one.
+All have encode(str) -> int32 [n], decode(ids) -> str, vocab_size, bos_id, eos_id, pad_id,
+`identity`: equal for two tokenizers exactly when they map text to the same ids (prepared data
+records the identity of the tokenizer that made it, so training can refuse a different one), and
+`directory`: where its tokenizer_config.json belongs (the directory load() read, else that of its
+file; None for bare bytes or ids), whose chat_template SFT renders messages with (data/sft.py),
+which a run keeps in its tokenizer/ (save) and which HF export writes (data/tokenizer_json.py).
 """
 import hashlib
 import json
@@ -23,6 +26,7 @@ class ByteTokenizer:
   vocab_size = 259
   identity = 'byte'
   path = 'byte'
+  directory: str | None = None
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int32)
@@ -67,7 +71,7 @@ class SentencePieceTokenizer:
       self._sp.LoadFromSerializedProto(proto)
     except RuntimeError as e:
       raise DataError(f'{path}: not a sentencepiece model ({str(e).strip()[:120]}).') from None
-    self.path = path
+    self.path, self.directory = path, os.path.dirname(os.path.abspath(path))
     self.num_pieces = self._sp.GetPieceSize()
     (self.bos_id, self.eos_id, self.pad_id), self.vocab_size = _with_appended_specials(
         self.num_pieces, [self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()])
@@ -97,6 +101,13 @@ def read_hf_file(directory: str, name: str) -> dict | None:
       return json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise DataError(f'{path}: invalid JSON ({e}).') from None
+
+
+def chat_template_field(directory: str | None):
+  """The "chat_template" of directory's tokenizer_config.json (a string, or a list of named
+  ones), or None."""
+  config = read_hf_file(directory, HF_CONFIG_FILE) if directory else None
+  return config.get('chat_template') if isinstance(config, dict) else None
 
 
 def hf_special_tokens(directory: str) -> dict[str, str]:
@@ -143,7 +154,7 @@ class HfTokenizer:
     except Exception as e:  # noqa: BLE001  (tokenizers raises Exception itself)
       raise DataError(f'{path}: not a Hugging Face tokenizer.json ({str(e).strip()[:120]}).'
                       ) from None
-    self.path = path
+    self.path, self.directory = path, os.path.dirname(os.path.abspath(path))
     self.num_pieces = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
     if special_ids is None:
       special_ids = self._special_ids_from_config()
@@ -220,6 +231,7 @@ class IdTokenizer:
         vocab_size, [eos_id if bos_id is None else bos_id, eos_id, pad_id])
     self.identity = f'ids:{vocab_size}:eos={eos_id}'
     self.path = ''
+    self.directory: str | None = None
 
   def encode(self, text: str) -> np.ndarray:
     try:
@@ -241,14 +253,16 @@ RECORD_FILE = 'tokenizer_record.json'  # in a tokenizer directory written by sav
 def load(spec: str):
   """'byte', a sentencepiece .model, a tokenizer.json (any name ending in .json), or a directory:
   one written by save() (a run's tokenizer/), else one holding tokenizer.json or tokenizer.model
-  (a Hugging Face model directory)."""
+  (a Hugging Face model directory), whose tokenizer_config.json is the tokenizer's (`directory`)."""
   if spec == 'byte':
     return ByteTokenizer()
   if os.path.isdir(spec):
     path = os.path.join(spec, RECORD_FILE)
     if os.path.isfile(path):
       with open(path, encoding='utf-8') as f:
-        return from_record(json.load(f), spec, path)
+        tok = from_record(json.load(f), spec, path)
+      tok.directory = os.path.abspath(spec)
+      return tok
     for kind in (HfTokenizer, SentencePieceTokenizer):
       if os.path.isfile(os.path.join(spec, kind.file_name)):
         return kind(os.path.join(spec, kind.file_name))
@@ -270,18 +284,20 @@ def record(tokenizer) -> dict:
 
 
 def save(tokenizer, directory: str) -> dict:
-  """Writes the tokenizer's file (if any) and RECORD_FILE into directory; returns the record.
-  load(directory) gives the tokenizer back. A tokenizer.json's tokenizer_config.json comes along
-  (its chat_template formats SFT messages, data/sft.py; the special ids stay the record's)."""
+  """Writes the tokenizer's file (if any), its tokenizer_config.json (if it has one: its
+  chat_template formats SFT messages and the server's chats, data/sft.py; the special ids stay the
+  record's) and RECORD_FILE into directory; returns the record. load(directory) gives the
+  tokenizer back."""
   os.makedirs(directory, exist_ok=True)
   rec = record(tokenizer)
   if 'tokenizer_file' in rec:
     target = os.path.join(directory, rec['tokenizer_file'])
     if os.path.abspath(target) != os.path.abspath(tokenizer.path):
       shutil.copyfile(tokenizer.path, target)
-      beside = os.path.join(os.path.dirname(os.path.abspath(tokenizer.path)), HF_CONFIG_FILE)
-      if os.path.isfile(beside):
-        shutil.copyfile(beside, os.path.join(directory, HF_CONFIG_FILE))
+  source = tokenizer.directory
+  if source and os.path.isfile(os.path.join(source, HF_CONFIG_FILE)) and not os.path.samefile(
+      source, directory):
+    shutil.copyfile(os.path.join(source, HF_CONFIG_FILE), os.path.join(directory, HF_CONFIG_FILE))
   with open(os.path.join(directory, RECORD_FILE), 'w', encoding='utf-8') as f:
     json.dump(rec, f, indent=2, sort_keys=True)
     f.write('\n')
@@ -296,7 +312,7 @@ def from_record(rec: dict, directory: str, where: str):
   if identity.startswith(('sentencepiece:', 'tokenizers:')):
     kind = HfTokenizer if identity.startswith('tokenizers:') else SentencePieceTokenizer
     path = os.path.join(directory, rec.get('tokenizer_file', kind.file_name))
-    # A tokenizer.json's special ids are the record's (its tokenizer_config.json is not kept).
+    # A tokenizer.json's special ids are the record's (not those of its tokenizer_config.json).
     tok = (HfTokenizer(path, (rec['bos_id'], rec['eos_id'], rec['pad_id'])) if kind is HfTokenizer
            else SentencePieceTokenizer(path))
     if identity not in (tok.identity, getattr(tok, 'former_identity', None)):
@@ -347,16 +363,20 @@ def train_sentencepiece(texts, output: str, vocab_size: int, model_type: str = '
   return SentencePieceTokenizer(output)
 
 
-def write_hf_tokenizer(tok, directory: str, specials: dict[str, str]) -> None:
+def write_hf_tokenizer(tok, directory: str, specials: dict[str, str],
+                       chat_template: str | list | None = None) -> None:
   """tok (a tokenizers.Tokenizer) as directory/tokenizer.json, and the tokenizer_config.json that
-  names its special tokens (specials: {'bos_token': text, ...}): the files that
-  AutoTokenizer.from_pretrained(directory) and HfTokenizer read. Needs no transformers."""
+  names its special tokens (specials: {'bos_token': text, ...}) and holds the chat_template if
+  given: the files that AutoTokenizer.from_pretrained(directory) and HfTokenizer read. Needs no
+  transformers."""
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, HfTokenizer.file_name)
   tok.save(f'{path}.tmp-{os.getpid()}')
   os.replace(f'{path}.tmp-{os.getpid()}', path)  # complete or absent: never half-written
   config = dict(tokenizer_class='PreTrainedTokenizerFast', clean_up_tokenization_spaces=False,
                 **specials)
+  if chat_template is not None:
+    config['chat_template'] = chat_template
   with open(os.path.join(directory, HF_CONFIG_FILE), 'w', encoding='utf-8') as f:
     json.dump(config, f, indent=2, ensure_ascii=False)
     f.write('\n')

@@ -3,8 +3,9 @@ AutoTokenizer loads, encoding text to the same ids as ours. hf.export writes the
 
 `write(out_dir, tokenizer)` converts the byte tokenizer (ids 0..255 as ByteLevel's printable bytes),
 a sentencepiece model (BPE or unigram: pieces, scores, merges, byte fallback, its normalization) or
-copies a tokenizer.json, gives our special tokens their ids, and checks the written file on a
-sample text with the tokenizers library. Needs tokenizers (and sentencepiece for its models).
+copies a tokenizer.json, gives our special tokens their ids, keeps our chat template, and checks
+the written file on a sample text with the tokenizers library. Needs tokenizers (and sentencepiece
+for its models).
 """
 import os
 
@@ -18,8 +19,9 @@ _PROBE = ' Two  spaces,\ttabs\nand ünïcödé 日本 🙂 3.14159 '
 
 def write(out_dir: str, tokenizer) -> list[str]:
   """tokenizer.json and tokenizer_config.json that AutoTokenizer loads, encoding text to the same
-  ids as ours (checked on a sample text with the tokenizers library); returns notes. Our special
-  tokens are special tokens there too, so a text that spells one out ('</s>') encodes to its id."""
+  ids as ours (checked on a sample text with the tokenizers library), with the chat_template of
+  ours if it has one; returns notes. Our special tokens are special tokens there too, so a text
+  that spells one out ('</s>') encodes to its id."""
   convert = {tokenizer_lib.ByteTokenizer: _byte_tokenizer,
              tokenizer_lib.SentencePieceTokenizer: _sentencepiece_tokenizer,
              tokenizer_lib.HfTokenizer: lambda t: tokenizers.Tokenizer.from_file(t.path)
@@ -40,7 +42,8 @@ def write(out_dir: str, tokenizer) -> list[str]:
       return [f'could not give the {key} {text!r} its id {i}: exported the model without a '
               'tokenizer.']
     specials[key] = text
-  tokenizer_lib.write_hf_tokenizer(tok, out_dir, specials)
+  tokenizer_lib.write_hf_tokenizer(tok, out_dir, specials,
+                                   tokenizer_lib.chat_template_field(tokenizer.directory))
   written = tokenizers.Tokenizer.from_file(os.path.join(out_dir,
                                                        tokenizer_lib.HfTokenizer.file_name))
   if written.encode(_PROBE).ids != [int(i) for i in tokenizer.encode(_PROBE)]:

@@ -24,6 +24,8 @@ The parts, each changeable on its own:
   output     the output processor: a call's tokens into each sequence (EOS, max_new_tokens, stop
              strings, detokenization, logprobs), the callbacks
   core       Engine: the loop (generate, run_forever, stop) and its failure policy
+  client     EngineClient: the engine for an asyncio server (serve.py): its supervised thread,
+             one request's life (submit, its updates, cancel), backpressure, health
 """
 from jax_pretrain.engine.core import MAX_FAILURES
 from jax_pretrain.engine.core import Engine

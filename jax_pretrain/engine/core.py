@@ -108,6 +108,11 @@ class Engine:
       output_lib.finish(seq, 'length')
 
   @property
+  def queued(self) -> int:
+    """Sequences waiting for a slot (read from any thread: the server's backpressure)."""
+    return len(self.scheduler.waiting)
+
+  @property
   def stopped(self) -> bool:
     """Whether stop() was called or run_forever ended: submit refuses."""
     return self.scheduler.stopping

@@ -1,0 +1,378 @@
+"""OpenAI's API as the server speaks it (serve.py): the bodies it takes (strict types, no unknown
+field), its error JSON, and the answers (a completion's or a chat completion's choices, whole or
+as a stream's chunks), rendered from the engine client's sequences and updates.
+
+A stream sends each choice's text as it becomes final (engine/client.py's Update) and, with
+logprobs, the tokens that text covers: token offsets are followed incrementally (_text_ends), so
+that a chunk decodes a few tokens, not the whole completion. A chat stream opens each choice with
+its role, as OpenAI's does.
+"""
+from collections.abc import Iterator
+import time
+from typing import TYPE_CHECKING, Literal, Protocol
+import uuid
+
+from fastapi import responses
+import pydantic
+
+from jax_pretrain import engine as engine_lib
+from jax_pretrain.engine import client as client_lib
+
+if TYPE_CHECKING:
+  from typing_extensions import TypeIs  # typing's from Python 3.13
+
+MAX_STOP = 4  # stop strings per request, as OpenAI
+MAX_N = 128  # choices per request
+RETRY_AFTER_S = 1  # a 429's Retry-After
+INTERNAL = 'The server had an error while processing your request (it is in the server\'s log).'
+# A prompt's logprob of each token after the first, and [(id, logprob) of its top alternatives].
+PromptLogprobs = tuple[list[float], list[list[tuple[int, float]]]]
+
+
+class Sampling(pydantic.BaseModel):
+  """What completions and chat completions share: the model, the choices and their sampling."""
+  model_config = pydantic.ConfigDict(extra='forbid', strict=True)
+  model: str | None = None
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0  # an extension (0: off)
+  n: int = 1
+  stream: bool = False
+  stream_options: dict | None = None
+  stop: str | list[str] | None = None
+  seed: int | None = None
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: dict | None = None
+  user: str | None = None
+
+  def stops(self) -> tuple[str, ...]:
+    return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(Sampling):
+  """The body of POST /v1/completions."""
+  prompt: str | list[str] | list[int] | list[list[int]]
+  max_tokens: int | None = 16
+  echo: bool = False
+  logprobs: int | None = None
+  best_of: int | None = None
+  suffix: str | None = None
+
+
+class TextPart(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra='forbid', strict=True)
+  type: Literal['text']
+  text: str
+
+
+class ChatMessage(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra='forbid', strict=True)
+  role: str
+  content: str | list[TextPart]
+  name: str | None = None
+
+  def rendered(self) -> dict:
+    """The message as the chat template reads it (its text parts joined)."""
+    content = self.content if isinstance(self.content, str) else ''.join(
+        part.text for part in self.content)
+    return {'role': self.role, 'content': content, **({'name': self.name} if self.name else {})}
+
+
+class ChatRequest(Sampling):
+  """The body of POST /v1/chat/completions."""
+  messages: list[ChatMessage]
+  max_tokens: int | None = None  # (deprecated by OpenAI for max_completion_tokens)
+  max_completion_tokens: int | None = None
+  logprobs: bool = False
+  top_logprobs: int | None = None
+
+
+def is_ids(prompt: list[str] | list[int] | list[list[int]]) -> 'TypeIs[list[int]]':
+  """Whether a list prompt is one prompt of token ids (strict validation made its items all of one
+  type: the first says which)."""
+  return bool(prompt) and isinstance(prompt[0], int)
+
+
+class APIError(Exception):
+  """A request the server refuses: answered as OpenAI's error JSON."""
+
+  def __init__(self, message: str, param: str | None = None, status: int = 400,
+               code: str | None = None, kind: str = 'invalid_request_error',
+               headers: dict[str, str] | None = None):
+    super().__init__(message)
+    self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+    self.headers = headers
+
+  def body(self) -> dict:
+    return {'error': {'message': self.message, 'type': self.kind, 'param': self.param,
+                      'code': self.code}}
+
+  def response(self) -> responses.JSONResponse:
+    return responses.JSONResponse(status_code=self.status, content=self.body(),
+                                  headers=self.headers)
+
+
+def internal() -> APIError:
+  """What a client is told of an error of the server's own (its text and traceback: the log)."""
+  return APIError(INTERNAL, status=500, kind='server_error')
+
+
+def stopping() -> APIError:
+  return APIError('The server stopped before this request finished; please retry.', status=503,
+                  kind='server_error', code='server_stopping')
+
+
+def busy(max_queued: int) -> APIError:
+  """The answer to a request that the queue has no room for: OpenAI's rate-limit error."""
+  return APIError(
+      f'The server is busy: its queue of sequences waiting for a slot (--max_queued_sequences='
+      f'{max_queued}) has no room for this request. Please try again in {RETRY_AFTER_S}s.',
+      status=429, kind='requests', code='rate_limit_exceeded',
+      headers={'Retry-After': str(RETRY_AFTER_S)})
+
+
+def check_sampling(r: Sampling, name: str) -> None:
+  """Refuses a request for another model, or with choices or sampling the server cannot give."""
+  if r.model is not None and r.model != name:
+    raise APIError(f'The model `{r.model}` does not exist: this server serves `{name}`.',
+                   'model', status=404, code='model_not_found')
+  stops = r.stops()
+  for ok, param, message in [
+      (1 <= r.n <= MAX_N, 'n', f'n must be between 1 and {MAX_N}'),
+      (0 <= r.temperature <= 2, 'temperature', 'temperature must be between 0 and 2'),
+      (0 < r.top_p <= 1, 'top_p', 'top_p must be in (0, 1]'),
+      (r.top_k >= 0, 'top_k', 'top_k must be >= 0 (0: off)'),
+      (len(stops) <= MAX_STOP and all(stops), 'stop',
+       f'stop takes at most {MAX_STOP} non-empty strings'),
+      (r.presence_penalty == r.frequency_penalty == 0, 'presence_penalty',
+       'presence and frequency penalties are not supported'),
+      (not r.logit_bias, 'logit_bias', 'logit_bias is not supported')]:
+    if not ok:
+      raise APIError(message, param)
+
+
+def check_context(prompts: list[list[int]], max_tokens: int, context: int) -> None:
+  for ids in prompts:
+    if len(ids) + max_tokens > context:
+      raise APIError(
+          f"This model's maximum context length is {context} tokens, however you requested "
+          f'{len(ids) + max_tokens} tokens ({len(ids)} in your prompt; {max_tokens} for the '
+          'completion). Please reduce your prompt; or completion length.', 'max_tokens',
+          code='context_length_exceeded')
+
+
+def usage(prompts: list[list[int]], sequences: list[engine_lib.Sequence]) -> dict:
+  prompt_tokens = sum(len(ids) for ids in prompts)
+  completion_tokens = sum(len(seq.tokens) for seq in sequences)
+  return {'prompt_tokens': prompt_tokens, 'completion_tokens': completion_tokens,
+          'total_tokens': prompt_tokens + completion_tokens}
+
+
+TEXT_WINDOW = 4  # tokens decoded before a new one to place it in the text
+
+
+def _text_ends(tokenizer, ids: list[int], start: int,
+               start_chars: int) -> Iterator[tuple[int, int]]:
+  """(n, the length of the text of ids[:n]) for n = start + 1 .. len(ids), given that of
+  ids[:start]: each from a decode of the token and the TEXT_WINDOW before it (a tokenizer may
+  print a token differently after others: a leading space, the bytes of one character), not of
+  all of ids[:n]."""
+  chars = start_chars
+  for n in range(start + 1, len(ids) + 1):
+    p = max(0, n - 1 - TEXT_WINDOW)
+    chars += len(tokenizer.decode(ids[p:n])) - len(tokenizer.decode(ids[p:n - 1]))
+    yield n, chars
+
+
+class _Choice:
+  """One choice of a response, and what a stream has sent of it: its text, and (with logprobs:
+  top, the alternatives per token) its tokens seq.tokens[:sent_tokens], whose text is sent_chars
+  long."""
+
+  def __init__(self, index: int, top: int | None):
+    self.index, self.top = index, top
+    self.sent_text, self.sent_tokens, self.sent_chars = 0, 0, 0
+
+  def ends(self, seq: engine_lib.Sequence, tokenizer) -> list[tuple[int, int]]:
+    """(n, the text length of tokens[:n]) of all of a sequence's tokens, with logprobs."""
+    return [] if self.top is None else list(_text_ends(tokenizer, seq.tokens, 0, 0))
+
+  def advance(self, update: client_lib.Update, tokenizer) -> tuple[str, list[tuple[int, int]], int]:
+    """The update's text not sent yet, the tokens that text covers ((n, the text length of
+    tokens[:n]) for each, with logprobs) and the text length before the first; now sent."""
+    text, start_chars, ends = update.text, self.sent_chars, []
+    if self.top is not None:
+      for n, length in _text_ends(tokenizer, update.seq.tokens[:update.n_tokens],
+                                  self.sent_tokens, self.sent_chars):
+        if not update.finish and length > len(text):
+          break
+        ends.append((n, length))
+    new, self.sent_text = text[self.sent_text:], len(text)
+    if ends:
+      self.sent_tokens, self.sent_chars = ends[-1]
+    return new, ends, start_chars
+
+
+class CompletionChoice(_Choice):
+  """A completion's choice: its text (after the prompt when echoed) and OpenAI's logprobs object
+  (tokens, token_logprobs, top_logprobs, text_offset), the prompt's first when echoed."""
+
+  def __init__(self, index: int, prompt: tuple[str, list[int]],
+               prompt_logprobs: PromptLogprobs | None, r: CompletionRequest):
+    super().__init__(index, r.logprobs)
+    (self.prompt_text, self.prompt_ids), self.prompt_logprobs = prompt, prompt_logprobs
+    self.echo, self.started = r.echo, False
+
+  def final(self, seq: engine_lib.Sequence, tokenizer) -> dict:
+    return {'index': self.index, 'text': (self.prompt_text if self.echo else '') + seq.text,
+            'logprobs': self._logprobs(tokenizer, seq, 0, self.ends(seq, tokenizer), self.echo),
+            'finish_reason': seq.finish_reason}
+
+  def delta(self, update: client_lib.Update, tokenizer) -> dict:
+    """What was not sent yet: the echoed prompt first, then the text that is final so far and
+    (with logprobs) the tokens it covers; finish_reason at the end."""
+    echo = self.echo and not self.started
+    new, ends, start_chars = self.advance(update, tokenizer)
+    self.started = True
+    return {'index': self.index, 'text': (self.prompt_text if echo else '') + new,
+            'logprobs': self._logprobs(tokenizer, update.seq, start_chars, ends, echo),
+            'finish_reason': update.finish}
+
+  def _logprobs(self, tokenizer, seq, start_chars: int, ends: list[tuple[int, int]],
+                with_prompt: bool) -> dict | None:
+    """The logprobs object of the tokens that ends covers (the text before the first is
+    start_chars long), after the prompt's when asked."""
+    if self.top is None:
+      return None
+    out: dict[str, list] = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [],
+                            'text_offset': []}
+
+    def add(token, logprob, top, offset):
+      out['tokens'].append(tokenizer.decode([token]))
+      out['token_logprobs'].append(logprob)
+      out['top_logprobs'].append(
+          None if top is None else {tokenizer.decode([t]): lp for t, lp in top[:self.top]})
+      out['text_offset'].append(offset)
+
+    if with_prompt:
+      assert self.prompt_logprobs is not None  # (echo with logprobs scores the prompt)
+      lps, prompt_tops = self.prompt_logprobs
+      offset = 0
+      for (k, token), (_, after) in zip(enumerate(self.prompt_ids),
+                                        _text_ends(tokenizer, self.prompt_ids, 0, 0)):
+        add(token, lps[k - 1] if k else None, prompt_tops[k - 1] if k else None, offset)
+        offset = after
+    base = len(self.prompt_text) if self.echo else 0
+    offset = start_chars
+    for n, after in ends:
+      add(seq.tokens[n - 1], seq.logprobs[n - 1], seq.top_logprobs[n - 1], base + offset)
+      offset = after
+    return out
+
+
+class ChatChoice(_Choice):
+  """A chat completion's choice: the assistant's message, and with logprobs OpenAI's chat form
+  ({'content': [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]})."""
+
+  def final(self, seq: engine_lib.Sequence, tokenizer) -> dict:
+    return {'index': self.index, 'message': {'role': 'assistant', 'content': seq.text},
+            'logprobs': self._logprobs(tokenizer, seq, self.ends(seq, tokenizer)),
+            'finish_reason': seq.finish_reason}
+
+  def delta(self, update: client_lib.Update, tokenizer) -> dict:
+    new, ends, _ = self.advance(update, tokenizer)
+    return {'index': self.index, 'delta': {'content': new} if new else {},
+            'logprobs': self._logprobs(tokenizer, update.seq, ends),
+            'finish_reason': update.finish}
+
+  def _logprobs(self, tokenizer, seq, ends: list[tuple[int, int]]) -> dict | None:
+    if self.top is None:
+      return None
+
+    def entry(token: int, logprob: float) -> dict:
+      text = tokenizer.decode([token])
+      return {'token': text, 'logprob': logprob, 'bytes': list(text.encode())}
+
+    return {'content': [
+        {**entry(seq.tokens[n - 1], seq.logprobs[n - 1]),
+         'top_logprobs': [entry(t, lp) for t, lp in seq.top_logprobs[n - 1][:self.top]]}
+        for n, _ in ends]}
+
+
+class Answer(Protocol):
+  """A request's response: whole, or as a stream's chunks (opening, a delta per update, usage)."""
+
+  def whole(self, sequences: list[engine_lib.Sequence]) -> dict: ...
+
+  def opening(self) -> list[dict]: ...
+
+  def delta(self, update: client_lib.Update) -> dict | None: ...
+
+  def usage(self, sequences: list[engine_lib.Sequence]) -> dict | None: ...
+
+
+def _header(prefix: str, kind: str, name: str) -> dict:
+  return {'id': f'{prefix}-{uuid.uuid4().hex}', 'object': kind, 'created': int(time.time()),
+          'model': name}
+
+
+class CompletionAnswer:
+  """A completion's response (Answer): choice i is choice i % n of prompt i // n."""
+
+  def __init__(self, r: CompletionRequest, name: str, prompts: list[tuple[str, list[int]]],
+               prompt_logprobs: list[PromptLogprobs | None], tokenizer):
+    self.header, self.tokenizer = _header('cmpl', 'text_completion', name), tokenizer
+    self.prompts, self.include_usage = [ids for _, ids in prompts], _include_usage(r)
+    self.choices = [CompletionChoice(i, prompts[i // r.n], prompt_logprobs[i // r.n], r)
+                    for i in range(len(prompts) * r.n)]
+
+  def whole(self, sequences):
+    return {**self.header, 'choices': [c.final(seq, self.tokenizer)
+                                       for c, seq in zip(self.choices, sequences)],
+            'usage': usage(self.prompts, sequences)}
+
+  def opening(self):
+    return []
+
+  def delta(self, update):
+    chunk = self.choices[update.index].delta(update, self.tokenizer)
+    return {**self.header, 'choices': [chunk]} if chunk['text'] or chunk['finish_reason'] else None
+
+  def usage(self, sequences):
+    return ({**self.header, 'choices': [], 'usage': usage(self.prompts, sequences)}
+            if self.include_usage else None)
+
+
+class ChatAnswer:
+  """A chat completion's response (Answer): n choices of one prompt (the rendered messages)."""
+
+  def __init__(self, r: ChatRequest, name: str, prompt: list[int], tokenizer):
+    self.header, self.tokenizer = _header('chatcmpl', 'chat.completion', name), tokenizer
+    self.chunk_header = {**self.header, 'object': 'chat.completion.chunk'}
+    self.prompt, self.include_usage = prompt, _include_usage(r)
+    top = (r.top_logprobs or 0) if r.logprobs else None
+    self.choices = [ChatChoice(i, top) for i in range(r.n)]
+
+  def whole(self, sequences):
+    return {**self.header, 'choices': [c.final(seq, self.tokenizer)
+                                       for c, seq in zip(self.choices, sequences)],
+            'usage': usage([self.prompt], sequences)}
+
+  def opening(self):
+    return [{**self.chunk_header, 'choices': [{
+        'index': c.index, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None,
+        'finish_reason': None}]} for c in self.choices]
+
+  def delta(self, update):
+    chunk = self.choices[update.index].delta(update, self.tokenizer)
+    return ({**self.chunk_header, 'choices': [chunk]}
+            if chunk['delta'] or chunk['finish_reason'] else None)
+
+  def usage(self, sequences):
+    return ({**self.chunk_header, 'choices': [], 'usage': usage([self.prompt], sequences)}
+            if self.include_usage else None)
+
+
+def _include_usage(r: Sampling) -> bool:
+  return bool((r.stream_options or {}).get('include_usage'))
