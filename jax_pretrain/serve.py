@@ -463,16 +463,24 @@ def listen(server: Server, host: str, port: int) -> uvicorn.Server:
 
 
 def main():
-  import os  # noqa: PLC0415
-
   from absl import flags  # noqa: PLC0415
   f = flags.FLAGS
   check_flags(f)
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   context = f.context or run.config.data.seq_len
   engine = engine_lib.Engine(run.config.model, run.params, run.tokenizer,
-                             slots=f.slots, context=context, chunk=f.chunk)
+                             slots=f.slots, context=context, chunk=f.chunk,
+                             kv_cache_dtype=f.kv_cache_dtype)
   run = dataclasses.replace(run, params=None)  # the engine holds its own copy: free the float32 one
+  try:
+    _serve(f, engine, run, context)
+  finally:
+    engine.close()  # (its background compiler, on every way out)
+
+
+def _serve(f, engine: engine_lib.Engine, run, context: int) -> None:
+  """Warms up (--warmup), serves until a shutdown, and exits 1 if the engine gave up."""
+  import os  # noqa: PLC0415
   name = f.model_name or os.path.basename(os.path.normpath(f.workdir))
   if f.warmup:
     t0 = time.perf_counter()
@@ -484,8 +492,9 @@ def main():
                   max_queued=f.max_queued_sequences, stall_timeout=f.stall_timeout,
                   shutdown_timeout=f.shutdown_timeout,
                   api_key=f.api_key or os.environ.get(API_KEY_ENV))
-  print(f'serving {name} on http://{f.host}:{f.port}/v1 ({f.slots} slots of {context} tokens'
-        f'{", API key required" if server.api_key else ""})', flush=True)
+  print(f'serving {name} on http://{f.host}:{f.port}/v1 ({f.slots} slots of {context} tokens, '
+        f'KV cache {f.kv_cache_dtype}{", API key required" if server.api_key else ""})',
+        flush=True)
   uv = listen(server, f.host, f.port)
   try:
     uv.run()
@@ -540,6 +549,7 @@ def define_flags() -> None:
   flags.DEFINE_string('api_key', '', 'Requests to /v1 need "Authorization: Bearer KEY" (401 '
                       f'without); default: ${API_KEY_ENV} if set, else none needed. /health '
                       'stays open.')
+  cli.define_kv_cache_flag()
 
 
 if __name__ == '__main__':

@@ -99,6 +99,7 @@ with multihost.processes('127.0.0.1:' + port, count, index, heartbeat_timeout=60
   seqs = [engine.Sequence(prompt=list(range(1, 2 + i)), max_new_tokens=2 + i,
                           temperature=1.0, seed=3, stream=i) for i in range(6)]
   eng.generate(seqs)
+  eng.close()  # (the one-process engine's background compiler, joined before the exit)
   print(json.dumps({'ready_at_return': ready_at_return, 'report': lines[0],
                     'tokens': [s.tokens for s in seqs], 'programs': len(eng.shapes)}))
 """

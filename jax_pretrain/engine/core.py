@@ -165,6 +165,12 @@ class Engine:
       for seq in [*self.scheduler.stop(), *self._abandon()]:
         output_lib.fail(seq, STOPPED)
 
+  def close(self) -> None:
+    """Ends the engine's own thread: the background compiler stops after the program it is
+    compiling, and is joined (a process must not exit while it is inside XLA). The engine still
+    runs calls after it, compiling each at its first use."""
+    self.runner.programs.stop(wait=True)
+
   def stop(self) -> None:
     """Ends run_forever after its current step (thread-safe): the sequences still waiting fail
     now (STOPPED), the busy ones when that step ends; submit refuses new ones."""
