@@ -272,8 +272,6 @@ def format_report(r: dict) -> str:
   return '\n'.join(lines)
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class ProgramPlan:
   """A program's plan of its own step (grpo's: jax_pretrain/grpo/plan.py), which its module

@@ -3,7 +3,7 @@
   python -m jax_pretrain.serve --workdir=runs/x [--step=N] [--port=8000] [--host=127.0.0.1]
       [--slots=16] [--context=0] [--chunk=8] [--model_name=NAME] [--warmup]
       [--max_sequences_per_request=256] [--max_queued_sequences=256] [--api_key=KEY]
-      [--stall_timeout=300] [--shutdown_timeout=20]
+      [--stall_timeout=300] [--shutdown_timeout=20] [--kv_cache_dtype=auto|int8|fp8]
 
 Endpoints (FastAPI, served by uvicorn):
 - POST /v1/completions: OpenAI's completions API. `prompt` (a string, a list of strings, a list
@@ -39,9 +39,9 @@ Backpressure: the sequences waiting for a slot, over all requests, are --max_que
 most (default 256). A request whose sequences would pass it is refused whole with 429 and OpenAI's
 rate-limit error (type `requests`, code `rate_limit_exceeded`) and `Retry-After: 1`, which the
 official clients retry after that second; nothing is queued without bound, so memory and the wait
-of an accepted request stay bounded whatever the traffic. While the queue is full a completion is
-refused at the door (_Guard), before its body is read: under a flood most requests are refused,
-and each costs the event loop next to nothing.
+of an accepted request stay bounded whatever the traffic. While the queue is full a completion or
+chat completion is refused at the door (_Guard), before its body is read: under a flood most
+requests are refused, and each costs the event loop next to nothing.
 
 Bad requests get OpenAI's error JSON ({"error": {"message", "type", "param", "code"}}) with status
 400 (404 for an unknown model or path), and the server goes on serving. A request may ask for
@@ -331,9 +331,10 @@ def _event(data: dict) -> str:
 
 class _Guard:
   """The app's outer layer (plain ASGI, so that streams pass through untouched): a /v1 request
-  without the API key gets 401 (OpenAI's invalid_api_key); a completion that comes when the queue
-  is full gets 429 at once, before its body is read or parsed (under a flood most requests are
-  refused: they must cost the event loop next to nothing); an exception that no handler answered
+  without the API key gets 401 (OpenAI's invalid_api_key); a completion or chat completion that
+  comes when the queue is full gets 429 at once, before its body is read or parsed (under a flood
+  most requests are refused: they must cost the event loop next to nothing); an exception that
+  no handler answered
   is logged with its traceback and answered with a generic 500 (its text is never sent)."""
 
   def __init__(self, app, server: Server):

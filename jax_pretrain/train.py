@@ -42,8 +42,6 @@ from jax_pretrain.state import Setup
 from jax_pretrain.state import TrainState
 from jax_pretrain.step_logger import StepLogger
 
-NonFiniteError = hooks_lib.NonFiniteError
-
 
 def describe(s: Setup, num_params: int) -> str:
   c, run, m = s.config, s.run, s.config.model
@@ -62,7 +60,6 @@ def describe(s: Setup, num_params: int) -> str:
       f'precision         compute {m.dtype}, params and optimizer {m.param_dtype}',
   ] + [f'chosen            {choice}' for choice in run.choices]
       + runtime.settings(s.mesh.devices.flat[0].platform))
-
 
 
 def _on_main(workdir: str, fn, *args):
@@ -122,7 +119,6 @@ def compile_step(s: Setup, pad_id: int, abstract_batch, loss_fn=None):
                                                                   abstract_batch).compile()
   multihost.log(f'compiled train step in {time.perf_counter() - t0:.1f}s')
   return train_step
-
 
 
 class Tokenizer(Protocol):

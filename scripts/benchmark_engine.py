@@ -39,6 +39,8 @@ _TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'Sampling temperature (0: 
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed runs of each (the fastest is reported).')
 _SAMPLES = flags.DEFINE_integer('samples', 1, 'Sequences per prompt (a divisor of each number of '
                                 'sequences).')
+_KV = flags.DEFINE_list('kv_cache_dtype', ['auto'], "The engine's KV cache kinds to measure "
+                        '(model.KV_CACHE_DTYPES: auto, fp8, int8), each against the reference.')
 _MARKDOWN = flags.DEFINE_bool('markdown', False, 'Print the results as a Markdown table.')
 MARKDOWN_HEADER = ('| decoder | sequences × (prompt + new) | slots | tokens/s | reference '
                    'tokens/s | time / reference | same tokens |\n|---|---|---|---|---|---|---|')
@@ -133,8 +135,8 @@ def timed(fn, repeats: int):
   return best, out
 
 
-def measure(c, params, n: int) -> str:
-  """The table's line (--markdown: row) for n sequences."""
+def measure(c, params, n: int) -> list[str]:
+  """The table's lines (--markdown: rows) for n sequences, one per --kv_cache_dtype."""
   import numpy as np
 
   from jax_pretrain import engine as engine_lib
@@ -142,30 +144,38 @@ def measure(c, params, n: int) -> str:
   distinct = np.random.default_rng(n).integers(0, c.vocab_size - 1, (n // k, P), dtype=np.int32)
   prompts = np.repeat(distinct, k, axis=0)
   slots = _SLOTS.value or n
-  eng = [engine_lib.Engine(c, params, _Tokenizer(c.vocab_size), slots=slots, context=P + M,
-                           chunk=_CHUNK.value)]
+  measured = []
+  for kind in _KV.value:
+    eng = [engine_lib.Engine(c, params, _Tokenizer(c.vocab_size), slots=slots, context=P + M,
+                             chunk=_CHUNK.value, kv_cache_dtype=kind)]
 
-  def generate():
-    seqs = [engine_lib.Sequence(prompt=prompts[b].tolist(), max_new_tokens=M, temperature=T,
-                                seed=0, stream=b) for b in range(n)]
-    eng[0].generate(seqs)
-    return seqs
+    def generate(eng=eng):
+      seqs = [engine_lib.Sequence(prompt=prompts[b].tolist(), max_new_tokens=M, temperature=T,
+                                  seed=0, stream=b) for b in range(n)]
+      eng[0].generate(seqs)
+      return seqs
 
-  engine_s, seqs = timed(generate, _REPEATS.value)
-  assert all(len(s.tokens) == M for s in seqs), 'a sequence ended early'
-  before = eng[0].stats().get('prompts_prefilled')
-  generate()
-  run = eng[0].stats().get('prompts_prefilled')
-  prefilled = '-' if run is None else f'{run - before:,}'
-  eng.clear()  # its cache: the reference allocates its own
+    engine_s, seqs = timed(generate, _REPEATS.value)
+    assert all(len(s.tokens) == M for s in seqs), 'a sequence ended early'
+    before = eng[0].stats().get('prompts_prefilled')
+    generate()
+    run = eng[0].stats().get('prompts_prefilled')
+    measured.append((kind, engine_s, seqs, '-' if run is None else f'{run - before:,}'))
+    eng.clear()  # its cache: the next one and the reference allocate their own
   run = reference(c, params, n, P, M, T)
   ref_s, ref_tokens = timed(lambda: np.asarray(run(prompts)), _REPEATS.value)
-  same = np.mean([a == b for s, row in zip(seqs, ref_tokens) for a, b in zip(s.tokens, row)])
-  if _MARKDOWN.value:
-    return (f'| engine (jax_pretrain) | {n} × ({P} + {M}) | {slots} | {n * M / engine_s:,.0f} | '
-            f'{n * M / ref_s:,.0f} | {engine_s / ref_s:.2f} | {same:.1%} |')
-  return (f'{n:>9}  {slots:>5}  {n * M / engine_s:>12,.0f}  {n * M / ref_s:>15,.0f}  '
-          f'{engine_s / ref_s:>23.2f}  {prefilled:>12}  {same:>11.1%}')
+  lines = []
+  for kind, engine_s, seqs, prefilled in measured:
+    same = np.mean([a == b for s, row in zip(seqs, ref_tokens) for a, b in zip(s.tokens, row)])
+    name = 'engine (jax_pretrain)' + ('' if kind == 'auto' else f', {kind} KV cache')
+    if _MARKDOWN.value:
+      lines.append(f'| {name} | {n} × ({P} + {M}) | {slots} | {n * M / engine_s:,.0f} | '
+                   f'{n * M / ref_s:,.0f} | {engine_s / ref_s:.2f} | {same:.1%} |')
+    else:
+      lines.append(f'{kind:>5}  {n:>9}  {slots:>5}  {n * M / engine_s:>12,.0f}  '
+                   f'{n * M / ref_s:>15,.0f}  {engine_s / ref_s:>23.2f}  {prefilled:>12}  '
+                   f'{same:>11.1%}')
+  return lines
 
 
 def main():
@@ -189,10 +199,11 @@ def main():
   if _MARKDOWN.value:
     print(f'\n{MARKDOWN_HEADER}')
   else:
-    print(f'{"sequences":>9}  {"slots":>5}  {"engine tok/s":>12}  {"reference tok/s":>15}  '
-          f'{"engine / reference time":>23}  {"prompts run":>12}  {"same tokens":>11}')
+    print(f'{"KV":>5}  {"sequences":>9}  {"slots":>5}  {"engine tok/s":>12}  '
+          f'{"reference tok/s":>15}  {"engine / reference time":>23}  {"prompts run":>12}  '
+          f'{"same tokens":>11}')
   for n in _SEQUENCES.value:
-    print(measure(c, params, int(n)), flush=True)
+    print('\n'.join(measure(c, params, int(n))), flush=True)
 
 
 if __name__ == '__main__':

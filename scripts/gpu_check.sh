@@ -30,8 +30,8 @@
 #      recomputation, elementwise, loss, optimizer, copies, collectives, idle). XLA's command
 #      buffers are off for this run (XLA_FLAGS), so that every kernel names its HLO instruction;
 #   6. engine: decoding xlarge's model, 64 sequences × (512 + 128) tokens
-#      (scripts/benchmark_engine.py), and under it the peer's: transformers generate with a static
-#      cache, compiled.
+#      (scripts/benchmark_engine.py) with its KV cache in bf16, int8 and fp8 (issue 38), and under
+#      it the peer's: transformers generate with a static cache, compiled.
 # The plan's predictions to compare with: BENCHMARKS.md, "Compiled for the GPU, not measured".
 #
 # Usage: [STEPS="trainer attention train_step checkpoint precision profile engine"] \
@@ -70,7 +70,8 @@ if [[ ${1:-} == --dry-run ]]; then
   profile_args=(--config=configs/test.py --config.train.steps=6 --config.train.profile_steps=3:4
                 --config.model.remat=full)
   profile_vocab=384
-  engine_args=(--config=configs/test.py --sequences=2 --prompt_tokens=8 --new_tokens=4 --repeats=1)
+  engine_args=(--config=configs/test.py --sequences=2 --prompt_tokens=8 --new_tokens=4 --repeats=1
+               --kv_cache_dtype=auto,int8,fp8)
   trainer_args=(--config=configs/test.py --config.train.steps=6 --config.train.log_every=2
                 --config.model.dtype=bfloat16)
   trainer_limit=200
@@ -96,7 +97,7 @@ else
                 --config.optim.warmup_steps=2 --config.train.profile_steps=10:12)
   profile_vocab=32768
   engine_args=(--config=configs/xlarge.py --sequences=64 --prompt_tokens=512 --new_tokens=128
-               --repeats=1)
+               --repeats=1 --kv_cache_dtype=auto,int8,fp8)
   peer_engine_args=(--config=configs/xlarge.py --sequences=64 --prompt_tokens=512
                     --new_tokens=128 --notrain)
   limits=(100 560 90 420 300 420)

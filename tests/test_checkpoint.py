@@ -14,6 +14,7 @@ import pytest
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
+from jax_pretrain import hooks as hooks_lib
 from jax_pretrain import pretrain
 from jax_pretrain import state as state_lib
 from jax_pretrain import train
@@ -179,7 +180,7 @@ def test_nonfinite_run_halts_with_a_clear_message(tmp_path, mode, message):
   c.train.on_nonfinite = mode
   c.train.max_consecutive_skips = 3
   c.train.log_every = 1
-  with pytest.raises(train.NonFiniteError, match=message):
+  with pytest.raises(hooks_lib.NonFiniteError, match=message):
     pretrain.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
 
 

@@ -304,9 +304,9 @@ def decode_bytes(step: Step, u: Update, r: Rollout) -> dict[str, float]:
 
 
 def kv_cache_comparison(step: Step, u: Update, r: Rollout) -> dict:
-  """The rollout with the other kind of KV cache than grpo.kv_cache_dtype's (an 8-bit one:
-  'int8'; an 8-bit one: 'auto'), both summarized: {kind: its decode at the longest live context
-  (tokens/s, temp GiB), rollout_s and bytes per generated token}."""
+  """The rollout with the other kind of KV cache than grpo.kv_cache_dtype's (beside 'auto':
+  'int8'; beside an 8-bit one: 'auto'), both summarized: {kind: its decode at the longest live
+  context (tokens/s, temp GiB), rollout_s and bytes per generated token}."""
   other = rollout_calls(step, u, 'int8' if r.kv_cache_dtype == 'auto' else 'auto')
 
   def summary(x: Rollout) -> dict:
@@ -365,14 +365,16 @@ def format_report(r: dict) -> str:
   kinds = r['kv_cache']
   base = kinds['auto']
   for kind, k in kinds.items():
-    line = (f'KV cache     {kind}: {k["cache_gib"]:.1f} GiB a device; decode '
-            f'{k["decode_tokens_per_s"]:,.0f} tokens/s, temp {k["decode_temp_gib"]:.2f} GiB, '
-            f'{plan_lib.gb_text(k["bytes_per_token"])} a token')
+    line = f'KV cache     {kind}: {k["cache_gib"]:.1f} GiB a device; decode'
+    if k['decode_tokens_per_s'] is not None:
+      line += f' {k["decode_tokens_per_s"]:,.0f} tokens/s,'
+    line += (f' temp {k["decode_temp_gib"]:.2f} GiB, {plan_lib.gb_text(k["bytes_per_token"])} '
+             'a token')
     if k['rollout_s'] is not None:
       line += f', rollout {k["rollout_s"]:.2f} s'
-    if kind != 'auto' and base['rollout_s'] and k['rollout_s']:
-      line += (f' ({k["decode_tokens_per_s"] / base["decode_tokens_per_s"]:.2f}× the decode, '
-               f'{k["rollout_s"] / base["rollout_s"]:.2f}× the rollout of auto\'s)')
+      if kind != 'auto' and base['rollout_s']:
+        line += (f' ({k["decode_tokens_per_s"] / base["decode_tokens_per_s"]:.2f}× the decode, '
+                 f'{k["rollout_s"] / base["rollout_s"]:.2f}× the rollout of auto\'s)')
     lines.append(line + (' (used: grpo.kv_cache_dtype)' if kind == g['kv_cache_dtype'] else ''))
   if r['score']:
     sc = r['score']
