@@ -56,8 +56,10 @@ def test_gpu_check_dry_run_prints_every_table(tmp_path):
   assert {'matmul', 'recomputation', 'loss', 'optimizer', 'idle', 'traced'} <= set(ms), profile
   assert ms['matmul'] > 0 and ms['recomputation'] > 0, profile
   assert abs(sum(v for k, v in ms.items() if k != 'traced') - ms['traced']) < 0.1 * len(ms)
-  # Decoding: the engine's row and the peer's under it, in one table.
+  # Decoding: the engine's rows (a 16-bit and each 8-bit KV cache) and the peer's under them, in
+  # one table.
   rows = [line for line in engine.splitlines() if line.startswith('| ')]
   assert [row.split('|')[1].strip() for row in rows[1:]] == [
-      'engine (jax_pretrain)', 'transformers generate (static cache)'], engine
+      'engine (jax_pretrain)', 'engine (jax_pretrain), int8 KV cache',
+      'engine (jax_pretrain), fp8 KV cache', 'transformers generate (static cache)'], engine
   assert len({row.count('|') for row in rows}) == 1, engine
