@@ -291,8 +291,11 @@ class ChatChoice(_Choice):
       return None
 
     def entry(token: int, logprob: float) -> dict:
+      # bytes: None (as OpenAI allows) for a token that is part of a character (its text a
+      # replacement character), whose own bytes the text does not give.
       text = tokenizer.decode([token])
-      return {'token': text, 'logprob': logprob, 'bytes': list(text.encode())}
+      return {'token': text, 'logprob': logprob,
+              'bytes': None if '\ufffd' in text else list(text.encode())}
 
     return {'content': [
         {**entry(seq.tokens[n - 1], seq.logprobs[n - 1]),
@@ -337,7 +340,9 @@ class CompletionAnswer:
 
   def delta(self, update):
     chunk = self.choices[update.index].delta(update, self.tokenizer)
-    return {**self.header, 'choices': [chunk]} if chunk['text'] or chunk['finish_reason'] else None
+    # (a token whose text adds no character still goes out with its logprobs)
+    keep = chunk['text'] or chunk['finish_reason'] or (chunk['logprobs'] or {}).get('tokens')
+    return {**self.header, 'choices': [chunk]} if keep else None
 
   def usage(self, sequences):
     return ({**self.header, 'choices': [], 'usage': usage(self.prompts, sequences)}
@@ -366,8 +371,8 @@ class ChatAnswer:
 
   def delta(self, update):
     chunk = self.choices[update.index].delta(update, self.tokenizer)
-    return ({**self.chunk_header, 'choices': [chunk]}
-            if chunk['delta'] or chunk['finish_reason'] else None)
+    keep = chunk['delta'] or chunk['finish_reason'] or (chunk['logprobs'] or {}).get('content')
+    return {**self.chunk_header, 'choices': [chunk]} if keep else None
 
   def usage(self, sequences):
     return ({**self.chunk_header, 'choices': [], 'usage': usage([self.prompt], sequences)}

@@ -334,8 +334,8 @@ class _Guard:
   without the API key gets 401 (OpenAI's invalid_api_key); a completion or chat completion that
   comes when the queue is full gets 429 at once, before its body is read or parsed (under a flood
   most requests are refused: they must cost the event loop next to nothing); an exception that
-  no handler answered
-  is logged with its traceback and answered with a generic 500 (its text is never sent)."""
+  no handler answered is logged with its traceback and answered with a generic 500 (its text is
+  never sent)."""
 
   def __init__(self, app, server: Server):
     self.app, self.server = app, server
