@@ -41,12 +41,7 @@ lost. A process that leaves `processes()` (done, stopped by a signal, an `error:
 'done' as its last heartbeat and is never reported; one killed, frozen or aborted (a second
 Ctrl-C) is.
 
-Measured (two processes of the test preset on a 2-core CPU, --heartbeat_timeout=5, process 1
-signalled at step 150, checkpoint every 100 steps): SIGKILL: process 0's line came 5.0-5.3 s after
-the kill, naming step 100, and it exited at once (with more processes it waits two heartbeats for
-the others, see `_report_lost`); SIGSTOP (process 0 then blocked inside a gloo collective): 4.7 s.
-With the default 60 s: the line after 62.8 s.
-Before this module: 78 s (issue 20: 76 s) and about 100 lines of crash dump, no checkpoint named.
+How soon the line comes after a kill or a freeze (about one heartbeat timeout): BENCHMARKS.md.
 
 What it cannot do:
 - Losing process 0 ends the others at once with jax's own fatal message: process 0 hosts the

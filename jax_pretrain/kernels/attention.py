@@ -6,11 +6,8 @@
          kernel that 'auto' never picks (measured on one H100: its backward runs at half cuDNN's
          speed; the kernel's docstring says why).
 'auto'   (the default) resolved once, at start-up, by `choose`: cuDNN on an NVIDIA GPU where it
-         supports the dtype and head_dim, else XLA. On one H100 (scripts/gpu_check.sh,
-         BENCHMARKS.md: B8 T2048 16 heads × 128) cuDNN ran 250 / 291 TFLOP/s forward /
-         forward+backward against XLA's 35 / 51, and xlarge trained at 45,182 against 22,423
-         tokens/s (the project brief, measured on an H100 at the xlarge shape: 430 / 333 against
-         39 / 55 TFLOP/s, ~45k against ~23k tokens/s).
+         supports the dtype and head_dim, else XLA (cuDNN's kernel trains xlarge about twice as
+         fast as XLA's attention on one H100: BENCHMARKS.md).
 
 The fused kernels are custom calls that GSPMD cannot split, so on a mesh they run under shard_map:
 each device attends over its own batch rows and heads, which needs no communication.

@@ -30,9 +30,8 @@ On the CPU the kernels run in Pallas interpret mode (for tests); on a GPU they l
 Pallas' Triton backend.
 
 Status: a reference kernel, tested, outside model.attention='auto' (which takes cuDNN wherever
-it runs). Measured on one H100 (BENCHMARKS.md, "GPU check on one H100": B8 T2048, 16 heads × 128,
-bf16, causal): forward 216 TFLOP/s against cuDNN's 250, backward 125 against 259, forward +
-backward 152 against 291. The backward is the gap: its two kernels (dK/dV, and dQ: no atomics)
+it runs): on one H100 its backward runs at about half cuDNN's speed (BENCHMARKS.md, "GPU check on
+one H100"). The backward is the gap: its two kernels (dK/dV, and dQ: no atomics)
 each recompute the scores and dP = dO·Vᵀ, 7 matmuls a tile where one fused backward with atomic
 dQ accumulation does 5, and run them as Triton's matmuls, where cuDNN's are written for the
 Hopper tensor cores. Pallas' Triton backend

@@ -3,7 +3,7 @@ of the sequence: no [tokens, vocabulary] array (the logits, or their gradient) i
 
 The output head's logits are B·T·V float32 (2 GiB for 8 × 2048 tokens and a 32,768-token
 vocabulary), and their gradient as much again; XLA computed the head's two backward GEMMs against
-that float32 gradient (TF32 on a GPU: 60 ms of an xlarge step on one H100, issue 30). Here,
+that float32 gradient (TF32 on a GPU; BENCHMARKS.md, issue 30). Here,
 `target_logprobs` runs a scan over chunks of the sequence: each chunk's logits come from compute
 dtype operands with float32 accumulation, give the target's logit and the logsumexp at each
 temperature, and are dropped. The backward (a custom VJP) recomputes each chunk's logits (one GEMM
