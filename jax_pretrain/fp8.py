@@ -41,7 +41,7 @@ QUANTIZED = 'fp8_quantized'  # the name (jax.ad_checkpoint) of a projection's qu
 
 def _quantize(x: jax.Array, q_dtype) -> tuple[jax.Array, jax.Array]:
   """(x in q_dtype, its float32 scale): x ≈ q * scale, the scale from x's own amax."""
-  scale = _scale_of(_amax(x), q_dtype)
+  scale = scale_of(_amax(x), q_dtype)
   return fp8_ops.quantize(x, q_dtype, scale, jnp.float32), scale
 
 
@@ -49,9 +49,16 @@ def _amax(x: jax.Array) -> jax.Array:
   return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _scale_of(amax: jax.Array, q_dtype) -> jax.Array:
-  """The scale that maps amax to q_dtype's largest finite value (1 for an amax of 0)."""
-  return jnp.where(amax > 0, amax / fp8_ops.get_fp8_max(q_dtype, jnp.float32), 1.0)
+def largest(q_dtype) -> float:
+  """q_dtype's largest finite value: a float8's (e4m3: 448) or an integer's (int8: 127)."""
+  d = jnp.dtype(q_dtype)
+  return float(jnp.iinfo(d).max if jnp.issubdtype(d, jnp.integer) else jnp.finfo(d).max)
+
+
+def scale_of(amax: jax.Array, q_dtype) -> jax.Array:
+  """The scale that maps amax to q_dtype's largest finite value (1 for an amax of 0); elementwise,
+  so per tensor here and per head and position in the engine's 8-bit KV cache (model.quantize)."""
+  return jnp.where(amax > 0, amax / largest(q_dtype), 1.0)
 
 
 def _scaled_dot(a, b, dims, scale, dtype):
@@ -100,7 +107,7 @@ def _delayed_matmul(x_MxK: jax.Array, w_KxN: jax.Array, history_2xH: jax.Array) 
 
 
 def _delayed_matmul_fwd(x_MxK, w_KxN, history_2xH):
-  scale_x, scale_g = _scale_of(jnp.max(history_2xH, axis=1), FORWARD_DTYPE)
+  scale_x, scale_g = scale_of(jnp.max(history_2xH, axis=1), FORWARD_DTYPE)
   qx_MxK = fp8_ops.quantize(x_MxK, FORWARD_DTYPE, scale_x, jnp.float32)
   qw_KxN, sw = _quantize(w_KxN, FORWARD_DTYPE)
   # (named: a remat policy keeps them, so that the backward quantizes nothing twice)

@@ -107,15 +107,12 @@ class LayerKV:
 def quantize(x_BxTxKxH: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """(x in `dtype` (int8 or float8), its float32 scale [B, T, K]): each head's vector scaled so
   that its largest magnitude is the dtype's largest value; x ≈ q × scale."""
-  dtype = jnp.dtype(dtype)
-  top = float(jnp.iinfo(dtype).max if jnp.issubdtype(dtype, jnp.integer) else
-              jnp.finfo(dtype).max)
   x = x_BxTxKxH.astype(jnp.float32)
-  amax_BxTxK = jnp.max(jnp.abs(x), axis=-1)
-  scale_BxTxK = jnp.where(amax_BxTxK > 0, amax_BxTxK / top, 1.0)
+  scale_BxTxK = fp8.scale_of(jnp.max(jnp.abs(x), axis=-1), dtype)
   y = x / scale_BxTxK[..., None]
   if jnp.issubdtype(dtype, jnp.integer):
     y = jnp.round(y)
+  top = fp8.largest(dtype)
   return jnp.clip(y, -top, top).astype(dtype), scale_BxTxK
 
 
