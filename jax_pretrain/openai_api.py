@@ -8,6 +8,8 @@ that a chunk decodes a few tokens, not the whole completion. A chat stream opens
 its role, as OpenAI's does.
 """
 from collections.abc import Iterator
+import dataclasses
+import json
 import time
 from typing import TYPE_CHECKING, Literal, Protocol
 import uuid
@@ -29,13 +31,37 @@ INTERNAL = 'The server had an error while processing your request (it is in the 
 PromptLogprobs = tuple[list[float], list[list[tuple[int, float]]]]
 
 
-class Sampling(pydantic.BaseModel):
-  """What completions and chat completions share: the model, the choices and their sampling."""
+class _Body(pydantic.BaseModel):
+  """A request body: strict types, no unknown field, and null for a field its default (OpenAI's
+  spec marks the optional fields nullable; the openai SDK sends null for a caller's None)."""
   model_config = pydantic.ConfigDict(extra='forbid', strict=True)
-  model: str | None = None
+
+  @pydantic.model_validator(mode='before')
+  @classmethod
+  def _null_is_the_default(cls, data):
+    if isinstance(data, dict):
+      return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+    return data
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+  """The model's own sampling defaults (its generation_config.json; workdir.generation_config),
+  which a request's explicit values override, as vLLM applies them. max_tokens: a chat's cap when
+  the request gives none (None: the rest of the context)."""
   temperature: float = 1.0
   top_p: float = 1.0
-  top_k: int = 0  # an extension (0: off)
+  top_k: int = 0
+  max_tokens: int | None = None
+
+
+class Sampling(_Body):
+  """What completions and chat completions share: the model, the choices and their sampling.
+  temperature, top_p and top_k: None (absent or null) for the model's default (Defaults)."""
+  model: str | None = None
+  temperature: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None  # an extension (0: off)
   n: int = 1
   stream: bool = False
   stream_options: dict | None = None
@@ -43,49 +69,168 @@ class Sampling(pydantic.BaseModel):
   seed: int | None = None
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
-  logit_bias: dict | None = None
-  user: str | None = None
+  logit_bias: dict[str, float] | None = None
+  user: str | None = None  # (accepted, as OpenAI's and vLLM's: no effect here)
 
   def stops(self) -> tuple[str, ...]:
     return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+  def settings(self, defaults: Defaults) -> tuple[float, float, int]:
+    """(temperature, top_p, top_k): the request's, else the model's defaults."""
+    return (defaults.temperature if self.temperature is None else self.temperature,
+            defaults.top_p if self.top_p is None else self.top_p,
+            defaults.top_k if self.top_k is None else self.top_k)
+
+  def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs, each bias clamped to [-100, 100] as vLLM clamps it;
+    a key that is not a token id of this model is refused."""
+    out = []
+    for key, value in (self.logit_bias or {}).items():
+      try:
+        token = int(key)
+      except ValueError:
+        token = -1
+      if not 0 <= token < vocab_size:
+        raise APIError(f'logit_bias: {key!r} is not a token id of this model (0 .. '
+                       f'{vocab_size - 1})', 'logit_bias')
+      out.append((token, min(100.0, max(-100.0, float(value)))))
+    return tuple(out)
 
 
 class CompletionRequest(Sampling):
   """The body of POST /v1/completions."""
   prompt: str | list[str] | list[int] | list[list[int]]
-  max_tokens: int | None = 16
+  max_tokens: int = 16
   echo: bool = False
   logprobs: int | None = None
   best_of: int | None = None
   suffix: str | None = None
 
 
-class TextPart(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra='forbid', strict=True)
+class TextPart(_Body):
   type: Literal['text']
   text: str
 
 
-class ChatMessage(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra='forbid', strict=True)
-  role: str
-  content: str | list[TextPart]
-  name: str | None = None
+class Function(_Body):
+  name: str
+  arguments: str  # JSON, as the model wrote it
 
-  def rendered(self) -> dict:
-    """The message as the chat template reads it (its text parts joined)."""
-    content = self.content if isinstance(self.content, str) else ''.join(
-        part.text for part in self.content)
-    return {'role': self.role, 'content': content, **({'name': self.name} if self.name else {})}
+
+class ToolCall(_Body):
+  id: str
+  type: Literal['function'] = 'function'
+  function: Function
+
+
+class ChatMessage(_Body):
+  """A message of a chat: a system, developer or user message's content is required; an
+  assistant's may be null (its tool_calls said it); a tool's answers the call tool_call_id."""
+  role: Literal['system', 'developer', 'user', 'assistant', 'tool']
+  content: str | list[TextPart] | None = None
+  name: str | None = None
+  tool_calls: list[ToolCall] | None = None  # (an assistant's)
+  tool_call_id: str | None = None  # (a tool's)
+  refusal: str | None = None  # (an assistant's; not rendered)
+
+  @pydantic.model_validator(mode='after')
+  def _complete(self) -> 'ChatMessage':
+    if self.content is None and self.role != 'assistant':
+      raise ValueError(f'a {self.role} message needs its content')
+    if self.tool_calls is not None and self.role != 'assistant':
+      raise ValueError('only an assistant message has tool_calls')
+    if (self.tool_call_id is None) != (self.role != 'tool'):
+      raise ValueError('a tool message (and only a tool message) has a tool_call_id')
+    return self
+
+  def rendered(self, parts: bool) -> dict:
+    """The message as the chat template reads it, as vLLM gives it: content parts as they came
+    (a list of {"type": "text", "text": ...}, as transformers passes them) to a template that
+    loops over a message's content (parts: content_parts), else their texts joined with
+    newlines; a string as it came, null content as ''; a tool call's arguments parsed from JSON
+    (templates read them as a mapping)."""
+    if isinstance(self.content, list):
+      texts = [p.text for p in self.content]
+      content: str | list[dict] = ([{'type': 'text', 'text': t} for t in texts] if parts
+                                   else '\n'.join(texts))
+    else:
+      content = self.content or ''
+    out: dict = {'role': self.role, 'content': content}
+    if self.name is not None:
+      out['name'] = self.name
+    if self.tool_call_id is not None:
+      out['tool_call_id'] = self.tool_call_id
+    if self.tool_calls is not None:
+      out['tool_calls'] = [{'id': c.id, 'type': c.type, 'function': {
+          'name': c.function.name, 'arguments': _arguments(c.function.arguments)}}
+                           for c in self.tool_calls]
+    return out
+
+
+def _arguments(text: str):
+  """A tool call's arguments as a mapping (vLLM's: templates read them so), or as they came when
+  they are not a JSON object."""
+  try:
+    value = json.loads(text)
+  except ValueError:
+    return text
+  return value if isinstance(value, dict) else text
+
+
+def content_parts(template_source: str) -> bool:
+  """Whether a chat template loops over a message's content (it takes content parts, a list of
+  {"type", "text"}) rather than printing it (a string): vLLM's --chat-template-content-format
+  auto, by the template's syntax tree."""
+  import jinja2  # noqa: PLC0415
+  from jinja2 import nodes  # noqa: PLC0415
+  try:
+    tree = jinja2.Environment(extensions=['jinja2.ext.loopcontrols']).parse(template_source)
+  except jinja2.TemplateError:
+    return False
+
+  def is_content(node) -> bool:
+    return (isinstance(node, nodes.Getattr) and node.attr == 'content') or (
+        isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
+        and node.arg.value == 'content')
+
+  return any(is_content(loop.iter) or (isinstance(loop.iter, nodes.Filter)
+                                       and is_content(loop.iter.node))
+             for loop in tree.find_all(nodes.For))
 
 
 class ChatRequest(Sampling):
-  """The body of POST /v1/chat/completions."""
+  """The body of POST /v1/chat/completions. Accepted as vLLM accepts them, with no effect:
+  store, metadata, parallel_tool_calls, service_tier, prompt_cache_key, safety_identifier,
+  modalities ["text"]; tools, tool_choice and response_format in their no-op forms (no tools or
+  [], "none", {"type": "text"}: check_chat refuses the others)."""
   messages: list[ChatMessage]
   max_tokens: int | None = None  # (deprecated by OpenAI for max_completion_tokens)
   max_completion_tokens: int | None = None
   logprobs: bool = False
   top_logprobs: int | None = None
+  tools: list[dict] | None = None
+  tool_choice: str | dict | None = None
+  response_format: dict | None = None
+  parallel_tool_calls: bool | None = None
+  store: bool | None = None
+  metadata: dict[str, str] | None = None
+  service_tier: str | None = None
+  prompt_cache_key: str | None = None
+  safety_identifier: str | None = None
+  modalities: list[Literal['text']] | None = None
+
+
+def check_chat(r: ChatRequest) -> None:
+  """Refuses what a chat asks that this server does not do (tools, a response format), rather
+  than answer as if it had."""
+  for ok, param, message in [
+      (not r.tools, 'tools', 'tools are not supported by this server (no tool calls)'),
+      (r.tool_choice in (None, 'none') or (r.tool_choice == 'auto' and not r.tools),
+       'tool_choice', 'tool_choice other than "none" is not supported by this server'),
+      (r.response_format is None or r.response_format == {'type': 'text'}, 'response_format',
+       'response_format other than {"type": "text"} is not supported by this server')]:
+    if not ok:
+      raise APIError(message, param)
 
 
 def is_ids(prompt: list[str] | list[int] | list[list[int]]) -> 'TypeIs[list[int]]':
@@ -140,14 +285,18 @@ def check_sampling(r: Sampling, name: str) -> None:
   stops = r.stops()
   for ok, param, message in [
       (1 <= r.n <= MAX_N, 'n', f'n must be between 1 and {MAX_N}'),
-      (0 <= r.temperature <= 2, 'temperature', 'temperature must be between 0 and 2'),
-      (0 < r.top_p <= 1, 'top_p', 'top_p must be in (0, 1]'),
-      (r.top_k >= 0, 'top_k', 'top_k must be >= 0 (0: off)'),
+      (r.temperature is None or 0 <= r.temperature <= 2, 'temperature',
+       'temperature must be between 0 and 2'),
+      (r.top_p is None or 0 < r.top_p <= 1, 'top_p', 'top_p must be in (0, 1]'),
+      (r.top_k is None or r.top_k >= 0, 'top_k', 'top_k must be >= 0 (0: off)'),
       (len(stops) <= MAX_STOP and all(stops), 'stop',
        f'stop takes at most {MAX_STOP} non-empty strings'),
-      (r.presence_penalty == r.frequency_penalty == 0, 'presence_penalty',
-       'presence and frequency penalties are not supported'),
-      (not r.logit_bias, 'logit_bias', 'logit_bias is not supported')]:
+      (-2 <= r.presence_penalty <= 2, 'presence_penalty',
+       'presence_penalty must be between -2 and 2'),
+      (-2 <= r.frequency_penalty <= 2, 'frequency_penalty',
+       'frequency_penalty must be between -2 and 2'),
+      (len(r.logit_bias or ()) <= engine_lib.MAX_LOGIT_BIAS, 'logit_bias',
+       f'logit_bias takes at most {engine_lib.MAX_LOGIT_BIAS} tokens')]:
     if not ok:
       raise APIError(message, param)
 

@@ -317,3 +317,85 @@ def test_the_completions_of_one_prompt_share_its_prefill(tiny):
   np.testing.assert_array_equal(r.tokens_BxT1, expected.tokens_BxT1)
   np.testing.assert_allclose(r.logp_BxT, expected.logp_BxT, atol=1e-5)
   assert r.completions == expected.completions and len(set(r.completions)) > 3
+
+
+def _penalized_reference(logits_V, generated, presence, frequency, bias):
+  """vLLM's logits processing in float64: logit_bias added, then the penalties over the output
+  tokens so far (presence where a token occurred, frequency × its count)."""
+  out = np.asarray(logits_V, np.float64).copy()
+  for token, b in bias:
+    out[token] += b
+  counts = np.bincount(np.asarray(generated, np.int64), minlength=len(out)).astype(np.float64)
+  return out - frequency * counts - presence * (counts > 0)
+
+
+def test_penalized_is_the_numpy_reference():
+  rng = np.random.default_rng(0)
+  B, V, K = 4, 50, engine.MAX_LOGIT_BIAS
+  logits = rng.normal(size=(B, V)).astype(np.float32)
+  generated = [rng.integers(0, V, size=n).tolist() for n in (0, 7, 30, 3)]
+  presence, frequency = np.float32([0.0, 0.5, -1.5, 2.0]), np.float32([0.0, 0.3, 1.0, -0.7])
+  bias = [[], [(3, 5.0), (10, -100.0)], [(0, 1.5)], [(V - 1, 100.0), (3, -2.0), (7, 0.25)]]
+  counts = np.stack([np.bincount(g, minlength=V) for g in generated]).astype(np.int32)
+  bias_ids, bias_values = np.zeros((B, K), np.int32), np.zeros((B, K), np.float32)
+  for b, pairs in enumerate(bias):
+    for k, (token, value) in enumerate(pairs):
+      bias_ids[b, k], bias_values[b, k] = token, value
+  ours = np.asarray(engine.penalized(logits, counts, presence, frequency, bias_ids, bias_values))
+  for b in range(B):
+    np.testing.assert_allclose(ours[b], _penalized_reference(
+        logits[b], generated[b], presence[b], frequency[b], bias[b]), atol=1e-5)
+  np.testing.assert_array_equal(ours[0], logits[0])  # (nothing asked: the logits as they are)
+
+
+def test_greedy_rows_with_penalties_and_logit_bias_follow_the_numpy_reference(tiny):
+  """Each row's own presence/frequency penalty and logit_bias, applied on the device over its own
+  output tokens, decoded together (2 slots, 6 sequences: slots reused; 2 of one prompt: copies of
+  its prefill): each greedy token is the argmax of the float64 reference's processed logits, the
+  logprobs reported are the model's own (vLLM's default), and the penalties change the text."""
+  cfg, params = tiny
+  tok = tokenizer_lib.ByteTokenizer()
+  prompt = [72, 101, 108]
+  plain = engine.Engine(cfg, params, tok, slots=1, context=64, chunk=4).generate(
+      _greedy([prompt], max_new_tokens=16))[0].tokens
+  settings = [dict(), dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+              dict(logit_bias=((plain[0], -100.0), (plain[1], 3.0))),
+              dict(presence_penalty=-0.5, frequency_penalty=0.8, logit_bias=((65, 4.0),)),
+              dict(frequency_penalty=1.5)]
+  prompts = [prompt] * 4 + [[1, 2, 3], [1, 2, 3]]
+  eng = engine.Engine(cfg, params, tok, slots=2, context=64, chunk=4)
+  seqs = eng.generate([engine.Sequence(prompt=list(p), max_new_tokens=16, **kw)
+                       for p, kw in zip(prompts, settings)])
+  model = model_lib.Transformer(cfg)
+  for seq, kw in zip(seqs, settings):
+    ids = seq.prompt + seq.tokens
+    logits_TxV = np.asarray(model.apply({'params': params}, np.asarray([ids]))[0], np.float64)
+    logits_TxV[:, tok.vocab_size:] = -np.inf
+    logits_TxV[:, tok.pad_id] = -np.inf
+    for i, token in enumerate(seq.tokens):
+      raw_V = logits_TxV[len(seq.prompt) - 1 + i]
+      processed_V = _penalized_reference(raw_V, seq.tokens[:i], kw.get('presence_penalty', 0.0),
+                                         kw.get('frequency_penalty', 0.0),
+                                         kw.get('logit_bias', ()))
+      assert processed_V[token] >= processed_V.max() - 1e-4, (kw, i)
+      raw_logprobs = raw_V - np.logaddexp.reduce(raw_V[np.isfinite(raw_V)])
+      assert seq.logprobs[i] == pytest.approx(raw_logprobs[token], abs=1e-4)
+  assert seqs[0].tokens == plain
+  assert all(s.tokens != plain for s in seqs[1:4])
+  assert len(set(seqs[1].tokens)) > len(set(plain)) and plain[0] not in seqs[3].tokens
+  assert 65 in seqs[4].tokens and 65 not in plain  # (its bias of +4)
+
+
+def test_extra_eos_ids_end_a_sequence_as_eos_does(tiny):
+  """A generation_config.json's EOS ids: the sequence ends before the first (finish 'stop'), its
+  logprob kept as EOS's."""
+  cfg, params = tiny
+  tok = tokenizer_lib.ByteTokenizer()
+  plain = engine.Engine(cfg, params, tok, slots=1, context=64, chunk=4).generate(
+      _greedy([PROMPTS[0]], max_new_tokens=16))[0]
+  end = plain.tokens[5]
+  first = plain.tokens.index(end)
+  [seq] = engine.Engine(cfg, params, tok, slots=1, context=64, chunk=4,
+                        eos_ids=(end, tok.eos_id)).generate(_greedy([PROMPTS[0]], 16))
+  assert seq.tokens == plain.tokens[:first] and seq.finish_reason == 'stop'
+  assert seq.eos_logprob == pytest.approx(plain.logprobs[first], abs=1e-5)

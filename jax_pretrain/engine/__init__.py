@@ -20,7 +20,8 @@ The parts, each changeable on its own:
              the scoring pass
   programs   the compiled program of each call shape, the warmup (the programs that cover
              every call first, the others in a background compiler) and which one runs a call
-  sampling   the next token of each row: temperature, top-k, top-p, per-row random streams
+  sampling   the next token of each row: logit_bias, presence and frequency penalties,
+             temperature, top-k, top-p, per-row random streams
   output     the output processor: a call's tokens into each sequence (EOS, max_new_tokens, stop
              strings, detokenization, logprobs), the callbacks
   core       Engine: the loop (generate, run_forever, stop) and its failure policy
@@ -33,8 +34,10 @@ from jax_pretrain.engine.core import EngineFailed
 from jax_pretrain.engine.runner import cache_bytes
 from jax_pretrain.engine.runner import decoding_params
 from jax_pretrain.engine.runner import token_logprobs
+from jax_pretrain.engine.sampling import MAX_LOGIT_BIAS
 from jax_pretrain.engine.sampling import TOP_N
 from jax_pretrain.engine.sampling import filter_logits
+from jax_pretrain.engine.sampling import penalized
 from jax_pretrain.engine.sampling import sample_rows
 from jax_pretrain.engine.scheduler import MIN_BUCKET
 from jax_pretrain.engine.scheduler import EngineStopped
@@ -43,6 +46,7 @@ from jax_pretrain.engine.scheduler import live_bucket
 from jax_pretrain.engine.sequence import STOPPED
 from jax_pretrain.engine.sequence import Sequence
 
-__all__ = ['MAX_FAILURES', 'MIN_BUCKET', 'STOPPED', 'TOP_N', 'Engine', 'EngineFailed',
-           'EngineStopped', 'Sequence', 'bucket', 'cache_bytes', 'decoding_params',
-           'filter_logits', 'live_bucket', 'sample_rows', 'token_logprobs']
+__all__ = ['MAX_FAILURES', 'MAX_LOGIT_BIAS', 'MIN_BUCKET', 'STOPPED', 'TOP_N', 'Engine',
+           'EngineFailed', 'EngineStopped', 'Sequence', 'bucket', 'cache_bytes',
+           'decoding_params', 'filter_logits', 'live_bucket', 'penalized', 'sample_rows',
+           'token_logprobs']

@@ -55,16 +55,19 @@ class Engine:
   device); slots: over all of them (rounded up to a multiple of the device count); chunk: decoding
   steps per call at most; prefill_tokens: prompt tokens per device per prefill call at most (its
   activations are [rows, P, mlp]); kv_cache_dtype: 'auto' (the compute dtype), 'fp8' or 'int8'
-  (model.KV_CACHE_DTYPES: 8 bits with a scale per head and position).
+  (model.KV_CACHE_DTYPES: 8 bits with a scale per head and position); eos_ids: ids that end a
+  sequence besides the tokenizer's EOS (a generation_config.json's: an instruct model's
+  end-of-turn), ended as EOS ends it.
   """
 
   def __init__(self, model_config: model_lib.ModelConfig, params, tokenizer, *, slots: int = 16,
                context: int, chunk: int = 8, prefill_tokens: int = 16384,
-               mesh: Mesh | None = None, kv_cache_dtype: str = 'auto'):
+               mesh: Mesh | None = None, kv_cache_dtype: str = 'auto',
+               eos_ids: tuple[int, ...] = ()):
     self.tokenizer = tokenizer
     self.runner = runner_lib.ModelRunner(model_config, params, tokenizer, slots=slots,
                                          context=context, chunk=chunk, mesh=mesh,
-                                         kv_cache_dtype=kv_cache_dtype)
+                                         kv_cache_dtype=kv_cache_dtype, eos_ids=eos_ids)
     r = self.runner
     self.model, self.mesh, self.devices, self.local_slots = r.model, r.mesh, r.devices, (
         r.local_slots)
@@ -72,7 +75,7 @@ class Engine:
     self.scheduler = scheduler_lib.Scheduler(
         local_slots=r.local_slots, devices=r.devices, context=context, chunk=chunk,
         prefill_tokens=max(prefill_tokens, context))
-    self.output = output_lib.OutputProcessor(tokenizer)
+    self.output = output_lib.OutputProcessor(tokenizer, runner_lib.end_ids(tokenizer, eos_ids))
     self._pending: tuple[scheduler_lib.Decode, list] | None = None  # dispatched, not read yet
 
   @property

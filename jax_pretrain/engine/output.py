@@ -2,12 +2,12 @@
 at a time.
 
 A call returns `chunk` tokens per row (their logprobs, and the TOP_N alternatives where asked);
-`OutputProcessor.extend` appends a row's tokens to its sequence up to the first EOS (not kept:
-its logprob is, for GRPO), max_new_tokens or a stop string, decodes the new text incrementally
-(Sequence.detokenize: a handful of tokens a chunk, not the whole sequence), and reports it to the
-sequence's callback (streaming). A stop string cuts the text before it and keeps the tokens up to
-the one that completed it (GRPO trains on them); an EOS sampled after the stop string is not the
-sequence's own.
+`OutputProcessor.extend` appends a row's tokens to its sequence up to the first EOS (or another
+end id, a generation_config.json's; not kept: its logprob is, for GRPO), max_new_tokens or a stop
+string, decodes the new text incrementally (Sequence.detokenize: a handful of tokens a chunk, not
+the whole sequence), and reports it to the sequence's callback (streaming). A stop string cuts the
+text before it and keeps the tokens up to the one that completed it (GRPO trains on them); an EOS
+sampled after the stop string is not the sequence's own.
 
 A sequence fails alone: an exception in its handling here (its tokenizer's decode, its stop
 strings) or in its on_update callback (report) fails that sequence only ('error', the exception's
@@ -22,8 +22,9 @@ from jax_pretrain.engine.sequence import Sequence
 class OutputProcessor:
   """Turns decoded tokens into each sequence's tokens, text and end (the module docstring)."""
 
-  def __init__(self, tokenizer):
+  def __init__(self, tokenizer, end_ids: tuple[int, ...] | None = None):
     self.tokenizer = tokenizer
+    self.end_ids = frozenset((tokenizer.eos_id,) if end_ids is None else end_ids)  # EOS and others
     self.tokens_generated = 0
 
   def extend(self, seq: Sequence, tokens, logprobs, top_lp_CxN, top_ids_CxN) -> None:
@@ -42,7 +43,7 @@ class OutputProcessor:
     before, reason = len(seq.tokens), None
     decoded = seq.read  # (tokens before it are text that had no stop string)
     for j, token in enumerate(tokens.tolist()):
-      if token == self.tokenizer.eos_id:
+      if token in self.end_ids:
         seq.eos_logprob, reason = float(logprobs[j]), 'stop'
         break
       seq.tokens.append(token)

@@ -56,6 +56,7 @@ from jax_pretrain import model as model_lib
 from jax_pretrain import multihost
 from jax_pretrain.engine import programs as programs_lib
 from jax_pretrain.engine import sampling
+from jax_pretrain.engine.sampling import MAX_LOGIT_BIAS
 from jax_pretrain.engine.sampling import TOP_N
 from jax_pretrain.engine.scheduler import Decode
 from jax_pretrain.engine.scheduler import Prefill
@@ -108,10 +109,11 @@ def decoding_model(config: model_lib.ModelConfig) -> model_lib.Transformer:
 
 def cache_bytes(config: model_lib.ModelConfig, slots: int, context: int, devices: int,
                 kv_cache_dtype: str = 'auto') -> float:
-  """Bytes one device holds of an engine's cache and last logits (`slots` over `devices`)."""
+  """Bytes one device holds of an engine's cache, last logits and token counts (`slots` over
+  `devices`)."""
   local = -(-slots // devices)
   kv = model_lib.kv_bytes_per_token(config, kv_cache_dtype)
-  return float(local * (context * kv + config.vocab_size * 4))
+  return float(local * (context * kv + config.vocab_size * 8))
 
 
 @struct.dataclass
@@ -129,6 +131,10 @@ class Rows:
   temperature: Array  # float32 (0: greedy)
   top_k: Array  # int32 (0: no cut)
   top_p: Array  # float32 (1: no cut)
+  presence: Array  # float32: its presence penalty
+  frequency: Array  # float32: its frequency penalty
+  bias_ids: Array  # int32 [slots, MAX_LOGIT_BIAS]: its logit_bias's token ids (padding: 0)
+  bias: Array  # float32 [slots, MAX_LOGIT_BIAS]: their biases (padding: 0)
 
   @classmethod
   def start(cls, sequences: list[Sequence | None]) -> 'Rows':
@@ -137,21 +143,29 @@ class Rows:
     rows = cls(positions=np.zeros(n, np.int32), counts=np.zeros(n, np.int32),
                limits=np.zeros(n, np.int32), done=np.ones(n, bool), seeds=np.zeros(n, np.uint32),
                streams=np.zeros(n, np.int32), temperature=np.zeros(n, np.float32),
-               top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32))
+               top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+               presence=np.zeros(n, np.float32), frequency=np.zeros(n, np.float32),
+               bias_ids=np.zeros((n, MAX_LOGIT_BIAS), np.int32),
+               bias=np.zeros((n, MAX_LOGIT_BIAS), np.float32))
     for q, seq in enumerate(sequences):
       if seq is not None:
         rows.positions[q], rows.limits[q], rows.done[q] = len(seq.prompt), seq.max_new_tokens, False
         rows.seeds[q], rows.streams[q] = seq.seed % 2**32, seq.stream
         rows.temperature[q], rows.top_k[q], rows.top_p[q] = seq.temperature, seq.top_k, seq.top_p
+        rows.presence[q], rows.frequency[q] = seq.presence_penalty, seq.frequency_penalty
+        for k, (token, bias) in enumerate(seq.logit_bias):
+          rows.bias_ids[q, k], rows.bias[q, k] = token, bias
     return rows
 
 
 @struct.dataclass
 class State:
   """What the device keeps of the slots between calls: the KV cache, each slot's last logits
-  (float32 [slots, V]: its next token's) and its Rows."""
+  (float32 [slots, V]: its next token's), how many times it generated each token (int32 [slots,
+  V]: its penalties', sampling.penalized) and its Rows."""
   cache: model_lib.KVCache
   logits_SxV: Array
+  counts_SxV: Array
   rows: Rows
 
 
@@ -173,7 +187,8 @@ class Admitted:
 @struct.dataclass
 class Decoding:
   """The carry of _decode_local's loop over steps, for its R rows (the device's first R slots):
-  the steps taken, the cache, each row's next logits, position, token count and whether it ended;
+  the steps taken, the cache, each row's next logits, position, token count, counts of each token
+  and whether it ended;
   and what the call returns, each step's token and its logprob [R, chunk] and the TOP_N
   alternatives ([R, chunk, TOP_N] logprobs and ids)."""
   step: Array  # int32
@@ -181,6 +196,7 @@ class Decoding:
   logits_RxV: Array
   positions_R: Array
   counts_R: Array
+  counts_RxV: Array
   done_R: Array
   tokens_RxC: Array
   logprobs_RxC: Array
@@ -203,16 +219,18 @@ def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V) -
   start = lambda rows, slots, new: jax.tree.map(
       lambda x, y: x.at[slots].set(y, mode='drop'), rows, new)
   logits_SxV = state.logits_SxV.at[slots_N].set(last_NxV, mode='drop')
+  counts_SxV = state.counts_SxV.at[slots_N].set(0, mode='drop')
   rows = start(state.rows, slots_N, admitted.rows_N)
   if slots_C.shape[0]:
     from_C = slots_N[admitted.prompt_C]
     cache = jax.tree.map(lambda x: x.at[slots_C, :P_].set(x[from_C, :P_], mode='drop'), cache)
     logits_SxV = logits_SxV.at[slots_C].set(last_NxV[admitted.prompt_C], mode='drop')
+    counts_SxV = counts_SxV.at[slots_C].set(0, mode='drop')
     rows = start(rows, slots_C, admitted.rows_C)
-  return State(cache, logits_SxV, rows)
+  return State(cache, logits_SxV, counts_SxV, rows)
 
 
-def _decode_local(model, params, state: State, allowed_V, eos, steps, want_top, *, rows: int,
+def _decode_local(model, params, state: State, allowed_V, eos_E, steps, want_top, *, rows: int,
                   chunk: int, live: int):
   """One device's decoding steps of its first `rows` (R) slots, up to `steps` (<= chunk) of them
   and no more once every row has ended: each step samples a token per row from its logits and
@@ -221,28 +239,36 @@ def _decode_local(model, params, state: State, allowed_V, eos, steps, want_top, 
   state, the tokens [R, chunk], their logprobs [R, chunk] and the TOP_N alternatives ([R, chunk,
   TOP_N] logprobs and ids: zeros unless want_top); a row's entries after its end are not its own.
   Sampling's variants are runtime branches, not programs: the top-k/top-p cut runs when a row
-  asks for it (sampling.filter_logits), the alternatives when want_top (a traced bool)."""
+  asks for it (sampling.filter_logits), the alternatives when want_top (a traced bool), the
+  penalties and logit_bias when a row has one (sampling.penalized)."""
   R = rows
   context = state.cache.layers[0].k_BxSxKxH.shape[1]
   r = jax.tree.map(lambda x: x[:R], state.rows)
   streams_R = sampling.row_streams(r.seeds, r.streams)
+  any_processed = jnp.any(r.presence != 0) | jnp.any(r.frequency != 0) | jnp.any(r.bias != 0)
 
   def body(c: Decoding) -> Decoding:
     i = c.step
     keys_R = sampling.token_keys(streams_R, c.counts_R)
-    token_R = sampling.sample_rows(c.logits_RxV, keys_R, r.temperature, r.top_k, r.top_p)
+    logits_RxV = jax.lax.cond(
+        any_processed, lambda: sampling.penalized(c.logits_RxV, c.counts_RxV, r.presence,
+                                                  r.frequency, r.bias_ids, r.bias),
+        lambda: c.logits_RxV)
+    token_R = sampling.sample_rows(logits_RxV, keys_R, r.temperature, r.top_k, r.top_p)
     all_RxV = jax.nn.log_softmax(c.logits_RxV, axis=-1)
     top_lp_RxN, top_ids_RxN = jax.lax.cond(
         want_top, lambda: tuple(jax.lax.top_k(all_RxV, TOP_N)),
         lambda: (jnp.zeros((R, TOP_N), jnp.float32), jnp.zeros((R, TOP_N), jnp.int32)))
     counts_R = c.counts_R + jnp.where(c.done_R, 0, 1)
-    done_R = c.done_R | (token_R == eos) | (counts_R >= r.limits)
+    done_R = c.done_R | jnp.any(token_R[:, None] == eos_E, axis=-1) | (counts_R >= r.limits)
     at_Rx1 = jnp.where(done_R, context, c.positions_R)[:, None]  # (ended: out of range, dropped)
     logits_Rx1xV, cache = model.apply({'params': params}, token_R[:, None], c.cache,
                                       model_lib.CacheUse(at_Rx1, live=live))
     return Decoding(
         step=i + 1, cache=cache, logits_RxV=jnp.where(allowed_V, logits_Rx1xV[:, 0], -jnp.inf),
-        positions_R=c.positions_R + jnp.where(done_R, 0, 1), counts_R=counts_R, done_R=done_R,
+        positions_R=c.positions_R + jnp.where(done_R, 0, 1), counts_R=counts_R,
+        counts_RxV=c.counts_RxV.at[jnp.arange(R), token_R].add(jnp.where(c.done_R, 0, 1)),
+        done_R=done_R,
         tokens_RxC=c.tokens_RxC.at[:, i].set(token_R),
         logprobs_RxC=c.logprobs_RxC.at[:, i].set(
             jnp.take_along_axis(all_RxV, token_R[:, None], -1)[:, 0]),
@@ -251,7 +277,7 @@ def _decode_local(model, params, state: State, allowed_V, eos, steps, want_top, 
 
   start = Decoding(
       step=jnp.int32(0), cache=state.cache, logits_RxV=state.logits_SxV[:R],
-      positions_R=r.positions, counts_R=r.counts, done_R=r.done,
+      positions_R=r.positions, counts_R=r.counts, counts_RxV=state.counts_SxV[:R], done_R=r.done,
       tokens_RxC=jnp.zeros((R, chunk), jnp.int32), logprobs_RxC=jnp.zeros((R, chunk), jnp.float32),
       top_lp_RxCxN=jnp.zeros((R, chunk, TOP_N), jnp.float32),
       top_ids_RxCxN=jnp.zeros((R, chunk, TOP_N), jnp.int32))
@@ -259,7 +285,8 @@ def _decode_local(model, params, state: State, allowed_V, eos, steps, want_top, 
   advanced = dataclasses.replace(
       state.rows, positions=state.rows.positions.at[:R].set(c.positions_R),
       counts=state.rows.counts.at[:R].set(c.counts_R), done=state.rows.done.at[:R].set(c.done_R))
-  return (State(c.cache, state.logits_SxV.at[:R].set(c.logits_RxV), advanced), c.tokens_RxC,
+  return (State(c.cache, state.logits_SxV.at[:R].set(c.logits_RxV),
+                state.counts_SxV.at[:R].set(c.counts_RxV), advanced), c.tokens_RxC,
           c.logprobs_RxC, c.top_lp_RxCxN, c.top_ids_RxCxN)
 
 
@@ -279,7 +306,7 @@ def _prefill(params, state: State, admitted: Admitted, allowed_V, *, model, mesh
 
 @functools.partial(jax.jit, static_argnames=('model', 'mesh', 'rows', 'chunk', 'live'),
                    donate_argnums=1)
-def _decode(params, state: State, allowed_V, eos, steps, want_top, *, model, mesh, rows: int,
+def _decode(params, state: State, allowed_V, eos_E, steps, want_top, *, model, mesh, rows: int,
             chunk: int, live: int):
   """_decode_local on every device of the mesh, each on its first `rows` slots; the tokens,
   logprobs and alternatives gathered to every device."""
@@ -291,7 +318,7 @@ def _decode(params, state: State, allowed_V, eos, steps, want_top, *, model, mes
 
   return jax.shard_map(local, mesh=mesh, in_specs=(P(), split, P(), P(), P(), P()),
                        out_specs=(split,) + (P(),) * 4, check_vma=False)(
-      params, state, allowed_V, eos, steps, want_top)
+      params, state, allowed_V, eos_E, steps, want_top)
 
 
 class ModelRunner:
@@ -301,12 +328,13 @@ class ModelRunner:
   params: the model's (float32, stacked layers, on their devices), abstract ones (for lowering),
   or None (set later: set_params); mesh: the devices that decode (default: those of the params,
   else the first device); slots: over all of them (rounded up to a multiple of the device count);
-  kv_cache_dtype: what the cache stores keys and values in (model.KV_CACHE_DTYPES).
+  kv_cache_dtype: what the cache stores keys and values in (model.KV_CACHE_DTYPES); eos_ids: ids
+  that end a sequence besides the tokenizer's EOS (a generation_config.json's).
   """
 
   def __init__(self, model_config: model_lib.ModelConfig, params, tokenizer, *, slots: int,
                context: int, chunk: int, mesh: Mesh | None = None,
-               kv_cache_dtype: str = 'auto'):
+               kv_cache_dtype: str = 'auto', eos_ids: tuple[int, ...] = ()):
     self.model = decoding_model(model_config)
     model_lib.kv_storage_dtype(model_config, kv_cache_dtype)  # (refuses an unknown one)
     self.kv_cache_dtype = kv_cache_dtype
@@ -321,7 +349,7 @@ class ModelRunner:
                             out_shardings=self._replicated)
     # What every call reads beside the state (host values; placed at the first call).
     self._constants_host = (sampling.allowed_ids(model_config.vocab_size, tokenizer),
-                            np.int32(tokenizer.eos_id))
+                            np.array(end_ids(tokenizer, eos_ids), np.int32))
     self._constants: tuple | None = None
     self._state: State | None = None  # allocated at the first call (state())
     self.programs = programs_lib.Programs(
@@ -359,7 +387,8 @@ class ModelRunner:
                         jax.eval_shape(self._zeros))
 
   def constants(self, abstract: bool = False) -> tuple:
-    """(the ids a row may sample, bool [V]; EOS, int32), on every device (or abstract)."""
+    """(the ids a row may sample, bool [V]; the ids that end a row, int32 [E]), on every device
+    (or abstract)."""
     if abstract:
       return _abstract(self._constants_host, self._replicated)
     if self._constants is None:
@@ -392,9 +421,11 @@ class ModelRunner:
     return out if call.top_n else out[:2]
 
   def compile(self, shape: Shape):
-    """The call of this shape compiled, once per process for this model, mesh, cache and params'
-    shapes: runners that share them share their programs (_COMPILED), as jit's cache would."""
+    """The call of this shape compiled, once per process for this model, mesh, cache, number of
+    end ids and params' shapes: runners that share them share their programs (_COMPILED), as
+    jit's cache would."""
     key = (shape, self.model, self.mesh, self.slots, self.context, self.chunk, self.kv_cache_dtype,
+           len(self._constants_host[1]),
            jax.tree.structure(self.params),
            tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(self.params)))
     program = _COMPILED.get(key)
@@ -460,11 +491,17 @@ class ModelRunner:
     c = self.model.config
     return State(model_lib.KVCache.zeros(c, self.slots, self.context, self.kv_cache_dtype),
                  jnp.zeros((self.slots, c.vocab_size), jnp.float32),
+                 jnp.zeros((self.slots, c.vocab_size), jnp.int32),
                  jax.tree.map(jnp.asarray, Rows.start([None] * self.slots)))
 
   def _place(self, tree):
     """Host arrays onto the mesh, their rows split over its devices."""
     return jax.tree.map(lambda x: multihost.global_array(x, self._split), tree)
+
+
+def end_ids(tokenizer, eos_ids: tuple[int, ...] = ()) -> tuple[int, ...]:
+  """The ids that end a sequence: the tokenizer's EOS, then eos_ids' others."""
+  return (tokenizer.eos_id, *sorted({int(i) for i in eos_ids} - {tokenizer.eos_id}))
 
 
 def _abstract(tree, sharding):

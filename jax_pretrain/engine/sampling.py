@@ -1,9 +1,16 @@
 """Sampling the next token of each row (the engine's decode; sample.py's settings are these).
 
-Temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature, cut to the
-top_k most likely tokens (0: no cut) and then to the smallest set whose probability reaches top_p
-(1.0: no cut), and sampled. Ids the tokenizer cannot produce (the padding rows of the embedding,
-and pad itself) are never sampled (allowed_ids: the engine sets their logits to -inf).
+First the logits are processed as vLLM's sampler processes them (penalized): each row's
+logit_bias added (its token ids and biases), then its presence penalty subtracted from the logit
+of every token it has generated and its frequency penalty times the number of times it has
+(counts: the row's output tokens only, not its prompt, as vLLM and OpenAI count them). The
+log-probabilities the engine reports are the model's own, before any of this (vLLM's default).
+
+Temperature 0 is greedy (argmax of the processed logits); otherwise the logits are divided by
+the temperature, cut to the top_k most likely tokens (0: no cut) and then to the smallest set whose
+probability reaches top_p (1.0: no cut), and sampled. Ids the tokenizer cannot produce (the padding
+rows of the embedding, and pad itself) are never sampled (allowed_ids: the engine sets their logits
+to -inf).
 
 Each row samples with its own settings and its own random stream: its token i is drawn with the
 key fold_in(fold_in(key(seed), stream), i) (row_streams, token_keys), its seed and stream those
@@ -15,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-TOP_N = 5  # alternatives reported per generated token (OpenAI's logprobs allows at most 5)
+TOP_N = 20  # alternatives reported per generated token at most (OpenAI's and vLLM's top_logprobs)
+MAX_LOGIT_BIAS = 300  # logit_bias entries per sequence (the width of its rows on the device)
 
 
 def allowed_ids(vocab_size: int, tokenizer) -> np.ndarray:
@@ -75,3 +83,15 @@ def sample_rows(logits_BxV: jax.Array, keys_B: jax.Array, temperature_B: jax.Arr
                             top_k_B, top_p_B))
   greedy_B = jnp.argmax(logits_BxV, axis=-1)
   return jnp.where(temperature_B > 0, sampled_B, greedy_B).astype(jnp.int32)
+
+
+def penalized(logits_BxV: jax.Array, counts_BxV: jax.Array, presence_B: jax.Array,
+              frequency_B: jax.Array, bias_ids_BxK: jax.Array, bias_BxK: jax.Array) -> jax.Array:
+  """The logits with each row's logit_bias added (bias_BxK at ids bias_ids_BxK; padding: a bias
+  of 0) and its penalties subtracted: presence_B where the row's counts_BxV (its output tokens so
+  far) are > 0, frequency_B × counts_BxV; float32."""
+  rows_Bx1 = jnp.arange(logits_BxV.shape[0])[:, None]
+  logits_BxV = jnp.asarray(logits_BxV, jnp.float32).at[rows_Bx1, bias_ids_BxK].add(bias_BxK)
+  counts_BxV = jnp.asarray(counts_BxV, jnp.float32)
+  return (logits_BxV - frequency_B[:, None] * counts_BxV
+          - presence_B[:, None] * (counts_BxV > 0).astype(jnp.float32))

@@ -16,6 +16,9 @@ class Sequence:
   seed: int = 0
   stream: int = 0  # index among the choices of one request: the same seed, other samples
   stop: tuple[str, ...] = ()  # the text ends before the first of these
+  presence_penalty: float = 0.0  # subtracted from the logit of each token it has generated
+  frequency_penalty: float = 0.0  # × the times it has generated the token, subtracted
+  logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), MAX_LOGIT_BIAS
   alternatives: bool = False  # fill top_logprobs (the TOP_N most likely tokens at each step)
   # Called on new text and at the end, from the engine's thread (from stop()'s for a sequence
   # still waiting then). One that raises fails its sequence (engine/output.py).
