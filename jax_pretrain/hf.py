@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import dataclasses
 import json
 import os
+import shutil
 from typing import Any
 
 from flax.linen import meta
@@ -366,8 +367,10 @@ def export(workdir: str, out_dir: str, step: int | None = None) -> list[str]:
   from jax_pretrain import workdir as workdir_lib  # noqa: PLC0415
   run = workdir_lib.load(workdir, step, devices=jax.devices()[:1])
   length = max(run.config.model.max_position_embeddings, run.config.data.seq_len)
-  return save(out_dir, jax.device_get(run.params), run.config.model,
-              max_position_embeddings=length, tokenizer=run.tokenizer)
+  notes = save(out_dir, jax.device_get(run.params), run.config.model,
+               max_position_embeddings=length, tokenizer=run.tokenizer)
+  _copy_generation_config(workdir, out_dir)
+  return notes
 
 
 def import_run(hf_dir: str, workdir: str, config):
@@ -377,7 +380,8 @@ def import_run(hf_dir: str, workdir: str, config):
 
   Everything that can be wrong is checked before a weight is read (see the module docstring).
   The tokenizer is data.tokenizer if set, else the checkpoint's tokenizer.json (or
-  tokenizer.model); the run keeps it in WORKDIR/tokenizer/.
+  tokenizer.model); the run keeps it in WORKDIR/tokenizer/, and the checkpoint's
+  generation_config.json (its sampling defaults and EOS ids, for the server) in WORKDIR.
   """
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   from jax_pretrain import workdir as workdir_lib  # noqa: PLC0415
@@ -403,5 +407,17 @@ def import_run(hf_dir: str, workdir: str, config):
   config.checkpoint.restore_from = os.path.abspath(workdir)
   resolved, _ = config_lib.resolve(config, num_devices=1, backend=jax.devices()[0].platform,
                                    tokenizer_vocab_size=tokenizer.vocab_size)
+  workdir_lib.generation_config(hf_dir)  # (a bad one refused before the weights are read)
   params = read_params(hf_dir, resolved.model, hf_vocab)
-  return workdir_lib.create(workdir, config, params, tokenizer)
+  trained = workdir_lib.create(workdir, config, params, tokenizer)
+  _copy_generation_config(hf_dir, workdir)
+  return trained
+
+
+def _copy_generation_config(source: str, target: str) -> None:
+  """source's generation_config.json (a model's sampling defaults and EOS ids, which the server
+  reads) into target, if it has one."""
+  from jax_pretrain import workdir as workdir_lib  # noqa: PLC0415
+  path = os.path.join(source, workdir_lib.GENERATION_CONFIG_FILE)
+  if os.path.isfile(path):
+    shutil.copyfile(path, os.path.join(target, workdir_lib.GENERATION_CONFIG_FILE))

@@ -321,23 +321,47 @@ def usage(prompts: list[list[int]], sequences: list[engine_lib.Sequence]) -> dic
 TEXT_WINDOW = 4  # tokens decoded before a new one to place it in the text
 
 
+def _settled(tokenizer, ids: list[int]) -> str:
+  """The text of ids without an unfinished character at its end (its bytes come later)."""
+  return tokenizer.decode(ids).rstrip('\ufffd')
+
+
 def _text_ends(tokenizer, ids: list[int], start: int,
                start_chars: int) -> Iterator[tuple[int, int]]:
-  """(n, the length of the text of ids[:n]) for n = start + 1 .. len(ids), given that of
-  ids[:start]: each from a decode of the token and the TEXT_WINDOW before it (a tokenizer may
-  print a token differently after others: a leading space, the bytes of one character), not of
-  all of ids[:n]."""
+  """(n, the length of the text of ids[:n], an unfinished character at its end left out) for
+  n = start + 1 .. len(ids), given that of ids[:start]: each from a decode of the token and the
+  TEXT_WINDOW before it (a tokenizer may print a token differently after others: a leading space,
+  the bytes of one character), not of all of ids[:n]. A token that ends inside a character adds
+  nothing; the one that completes it adds the whole character."""
   chars = start_chars
   for n in range(start + 1, len(ids) + 1):
     p = max(0, n - 1 - TEXT_WINDOW)
-    chars += len(tokenizer.decode(ids[p:n])) - len(tokenizer.decode(ids[p:n - 1]))
+    chars += len(_settled(tokenizer, ids[p:n])) - len(_settled(tokenizer, ids[p:n - 1]))
     yield n, chars
+
+
+def _alternatives(tokenizer, ids: list[int], n: int, top: list[tuple[int, float]]
+                  ) -> list[tuple[str, float]]:
+  """(the text each alternative would have added in place of ids[n - 1], after the TEXT_WINDOW
+  tokens before it, as _text_ends places a token; its logprob)."""
+  before = ids[max(0, n - 1 - TEXT_WINDOW):n - 1]
+  start = len(_settled(tokenizer, before))
+  return [(_settled(tokenizer, [*before, t])[start:], lp) for t, lp in top]
+
+
+def _entry(text: str, logprob: float) -> dict:
+  return {'token': text, 'logprob': logprob, 'bytes': list(text.encode())}
 
 
 class _Choice:
   """One choice of a response, and what a stream has sent of it: its text, and (with logprobs:
   top, the alternatives per token) its tokens seq.tokens[:sent_tokens], whose text is sent_chars
-  long."""
+  long.
+
+  A token's string in the logprobs is the text it adds to the choice's (vLLM's and OpenAI's
+  incremental detokenization), so that the strings join into the text: a token that ends inside a
+  character adds '' (and no bytes), the one that completes it the whole character; a token past
+  a stop string adds nothing either, and the last token the rest of the text."""
 
   def __init__(self, index: int, top: int | None):
     self.index, self.top = index, top
@@ -345,7 +369,8 @@ class _Choice:
 
   def ends(self, seq: engine_lib.Sequence, tokenizer) -> list[tuple[int, int]]:
     """(n, the text length of tokens[:n]) of all of a sequence's tokens, with logprobs."""
-    return [] if self.top is None else list(_text_ends(tokenizer, seq.tokens, 0, 0))
+    return [] if self.top is None else _to_the_end(
+        list(_text_ends(tokenizer, seq.tokens, 0, 0)), seq.text)
 
   def advance(self, update: client_lib.Update, tokenizer) -> tuple[str, list[tuple[int, int]], int]:
     """The update's text not sent yet, the tokens that text covers ((n, the text length of
@@ -357,10 +382,29 @@ class _Choice:
         if not update.finish and length > len(text):
           break
         ends.append((n, length))
+      if update.finish:
+        ends = _to_the_end(ends, text)
     new, self.sent_text = text[self.sent_text:], len(text)
     if ends:
       self.sent_tokens, self.sent_chars = ends[-1]
     return new, ends, start_chars
+
+  def tokens(self, tokenizer, seq, text: str, start_chars: int, ends: list[tuple[int, int]]
+             ) -> Iterator[tuple[int, str, float, list[tuple[str, float]] | None]]:
+    """(where its text starts, the text it adds to `text`, its logprob, the top alternatives'
+    texts and logprobs, or None) of each token that ends covers."""
+    offset = start_chars
+    for n, after in ends:
+      top = seq.top_logprobs[n - 1][:self.top] if seq.top_logprobs else None
+      yield (offset, text[min(offset, len(text)):min(after, len(text))], seq.logprobs[n - 1],
+             None if top is None else _alternatives(tokenizer, seq.tokens, n, top))
+      offset = after
+
+
+def _to_the_end(ends: list[tuple[int, int]], text: str) -> list[tuple[int, int]]:
+  """ends, the last token's end at least the text's end (an unfinished character that ended the
+  sequence is in its text, as a replacement character)."""
+  return ends[:-1] + [(ends[-1][0], max(ends[-1][1], len(text)))] if ends else ends
 
 
 class CompletionChoice(_Choice):
@@ -375,7 +419,8 @@ class CompletionChoice(_Choice):
 
   def final(self, seq: engine_lib.Sequence, tokenizer) -> dict:
     return {'index': self.index, 'text': (self.prompt_text if self.echo else '') + seq.text,
-            'logprobs': self._logprobs(tokenizer, seq, 0, self.ends(seq, tokenizer), self.echo),
+            'logprobs': self._logprobs(tokenizer, seq, seq.text, 0, self.ends(seq, tokenizer),
+                                       self.echo),
             'finish_reason': seq.finish_reason}
 
   def delta(self, update: client_lib.Update, tokenizer) -> dict:
@@ -385,10 +430,11 @@ class CompletionChoice(_Choice):
     new, ends, start_chars = self.advance(update, tokenizer)
     self.started = True
     return {'index': self.index, 'text': (self.prompt_text if echo else '') + new,
-            'logprobs': self._logprobs(tokenizer, update.seq, start_chars, ends, echo),
+            'logprobs': self._logprobs(tokenizer, update.seq, update.text, start_chars, ends,
+                                       echo),
             'finish_reason': update.finish}
 
-  def _logprobs(self, tokenizer, seq, start_chars: int, ends: list[tuple[int, int]],
+  def _logprobs(self, tokenizer, seq, text: str, start_chars: int, ends: list[tuple[int, int]],
                 with_prompt: bool) -> dict | None:
     """The logprobs object of the tokens that ends covers (the text before the first is
     start_chars long), after the prompt's when asked."""
@@ -397,26 +443,26 @@ class CompletionChoice(_Choice):
     out: dict[str, list] = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [],
                             'text_offset': []}
 
-    def add(token, logprob, top, offset):
-      out['tokens'].append(tokenizer.decode([token]))
+    def add(token: str, logprob, top, offset):
+      out['tokens'].append(token)
       out['token_logprobs'].append(logprob)
-      out['top_logprobs'].append(
-          None if top is None else {tokenizer.decode([t]): lp for t, lp in top[:self.top]})
+      out['top_logprobs'].append(None if top is None else dict(top))
       out['text_offset'].append(offset)
 
     if with_prompt:
       assert self.prompt_logprobs is not None  # (echo with logprobs scores the prompt)
       lps, prompt_tops = self.prompt_logprobs
-      offset = 0
-      for (k, token), (_, after) in zip(enumerate(self.prompt_ids),
-                                        _text_ends(tokenizer, self.prompt_ids, 0, 0)):
-        add(token, lps[k - 1] if k else None, prompt_tops[k - 1] if k else None, offset)
+      offset, ids, prompt = 0, self.prompt_ids, self.prompt_text
+      ends_ = _to_the_end(list(_text_ends(tokenizer, ids, 0, 0)), prompt)
+      for k, (_, after) in enumerate(ends_):
+        top = None if k == 0 else _alternatives(tokenizer, ids, k + 1, prompt_tops[k - 1][
+            :self.top])
+        add(prompt[min(offset, len(prompt)):min(after, len(prompt))], lps[k - 1] if k else None,
+            top, offset)
         offset = after
     base = len(self.prompt_text) if self.echo else 0
-    offset = start_chars
-    for n, after in ends:
-      add(seq.tokens[n - 1], seq.logprobs[n - 1], seq.top_logprobs[n - 1], base + offset)
-      offset = after
+    for offset, token, logprob, top in self.tokens(tokenizer, seq, text, start_chars, ends):
+      add(token, logprob, top, base + offset)
     return out
 
 
@@ -426,30 +472,22 @@ class ChatChoice(_Choice):
 
   def final(self, seq: engine_lib.Sequence, tokenizer) -> dict:
     return {'index': self.index, 'message': {'role': 'assistant', 'content': seq.text},
-            'logprobs': self._logprobs(tokenizer, seq, self.ends(seq, tokenizer)),
+            'logprobs': self._logprobs(tokenizer, seq, seq.text, 0, self.ends(seq, tokenizer)),
             'finish_reason': seq.finish_reason}
 
   def delta(self, update: client_lib.Update, tokenizer) -> dict:
-    new, ends, _ = self.advance(update, tokenizer)
+    new, ends, start_chars = self.advance(update, tokenizer)
     return {'index': self.index, 'delta': {'content': new} if new else {},
-            'logprobs': self._logprobs(tokenizer, update.seq, ends),
+            'logprobs': self._logprobs(tokenizer, update.seq, update.text, start_chars, ends),
             'finish_reason': update.finish}
 
-  def _logprobs(self, tokenizer, seq, ends: list[tuple[int, int]]) -> dict | None:
+  def _logprobs(self, tokenizer, seq, text: str, start_chars: int,
+                ends: list[tuple[int, int]]) -> dict | None:
     if self.top is None:
       return None
-
-    def entry(token: int, logprob: float) -> dict:
-      # bytes: None (as OpenAI allows) for a token that is part of a character (its text a
-      # replacement character), whose own bytes the text does not give.
-      text = tokenizer.decode([token])
-      return {'token': text, 'logprob': logprob,
-              'bytes': None if '\ufffd' in text else list(text.encode())}
-
     return {'content': [
-        {**entry(seq.tokens[n - 1], seq.logprobs[n - 1]),
-         'top_logprobs': [entry(t, lp) for t, lp in seq.top_logprobs[n - 1][:self.top]]}
-        for n, _ in ends]}
+        {**_entry(token, logprob), 'top_logprobs': [_entry(t, lp) for t, lp in top or ()]}
+        for _, token, logprob, top in self.tokens(tokenizer, seq, text, start_chars, ends)]}
 
 
 class Answer(Protocol):

@@ -83,6 +83,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import secrets
 import sys
 import time
@@ -123,18 +124,21 @@ T = TypeVar('T')
 class Server:
   """The OpenAI layer over the engine client: a request's checks, its prompts (encoded, or
   messages rendered with chat_template: an sft.ChatTemplate, or None) and its answer, whole or
-  streamed; the model's name, the limits (see the flags), the timeouts and the API key ('' or
-  None: none asked). shutdown_deadline: what a shutdown waits for before giving up on the requests
-  in flight (shutdown_timeout seconds)."""
+  streamed; the model's sampling defaults (api.Defaults: its generation_config.json's; None: the
+  API's), its name, the limits (see the flags), the timeouts and the API key ('' or None: none
+  asked). shutdown_deadline: what a shutdown waits for before giving up on the requests in flight
+  (shutdown_timeout seconds)."""
 
   def __init__(self, engine: engine_lib.Engine, name: str, *,
                chat_template: sft.ChatTemplate | None = None,
+               defaults: api.Defaults | None = None,
                max_sequences: int = MAX_SEQUENCES, max_queued: int = MAX_QUEUED,
                api_key: str | None = None, stall_timeout: float = STALL_TIMEOUT_S,
                shutdown_timeout: float = SHUTDOWN_TIMEOUT_S):
     self.client = client_lib.EngineClient(engine, max_queued=max_queued)
     self.engine, self.name, self.tokenizer = engine, name, engine.tokenizer
-    self.chat_template = chat_template
+    self.chat_template, self.defaults = chat_template, defaults or api.Defaults()
+    self._parts = chat_template is not None and api.content_parts(chat_template.source)
     self.max_sequences, self.api_key = max_sequences, api_key or None
     self.stall_timeout, self.shutdown_timeout = stall_timeout, shutdown_timeout
     self.shutdown_deadline: Callable[[], Awaitable] = lambda: asyncio.sleep(self.shutdown_timeout)
@@ -174,7 +178,7 @@ class Server:
   def check(self, r: api.CompletionRequest, prompts: list[tuple[str, list[int]]]) -> int:
     """Refuses a completion that cannot be served; returns max_tokens."""
     api.check_sampling(r, self.name)
-    max_tokens = 16 if r.max_tokens is None else r.max_tokens
+    max_tokens = r.max_tokens
     for ok, param, message in [
         (max_tokens >= 0, 'max_tokens', 'max_tokens must be >= 0'),
         (r.logprobs is None or 0 <= r.logprobs <= engine_lib.TOP_N, 'logprobs',
@@ -213,10 +217,11 @@ class Server:
     if not r.messages:
       raise api.APIError('messages must not be empty', 'messages')
     try:
-      ids = sft.chat_prompt(self.chat_template, [m.rendered() for m in r.messages],
+      ids = sft.chat_prompt(self.chat_template, [m.rendered(self._parts) for m in r.messages],
                             self.tokenizer)
-    except ValueError as e:
-      raise api.APIError(str(e), 'messages') from None
+    except ValueError as e:  # (the template's own words, without the server's path to it)
+      message = str(e).replace(self.chat_template.path, os.path.basename(self.chat_template.path))
+      raise api.APIError(message, 'messages') from None
     return [int(t) for t in ids] or [self.tokenizer.eos_id]
 
   def check_chat(self, r: api.ChatRequest, ids: list[int]) -> int:
@@ -224,7 +229,8 @@ class Server:
     returns its max_tokens."""
     self._check_sequences(1, r.n)
     given = [x for x in (r.max_completion_tokens, r.max_tokens) if x is not None]
-    max_tokens = given[0] if given else max(0, self.engine.context - len(ids))
+    rest = max(0, self.engine.context - len(ids))
+    max_tokens = given[0] if given else min(rest, self.defaults.max_tokens or rest)
     for ok, param, message in [
         (len(set(given)) <= 1, 'max_completion_tokens',
          'max_tokens and max_completion_tokens differ: give one'),
@@ -240,6 +246,7 @@ class Server:
 
   async def chat(self, r: api.ChatRequest, http: fastapi.Request):
     api.check_sampling(r, self.name)  # (an unknown model first: 404, template or not)
+    api.check_chat(r)
     ids = await asyncio.to_thread(self.chat_prompt, r)
     max_tokens = self.check_chat(r, ids)
     request = self._submit(r, [ids], max_tokens, r.logprobs)
@@ -249,9 +256,12 @@ class Server:
               alternatives: bool) -> client_lib.Request:
     """The n sequences of each prompt, submitted (the client's QueueFull, Stopped)."""
     seed = secrets.randbits(32) if r.seed is None else r.seed
+    temperature, top_p, top_k = r.settings(self.defaults)
+    bias = r.bias(self.tokenizer.vocab_size)
     return self.client.submit([engine_lib.Sequence(
-        ids, max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=seed,
-        stream=j, stop=r.stops(), alternatives=alternatives)
+        ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stream=j, stop=r.stops(), presence_penalty=r.presence_penalty,
+        frequency_penalty=r.frequency_penalty, logit_bias=bias, alternatives=alternatives)
         for ids in prompts for j in range(r.n)], stream=r.stream)
 
   async def _answer(self, request: client_lib.Request, answer: api.Answer,
@@ -271,8 +281,9 @@ class Server:
 
   async def _events(self, request: client_lib.Request, answer: api.Answer) -> AsyncIterator[str]:
     """Server-sent events: the answer's chunks as its choices' text grows, then the usage if
-    asked, then [DONE]; a failure, one error event (as OpenAI's error JSON) instead. A client that
-    goes away cancels the request."""
+    asked, then [DONE]; a failure, one error event (as OpenAI's error JSON) instead of the rest,
+    then [DONE] (as vLLM ends it: a client reads to [DONE]). A client that goes away cancels the
+    request."""
     try:
       for chunk in answer.opening():
         yield _event(chunk)
@@ -283,7 +294,6 @@ class Server:
       closing = answer.usage(request.sequences)
       if closing is not None:
         yield _event(closing)
-      yield 'data: [DONE]\n\n'
     except client_lib.Stopped:
       yield _event(api.stopping().body())
     except client_lib.Failed:  # (the engine logged why)
@@ -293,6 +303,7 @@ class Server:
       yield _event(api.internal().body())
     finally:
       request.cancel()
+    yield 'data: [DONE]\n\n'
 
   def _prompt_logprobs(self, ids: list[int]) -> api.PromptLogprobs:
     """(logprob, top alternatives) of each prompt token after the first, by one scoring pass."""
@@ -469,19 +480,29 @@ def main():
   check_flags(f)
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   context = f.context or run.config.data.seq_len
+  generation = workdir_lib.generation_config(f.workdir)
   engine = engine_lib.Engine(run.config.model, run.params, run.tokenizer,
                              slots=f.slots, context=context, chunk=f.chunk,
-                             kv_cache_dtype=f.kv_cache_dtype)
+                             kv_cache_dtype=f.kv_cache_dtype, eos_ids=generation.eos_ids)
   run = dataclasses.replace(run, params=None)  # the engine holds its own copy: free the float32 one
   try:
-    _serve(f, engine, run, context)
+    _serve(f, engine, run, context, defaults(generation))
   finally:
     engine.close()  # (its background compiler, on every way out)
 
 
-def _serve(f, engine: engine_lib.Engine, run, context: int) -> None:
+def defaults(generation: workdir_lib.GenerationConfig) -> api.Defaults:
+  """A run's generation_config.json as the server's defaults (the API's where it sets none)."""
+  api_defaults = api.Defaults()
+  given = lambda x, default: default if x is None else x
+  return api.Defaults(temperature=given(generation.temperature, api_defaults.temperature),
+                      top_p=given(generation.top_p, api_defaults.top_p),
+                      top_k=given(generation.top_k, api_defaults.top_k),
+                      max_tokens=generation.max_new_tokens)
+
+
+def _serve(f, engine: engine_lib.Engine, run, context: int, defaults: api.Defaults) -> None:
   """Warms up (--warmup), serves until a shutdown, and exits 1 if the engine gave up."""
-  import os  # noqa: PLC0415
   name = f.model_name or os.path.basename(os.path.normpath(f.workdir))
   if f.warmup:
     t0 = time.perf_counter()
@@ -489,6 +510,7 @@ def _serve(f, engine: engine_lib.Engine, run, context: int) -> None:
     print(f'compiled {len(engine.shapes)} programs in {time.perf_counter() - t0:.1f}s '
           f'({engine.stats()["compiling_shapes"]} more in the background)', flush=True)
   server = Server(engine, name, chat_template=sft.tokenizer_chat_template(run.tokenizer),
+                  defaults=defaults,
                   max_sequences=f.max_sequences_per_request,
                   max_queued=f.max_queued_sequences, stall_timeout=f.stall_timeout,
                   shutdown_timeout=f.shutdown_timeout,

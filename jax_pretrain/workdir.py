@@ -4,6 +4,8 @@ evaluation, export and import read.
   WORKDIR/config.json    the resolved config (config.as_dict), written once a launch has restored
   WORKDIR/config_history.jsonl   one line per launch: when, where, from which step, what changed
   WORKDIR/tokenizer/     the run's tokenizer (data.tokenizer.save: its file and record)
+  WORKDIR/generation_config.json   an imported model's (Hugging Face's file): its sampling
+                         defaults and end-of-sequence ids, which the server reads (optional)
   WORKDIR/.lock          held (flock) by the process that trains in the workdir
   WORKDIR/checkpoints/   orbax checkpoints (checkpoint.py)
   WORKDIR/metrics.jsonl, WORKDIR/tensorboard/   scalars (metrics.py)
@@ -37,6 +39,7 @@ CONFIG_FILE = 'config.json'
 HISTORY_FILE = 'config_history.jsonl'
 LOCK_FILE = '.lock'
 TOKENIZER_DIR = 'tokenizer'
+GENERATION_CONFIG_FILE = 'generation_config.json'
 
 
 class WorkdirError(UserError):
@@ -139,6 +142,53 @@ def load_tokenizer(workdir: str, config: config_lib.Config | None = None):
     return tokenizer_lib.load(directory)
   from jax_pretrain import data as data_lib  # noqa: PLC0415
   return data_lib.open_sources(config or config_lib.typed(load_config(workdir))).tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+  """What a generation_config.json (Hugging Face's) sets that the server uses, as vLLM reads it:
+  sampling defaults (None: not set) and the ids that end a sequence (eos_token_id, an int or a
+  list: an instruct model's end-of-turn beside its EOS)."""
+  temperature: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None
+  max_new_tokens: int | None = None
+  eos_ids: tuple[int, ...] = ()
+
+
+def generation_config(directory: str) -> GenerationConfig:
+  """The generation_config.json in directory (a run's, or a Hugging Face model's), checked; an
+  empty GenerationConfig where there is none."""
+  path = os.path.join(directory, GENERATION_CONFIG_FILE)
+  if not os.path.isfile(path):
+    return GenerationConfig()
+  try:
+    with open(path, encoding='utf-8') as f:
+      raw = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise WorkdirError(f'{path}: invalid JSON ({e}).') from None
+  if not isinstance(raw, dict):
+    raise WorkdirError(f'{path}: not a JSON object.')
+  number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+  integer = lambda x: isinstance(x, int) and not isinstance(x, bool)
+  eos = raw.get('eos_token_id')
+  eos_ids = [eos] if integer(eos) else eos if isinstance(eos, list) else [] if eos is None else None
+  for name, ok, must in [
+      ('temperature', raw.get('temperature') is None or number(raw['temperature'])
+       and raw['temperature'] >= 0, 'be a number >= 0'),
+      ('top_p', raw.get('top_p') is None or number(raw['top_p']) and 0 < raw['top_p'] <= 1,
+       'be a number in (0, 1]'),
+      ('top_k', raw.get('top_k') is None or integer(raw['top_k']) and raw['top_k'] >= 0,
+       'be an integer >= 0'),
+      ('max_new_tokens', raw.get('max_new_tokens') is None or integer(raw['max_new_tokens'])
+       and raw['max_new_tokens'] >= 1, 'be an integer >= 1'),
+      ('eos_token_id', eos_ids is not None and all(integer(i) and i >= 0 for i in eos_ids),
+       'be a token id or a list of them')]:
+    if not ok:
+      raise WorkdirError(f'{path}: "{name}" is {raw[name]!r}; it must {must}.')
+  assert eos_ids is not None  # (checked)
+  return GenerationConfig(raw.get('temperature'), raw.get('top_p'), raw.get('top_k'),
+                          raw.get('max_new_tokens'), tuple(eos_ids))
 
 
 @dataclasses.dataclass

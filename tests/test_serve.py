@@ -236,11 +236,12 @@ def test_16_concurrent_clients_all_answered_with_few_compiled_shapes(client, ser
     (b'{"prompt": "a", "stream": "yes"}', 'stream'),
     (b'{"prompt": "a", "max_tokens": 64}', 'max_tokens'),  # 1 + 64 tokens: past the context
     (b'{"prompt": "a", "n": 0}', 'n'),
-    (b'{"prompt": "a", "logprobs": 9}', 'logprobs'),
+    (b'{"prompt": "a", "logprobs": 21}', 'logprobs'),
     (b'{"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}', 'stop'),
     (b'{"prompt": [], "max_tokens": 5}', 'prompt'),
     (b'{"prompt": [1, 99999]}', 'prompt'),
-    (b'{"prompt": "a", "frequency_penalty": 1.0}', 'presence_penalty'),
+    (b'{"prompt": "a", "frequency_penalty": 2.5}', 'frequency_penalty'),
+    (b'{"prompt": "a", "logit_bias": {"1000": 5}}', 'logit_bias'),  # not a token id
     (b'{"prompt": "a", "temprature": 0}', 'temprature'),  # unknown field
     (b'{"prompt": "a", ', None),  # not JSON
     (b'[1, 2]', None),
@@ -887,9 +888,14 @@ def test_chat_logprobs_are_the_completions_logprobs_in_the_chat_form(local):
 @pytest.mark.parametrize('body, param', [
     (b'{"messages": []}', 'messages'),
     (b'{"messages": [{"role": "user"}]}', 'messages'),  # no content
-    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": []}', 'tools'),  # unknown field
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tols": []}', 'tols'),  # unknown field
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+     b'"function": {"name": "f"}}]}', 'tools'),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+     b'"json_object"}}', 'response_format'),
+    (b'{"messages": [{"role": "tool", "content": "4"}]}', 'messages'),  # no tool_call_id
     (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 'top_logprobs'),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 9}',
+    (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}',
      'top_logprobs'),
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}', 'max_tokens'),
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, '
@@ -919,3 +925,144 @@ def test_the_chat_template_travels_to_the_hf_export(local, chat_run, tmp_path):
   assert list(theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
                                          return_dict=False)) == (
       sft.chat_prompt(srv.chat_template, MESSAGES, srv.tokenizer).tolist())
+
+
+def _raw_stream(url: str, body: dict, path: str = '/v1/completions') -> list[str]:
+  """A streamed request's data lines, raw (what a client that parses server-sent events reads)."""
+  request = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={
+      'Content-Type': 'application/json', 'Authorization': f'Bearer {KEY}'})
+  with urllib.request.urlopen(request, timeout=120) as r:
+    return [line[len('data: '):] for line in r.read().decode().splitlines()
+            if line.startswith('data: ')]
+
+
+def test_an_error_in_a_stream_is_an_error_event_then_done(local, monkeypatch):
+  url, _ = local
+  reported = client_lib.Request._reported  # noqa: SLF001
+
+  def update(request, index, seq):
+    raise RuntimeError('secret detail')
+
+  monkeypatch.setattr(client_lib.Request, '_reported', update)
+  lines = _raw_stream(url, {'prompt': 'The ', 'max_tokens': 8, 'stream': True})
+  assert lines[-1] == '[DONE]' and json.loads(lines[-2]) == openai_api.internal().body()
+  monkeypatch.setattr(client_lib.Request, '_reported', reported)
+  lines = _raw_stream(url, {'prompt': 'The ', 'max_tokens': 8, 'stream': True})
+  assert lines[-1] == '[DONE]' and all('error' not in json.loads(x) for x in lines[:-1])
+
+
+NULLS = {'temperature': None, 'top_p': None, 'top_k': None, 'n': None, 'stream': None,
+         'stream_options': None, 'stop': None, 'presence_penalty': None,
+         'frequency_penalty': None, 'logit_bias': None, 'user': None, 'model': None}
+
+
+def test_null_means_the_default(local):
+  """Every nullable field sent as null (as the openai SDK sends a caller's None): the answer of the
+  same request without them (seeded: temperature's default, 1, samples)."""
+  url, _ = local
+  plain = {'prompt': 'The ', 'seed': 3}
+  nulls = {**plain, **NULLS, 'max_tokens': None, 'echo': None, 'logprobs': None,
+           'best_of': None, 'suffix': None}
+  status, with_nulls = _post(url, json.dumps(nulls).encode(), key=KEY)
+  assert status == 200, with_nulls
+  _, without = _post(url, json.dumps(plain).encode(), key=KEY)
+  assert with_nulls['choices'] == without['choices']
+  assert with_nulls['usage']['completion_tokens'] <= 16
+  assert with_nulls['choices'][0]['logprobs'] is None
+  chat_plain = {'messages': MESSAGES, 'seed': 3, 'max_completion_tokens': 12}
+  chat_nulls = {**chat_plain, **NULLS, 'max_tokens': None, 'logprobs': None,
+                'top_logprobs': None, 'tools': None, 'tool_choice': None,
+                'response_format': None, 'parallel_tool_calls': None, 'metadata': None,
+                'store': None}
+  answers = [_post(url, json.dumps(b).encode(), '/v1/chat/completions', key=KEY)
+             for b in (chat_nulls, chat_plain)]
+  assert [status for status, _ in answers] == [200, 200], answers
+  assert answers[0][1]['choices'] == answers[1][1]['choices']
+
+
+def test_the_no_op_forms_are_accepted_and_change_nothing(local):
+  c = _client(local[0])
+  plain = chat(c, temperature=0, max_tokens=12).choices[0].message.content
+  same = chat(c, temperature=0, max_tokens=12, tools=[], tool_choice='none',
+              response_format={'type': 'text'}, store=False, metadata={'run': 'test'},
+              parallel_tool_calls=True, user='someone', service_tier='auto')
+  assert same.choices[0].message.content == plain
+
+
+TOOL_CHAT = [
+    {'role': 'user', 'content': [{'type': 'text', 'text': 'Add 2'}, {'type': 'text',
+                                                                     'text': 'and 2'}]},
+    {'role': 'assistant', 'content': None, 'tool_calls': [
+        {'id': 'call_1', 'type': 'function',
+         'function': {'name': 'add', 'arguments': '{"a": 2, "b": 2}'}}]},
+    {'role': 'tool', 'tool_call_id': 'call_1', 'content': '4'}]
+
+
+def test_an_agents_history_is_rendered(local):
+  """A user's content parts (their texts joined with newlines for a template that prints a
+  message's content, as vLLM joins them), an assistant's null content with its tool calls, a
+  tool's answer: the completion of the rendered text."""
+  c = _client(local[0])
+  answer = chat(c, messages=TOOL_CHAT, temperature=0, max_tokens=10)
+  rendered = 'u: Add 2\nand 2\na: \nt: 4\na: '
+  assert answer.usage.prompt_tokens == len(rendered)
+  assert answer.choices[0].message.content == greedy(c, rendered, max_tokens=10).choices[0].text
+
+
+def test_a_template_that_loops_over_content_gets_the_parts_as_transformers_passes_them():
+  looping = ("{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}"
+             "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}"
+             "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.a }})"
+             "{% endfor %};{% endfor %}")
+  assert openai_api.content_parts(looping) and not openai_api.content_parts(CHAT_TEMPLATE)
+  template = sft.ChatTemplate(looping, {}, '/srv/secret/tokenizer_config.json')
+  r = openai_api.ChatRequest.model_validate({'messages': TOOL_CHAT})
+  assert template.render([m.rendered(True) for m in r.messages], False) == (
+      'user:[Add 2][and 2];assistant:add(2);tool:4;')
+
+
+def test_a_template_error_names_no_server_path(local, monkeypatch):
+  url, srv = local
+  monkeypatch.setattr(srv, 'chat_template', sft.ChatTemplate(
+      "{{ raise_exception('no system messages') }}", {}, '/srv/secret/tokenizer_config.json'))
+  status, answer = _post(url, json.dumps({'messages': MESSAGES}).encode(),
+                         '/v1/chat/completions', key=KEY)
+  assert status == 400 and 'no system messages' in answer['error']['message']
+  assert '/srv' not in answer['error']['message'], answer
+
+
+def test_logit_bias_and_penalties_are_applied(local):
+  c = _client(local[0])
+  plain = greedy(c, 'The ', max_tokens=16).choices[0].text
+  forced = greedy(c, 'The ', max_tokens=16, logit_bias={str(ord('x')): 100}).choices[0].text
+  assert forced == 'x' * 16
+  banned = greedy(c, 'The ', max_tokens=16, logit_bias={str(ord(plain[0])): -100})
+  assert banned.choices[0].text[0] != plain[0]
+  repeats = lambda text: len(text) - len(set(text))
+  penalized = greedy(c, 'The ', max_tokens=16, frequency_penalty=2.0).choices[0].text
+  assert repeats(penalized) < repeats(plain), (plain, penalized)
+  present = chat(c, temperature=0, max_tokens=16, presence_penalty=2.0).choices[0].message.content
+  assert present != chat(c, temperature=0, max_tokens=16).choices[0].message.content
+
+
+def test_twenty_top_logprobs(local):
+  c = _client(local[0])
+  answer = chat(c, temperature=0, max_tokens=4, logprobs=True, top_logprobs=20)
+  content = answer.choices[0].logprobs.content
+  assert [len(t.top_logprobs) for t in content] == [20] * len(content)
+  for t in content:
+    lps = [x.logprob for x in t.top_logprobs]
+    assert lps == sorted(lps, reverse=True) and t.logprob == pytest.approx(lps[0], abs=1e-5)
+  plain = greedy(c, RENDERED, max_tokens=4, logprobs=20).choices[0].logprobs
+  assert [len(top) for top in plain.top_logprobs] == [20] * 4
+
+
+def test_the_models_generation_config_gives_the_defaults_a_request_overrides(local, monkeypatch):
+  url, srv = local
+  c = _client(url)
+  greedy_text = chat(c, temperature=0, max_tokens=6).choices[0].message.content
+  monkeypatch.setattr(srv, 'defaults', openai_api.Defaults(temperature=0.0, max_tokens=6))
+  answer = chat(c).choices[0]  # no temperature, no max_tokens: the model's
+  assert answer.message.content == greedy_text and answer.finish_reason == 'length'
+  sampled = chat(c, temperature=1.0, seed=1, max_tokens=8, n=2).choices
+  assert sampled[0].message.content != sampled[1].message.content  # the request's own

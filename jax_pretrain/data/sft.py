@@ -61,7 +61,7 @@ class ChatTemplate:
     env.filters['tojson'] = tojson
     env.globals['raise_exception'] = raise_exception
     env.globals['strftime_now'] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    self.path, self.specials = path, specials
+    self.path, self.specials, self.source = path, specials, template
     try:
       self._template = env.from_string(template)
     except jinja2.exceptions.TemplateError as e:
