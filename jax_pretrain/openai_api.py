@@ -3,7 +3,7 @@ field), its error JSON, and the answers (a completion's or a chat completion's c
 as a stream's chunks), rendered from the engine client's sequences and updates.
 
 A stream sends each choice's text as it becomes final (engine/client.py's Update) and, with
-logprobs, the tokens that text covers: token offsets are followed incrementally (_text_ends), so
+logprobs, the tokens that text covers: token offsets are followed incrementally (_tokens), so
 that a chunk decodes a few tokens, not the whole completion. A chat stream opens each choice with
 its role, as OpenAI's does.
 """
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import dataclasses
 import json
 import time
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 import uuid
 
 from fastapi import responses
@@ -318,35 +318,48 @@ def usage(prompts: list[list[int]], sequences: list[engine_lib.Sequence]) -> dic
           'total_tokens': prompt_tokens + completion_tokens}
 
 
-TEXT_WINDOW = 4  # tokens decoded before a new one to place it in the text
+@dataclasses.dataclass(frozen=True)
+class _Offsets:
+  """Where incremental detokenization stands (vLLM's, as engine/sequence.py's): the text of
+  ids[:read] is complete (no unfinished character at its end) and `chars` long; the next tokens
+  are decoded after ids[prefix:read] (prefix <= read: the tokens a tokenizer needs before one to
+  print it as it prints it in the text, a leading space say), not after all of them."""
+  prefix: int = 0
+  read: int = 0
+  chars: int = 0
+
+  def added(self, tokenizer, before: list[int], token: int) -> str:
+    """The text token adds after the tokens `before` (whose text up to `read` is complete): ''
+    while it leaves a character unfinished, then with the token that completes it, the whole
+    character."""
+    new = tokenizer.decode([*before[self.prefix:], token])[
+        len(tokenizer.decode(before[self.prefix:self.read])):]
+    return '' if new.endswith('\ufffd') else new
+
+  def then(self, n: int, added: str) -> '_Offsets':
+    """The offsets once token n - 1 added `added`."""
+    return _Offsets(self.read, n, self.chars + len(added)) if added else self
 
 
-def _settled(tokenizer, ids: list[int]) -> str:
-  """The text of ids without an unfinished character at its end (its bytes come later)."""
-  return tokenizer.decode(ids).rstrip('\ufffd')
+class _Token(NamedTuple):
+  n: int  # the token is ids[n - 1]
+  before: _Offsets  # the offsets before it
+  end: int  # the length of the text through it
 
 
-def _text_ends(tokenizer, ids: list[int], start: int,
-               start_chars: int) -> Iterator[tuple[int, int]]:
-  """(n, the length of the text of ids[:n], an unfinished character at its end left out) for
-  n = start + 1 .. len(ids), given that of ids[:start]: each from a decode of the token and the
-  TEXT_WINDOW before it (a tokenizer may print a token differently after others: a leading space,
-  the bytes of one character), not of all of ids[:n]. A token that ends inside a character adds
-  nothing; the one that completes it adds the whole character."""
-  chars = start_chars
+def _tokens(tokenizer, ids: list[int], start: int, offsets: _Offsets) -> Iterator[_Token]:
+  """Each token of ids[start:] with the text length through it, given the offsets after
+  ids[:start]; a few tokens decoded for each, not all of ids[:n]."""
   for n in range(start + 1, len(ids) + 1):
-    p = max(0, n - 1 - TEXT_WINDOW)
-    chars += len(_settled(tokenizer, ids[p:n])) - len(_settled(tokenizer, ids[p:n - 1]))
-    yield n, chars
+    after = offsets.then(n, offsets.added(tokenizer, ids[:n - 1], ids[n - 1]))
+    yield _Token(n, offsets, after.chars)
+    offsets = after
 
 
-def _alternatives(tokenizer, ids: list[int], n: int, top: list[tuple[int, float]]
-                  ) -> list[tuple[str, float]]:
-  """(the text each alternative would have added in place of ids[n - 1], after the TEXT_WINDOW
-  tokens before it, as _text_ends places a token; its logprob)."""
-  before = ids[max(0, n - 1 - TEXT_WINDOW):n - 1]
-  start = len(_settled(tokenizer, before))
-  return [(_settled(tokenizer, [*before, t])[start:], lp) for t, lp in top]
+def _to_the_end(tokens: list[_Token], text: str) -> list[_Token]:
+  """tokens, the last one's end at least the text's end (an unfinished character that ended the
+  sequence is in its text, as a replacement character)."""
+  return [*tokens[:-1], tokens[-1]._replace(end=max(tokens[-1].end, len(text)))] if tokens else []
 
 
 def _entry(text: str, logprob: float) -> dict:
@@ -355,56 +368,57 @@ def _entry(text: str, logprob: float) -> dict:
 
 class _Choice:
   """One choice of a response, and what a stream has sent of it: its text, and (with logprobs:
-  top, the alternatives per token) its tokens seq.tokens[:sent_tokens], whose text is sent_chars
-  long.
+  top, the alternatives per token) its tokens seq.tokens[:sent_tokens], the offsets after them.
 
   A token's string in the logprobs is the text it adds to the choice's (vLLM's and OpenAI's
   incremental detokenization), so that the strings join into the text: a token that ends inside a
   character adds '' (and no bytes), the one that completes it the whole character; a token past
-  a stop string adds nothing either, and the last token the rest of the text."""
+  a stop string adds nothing either, and the last token the rest of the text. An alternative's
+  string is the text it would have added in the token's place."""
 
   def __init__(self, index: int, top: int | None):
     self.index, self.top = index, top
-    self.sent_text, self.sent_tokens, self.sent_chars = 0, 0, 0
+    self.sent_text, self.sent_tokens, self.offsets = 0, 0, _Offsets()
 
-  def ends(self, seq: engine_lib.Sequence, tokenizer) -> list[tuple[int, int]]:
-    """(n, the text length of tokens[:n]) of all of a sequence's tokens, with logprobs."""
+  def ends(self, seq: engine_lib.Sequence, tokenizer) -> list[_Token]:
+    """All of a sequence's tokens, with logprobs."""
     return [] if self.top is None else _to_the_end(
-        list(_text_ends(tokenizer, seq.tokens, 0, 0)), seq.text)
+        list(_tokens(tokenizer, seq.tokens, 0, _Offsets())), seq.text)
 
-  def advance(self, update: client_lib.Update, tokenizer) -> tuple[str, list[tuple[int, int]], int]:
-    """The update's text not sent yet, the tokens that text covers ((n, the text length of
-    tokens[:n]) for each, with logprobs) and the text length before the first; now sent."""
-    text, start_chars, ends = update.text, self.sent_chars, []
+  def advance(self, update: client_lib.Update, tokenizer) -> tuple[str, list[_Token], int]:
+    """The update's text not sent yet, the tokens that text covers (with logprobs) and the text
+    length before the first; now sent."""
+    text, start_chars, ends = update.text, self.offsets.chars, []
     if self.top is not None:
-      for n, length in _text_ends(tokenizer, update.seq.tokens[:update.n_tokens],
-                                  self.sent_tokens, self.sent_chars):
-        if not update.finish and length > len(text):
+      ids = update.seq.tokens[:update.n_tokens]
+      for token in _tokens(tokenizer, ids, self.sent_tokens, self.offsets):
+        if not update.finish and token.end > len(text):
           break
-        ends.append((n, length))
+        ends.append(token)
+      if ends:
+        last = ends[-1]
+        self.sent_tokens = last.n
+        self.offsets = last.before.then(
+            last.n, last.before.added(tokenizer, ids[:last.n - 1], ids[last.n - 1]))
       if update.finish:
         ends = _to_the_end(ends, text)
     new, self.sent_text = text[self.sent_text:], len(text)
-    if ends:
-      self.sent_tokens, self.sent_chars = ends[-1]
     return new, ends, start_chars
 
-  def tokens(self, tokenizer, seq, text: str, start_chars: int, ends: list[tuple[int, int]]
-             ) -> Iterator[tuple[int, str, float, list[tuple[str, float]] | None]]:
+  def tokens(self, tokenizer, ids: list[int], logprobs: list[float], tops: list | None,
+             text: str, start_chars: int, ends: list[_Token]
+             ) -> Iterator[tuple[int, str, float | None, list[tuple[str, float]] | None]]:
     """(where its text starts, the text it adds to `text`, its logprob, the top alternatives'
-    texts and logprobs, or None) of each token that ends covers."""
+    texts and logprobs, or None) of each token that ends covers; tops[n - 1]: token n - 1's
+    alternatives (None: none)."""
     offset = start_chars
-    for n, after in ends:
-      top = seq.top_logprobs[n - 1][:self.top] if seq.top_logprobs else None
-      yield (offset, text[min(offset, len(text)):min(after, len(text))], seq.logprobs[n - 1],
-             None if top is None else _alternatives(tokenizer, seq.tokens, n, top))
-      offset = after
-
-
-def _to_the_end(ends: list[tuple[int, int]], text: str) -> list[tuple[int, int]]:
-  """ends, the last token's end at least the text's end (an unfinished character that ended the
-  sequence is in its text, as a replacement character)."""
-  return ends[:-1] + [(ends[-1][0], max(ends[-1][1], len(text)))] if ends else ends
+    for n, before, end in ends:
+      top = None if not tops or tops[n - 1] is None else tops[n - 1][:self.top]
+      offset = min(offset, len(text))
+      yield (offset, text[offset:min(end, len(text))], logprobs[n - 1],
+             None if top is None else [(before.added(tokenizer, ids[:n - 1], t), lp)
+                                       for t, lp in top])
+      offset = end
 
 
 class CompletionChoice(_Choice):
@@ -434,7 +448,7 @@ class CompletionChoice(_Choice):
                                        echo),
             'finish_reason': update.finish}
 
-  def _logprobs(self, tokenizer, seq, text: str, start_chars: int, ends: list[tuple[int, int]],
+  def _logprobs(self, tokenizer, seq, text: str, start_chars: int, ends: list[_Token],
                 with_prompt: bool) -> dict | None:
     """The logprobs object of the tokens that ends covers (the text before the first is
     start_chars long), after the prompt's when asked."""
@@ -443,26 +457,21 @@ class CompletionChoice(_Choice):
     out: dict[str, list] = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [],
                             'text_offset': []}
 
-    def add(token: str, logprob, top, offset):
-      out['tokens'].append(token)
-      out['token_logprobs'].append(logprob)
-      out['top_logprobs'].append(None if top is None else dict(top))
-      out['text_offset'].append(offset)
+    def add(tokens, base: int = 0):
+      for offset, token, logprob, top in tokens:
+        out['tokens'].append(token)
+        out['token_logprobs'].append(logprob)
+        out['top_logprobs'].append(None if top is None else dict(top))
+        out['text_offset'].append(base + offset)
 
     if with_prompt:
       assert self.prompt_logprobs is not None  # (echo with logprobs scores the prompt)
-      lps, prompt_tops = self.prompt_logprobs
-      offset, ids, prompt = 0, self.prompt_ids, self.prompt_text
-      ends_ = _to_the_end(list(_text_ends(tokenizer, ids, 0, 0)), prompt)
-      for k, (_, after) in enumerate(ends_):
-        top = None if k == 0 else _alternatives(tokenizer, ids, k + 1, prompt_tops[k - 1][
-            :self.top])
-        add(prompt[min(offset, len(prompt)):min(after, len(prompt))], lps[k - 1] if k else None,
-            top, offset)
-        offset = after
-    base = len(self.prompt_text) if self.echo else 0
-    for offset, token, logprob, top in self.tokens(tokenizer, seq, text, start_chars, ends):
-      add(token, logprob, top, base + offset)
+      lps, tops = self.prompt_logprobs
+      ids, prompt = self.prompt_ids, self.prompt_text
+      add(self.tokens(tokenizer, ids, [None, *lps], [None, *tops], prompt, 0,
+                      _to_the_end(list(_tokens(tokenizer, ids, 0, _Offsets())), prompt)))
+    add(self.tokens(tokenizer, seq.tokens, seq.logprobs, seq.top_logprobs, text, start_chars,
+                    ends), len(self.prompt_text) if self.echo else 0)
     return out
 
 
@@ -482,12 +491,13 @@ class ChatChoice(_Choice):
             'finish_reason': update.finish}
 
   def _logprobs(self, tokenizer, seq, text: str, start_chars: int,
-                ends: list[tuple[int, int]]) -> dict | None:
+                ends: list[_Token]) -> dict | None:
     if self.top is None:
       return None
     return {'content': [
         {**_entry(token, logprob), 'top_logprobs': [_entry(t, lp) for t, lp in top or ()]}
-        for _, token, logprob, top in self.tokens(tokenizer, seq, text, start_chars, ends)]}
+        for _, token, logprob, top in self.tokens(tokenizer, seq.tokens, seq.logprobs,
+                                                  seq.top_logprobs, text, start_chars, ends)]}
 
 
 class Answer(Protocol):

@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 from jax_pretrain import config as config_lib
 from jax_pretrain import hf
 from jax_pretrain import model as model_lib
+from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.checkpoint import CheckpointError
 from jax_pretrain.data import corpus
 from jax_pretrain.data import tokenizer as tokenizer_lib
@@ -179,6 +180,10 @@ def test_command_lines_import_then_export_give_back_the_same_files(tmp_path):
   c = preset_config(tie_embeddings=False)
   hf.save(str(tmp_path / 'hf'), random_params(c), c, max_position_embeddings=32,
           tokenizer=tokenizer_lib.ByteTokenizer())
+  generation = {'eos_token_id': [257, 10], 'temperature': 0.6, 'top_p': 0.9,
+                'max_new_tokens': 32, 'do_sample': True}  # (an instruct model's)
+  with open(tmp_path / 'hf' / 'generation_config.json', 'w', encoding='utf-8') as f:
+    json.dump(generation, f)
   out = run_cli('scripts/import_hf.py', f'--hf={tmp_path / "hf"}', f'--workdir={tmp_path / "run"}',
                 '--config=configs/test.py')
   assert 'continue pretraining' in out and 'tokenizer: 259 ids' in out
@@ -189,7 +194,9 @@ def test_command_lines_import_then_export_give_back_the_same_files(tmp_path):
   assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
   with open(tmp_path / 'back' / 'config.json', encoding='utf-8') as f:
     assert with_fields(c, hf.model_fields(json.load(f))) == c
-  for name in ('tokenizer.json', 'tokenizer_config.json'):
+  assert workdir_lib.generation_config(str(tmp_path / 'run')) == workdir_lib.GenerationConfig(
+      temperature=0.6, top_p=0.9, max_new_tokens=32, eos_ids=(257, 10))
+  for name in ('tokenizer.json', 'tokenizer_config.json', 'generation_config.json'):
     with open(tmp_path / 'hf' / name, 'rb') as x, open(tmp_path / 'back' / name, 'rb') as y:
       assert x.read() == y.read(), name
   # A checkpoint without tokenizer files is refused, naming the setting that fixes it.
@@ -272,3 +279,18 @@ def test_rotary_frequencies_equal_transformers(rope):
       if k != 'rope_scaling'})
   theirs, _ = rope_utils.ROPE_INIT_FUNCTIONS[rope](config, 'cpu')
   np.testing.assert_allclose(np.asarray(model_lib.rope_frequencies(c)), theirs.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize('content, message', [
+    ('{"top_p": 2}', '"top_p" is 2; it must be a number in (0, 1]'),
+    ('{"eos_token_id": "</s>"}', '"eos_token_id" is \'</s>\'; it must be a token id or a list'),
+    ('{"temperature": true}', '"temperature" is True; it must be a number >= 0'),
+    ('[1]', 'not a JSON object'),
+    ('{', 'invalid JSON')])
+def test_a_bad_generation_config_is_one_error_naming_the_field(tmp_path, content, message):
+  (tmp_path / 'generation_config.json').write_text(content)
+  with pytest.raises(workdir_lib.WorkdirError) as e:
+    workdir_lib.generation_config(str(tmp_path))
+  assert str(e.value).startswith(f'{tmp_path / "generation_config.json"}: ') and message in str(
+      e.value)
+  assert workdir_lib.generation_config(str(tmp_path / 'none')) == workdir_lib.GenerationConfig()

@@ -38,6 +38,7 @@ from jax_pretrain import openai_api
 from jax_pretrain import serve
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import sft
+from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.engine import client as client_lib
 from jax_pretrain.errors import UserError
 from tests import tiny_run
@@ -1066,3 +1067,47 @@ def test_the_models_generation_config_gives_the_defaults_a_request_overrides(loc
   assert answer.message.content == greedy_text and answer.finish_reason == 'length'
   sampled = chat(c, temperature=1.0, seed=1, max_tokens=8, n=2).choices
   assert sampled[0].message.content != sampled[1].message.content  # the request's own
+
+
+def _text_tokenizers(tmp_path):
+  from pydoc_data import topics  # noqa: PLC0415
+  texts = [topics.topics[k] for k in sorted(topics.topics)[:60]]
+  yield tokenizer_lib.ByteTokenizer()
+  yield tokenizer_lib.train_sentencepiece(texts, str(tmp_path / 'sp.model'), 400)
+  yield tokenizer_lib.train_bytelevel_bpe(texts, str(tmp_path / 'bpe' / 'tokenizer.json'), 400)
+
+
+def test_logprob_tokens_join_into_the_content(tmp_path):
+  """With the byte tokenizer (a character in several tokens), a sentencepiece model (a space
+  that a token decoded alone drops) and a byte-level BPE: each token's string is the text it
+  adds, so that the strings (and their bytes) join into the content, whole or streamed, cut at a
+  stop string or not; an alternative's string is the text it would have added there."""
+  text = 'naïve café — 東京 🙂 x = 1\n\ty The for statement'
+  for tok in _text_tokenizers(tmp_path):
+    ids = [int(t) for t in tok.encode(text)]
+    assert ''.join(tok.decode([t]) for t in ids) != tok.decode(ids)  # (each token alone)
+    for cut in (0, 7):  # (7: the text cut before a stop string, the tokens not)
+      seq = engine.Sequence(prompt=[1], max_new_tokens=len(ids), tokens=list(ids),
+                            logprobs=[-0.5] * len(ids), finish_reason='stop',
+                            top_logprobs=[[(t, -0.5), (ids[0], -1.0)] for t in ids])
+      seq.text = tok.decode(ids)[:len(tok.decode(ids)) - cut]
+      content = openai_api.ChatChoice(0, 2).final(seq, tok)['logprobs']['content']
+      assert ''.join(t['token'] for t in content) == seq.text
+      assert b''.join(bytes(t['bytes']) for t in content) == seq.text.encode()
+      assert cut or all(t['top_logprobs'][0]['token'] == t['token'] for t in content)
+      r = openai_api.CompletionRequest(prompt='x', logprobs=2)
+      logprobs = openai_api.CompletionChoice(0, ('x', [1]), None, r).final(seq, tok)['logprobs']
+      assert ''.join(logprobs['tokens']) == seq.text
+      assert logprobs['text_offset'] == [len(''.join(logprobs['tokens'][:i]))
+                                         for i in range(len(ids))]
+    # Streamed, a few tokens an update: the same strings.
+    choice, streamed, seq = openai_api.ChatChoice(0, 0), [], engine.Sequence(
+        prompt=[1], max_new_tokens=len(ids))
+    for m in [*range(3, len(ids), 3), len(ids)]:
+      seq.tokens, seq.logprobs = ids[:m], [-0.5] * m
+      seq.top_logprobs = [[]] * m
+      seq.text = seq.detokenize(tok, final=m == len(ids))
+      seq.finish_reason = 'length' if m == len(ids) else None
+      delta = choice.delta(client_lib.Update.of(0, seq), tok)
+      streamed += [t['token'] for t in delta['logprobs']['content']]
+    assert ''.join(streamed) == tok.decode(ids) and len(streamed) == len(ids)
