@@ -1111,3 +1111,28 @@ def test_logprob_tokens_join_into_the_content(tmp_path):
       delta = choice.delta(client_lib.Update.of(0, seq), tok)
       streamed += [t['token'] for t in delta['logprobs']['content']]
     assert ''.join(streamed) == tok.decode(ids) and len(streamed) == len(ids)
+
+
+def test_the_server_reads_the_runs_generation_config(run, client, tmp_path):
+  """A run with a generation_config.json (an imported instruct model's: temperature 0, an extra
+  EOS id, a cap on new tokens): a request that sets none of them gets them, one that sets its own
+  temperature gets that."""
+  copy = tmp_path / 'run'
+  shutil.copytree(run, copy)
+  plain = greedy(client, 'The ', max_tokens=40).choices[0].text
+  end = plain[3]
+  with open(copy / workdir_lib.GENERATION_CONFIG_FILE, 'w', encoding='utf-8') as f:
+    json.dump({'temperature': 0.0, 'eos_token_id': [257, ord(end)], 'max_new_tokens': 30}, f)
+  assert serve.defaults(workdir_lib.generation_config(str(copy))) == openai_api.Defaults(
+      temperature=0.0, max_tokens=30)
+  proc, url = _start(str(copy), '--slots=2', '--chunk=4')
+  try:
+    c = openai.OpenAI(base_url=f'{url}/v1', api_key='unused', max_retries=0, timeout=120)
+    [choice] = c.completions.create(model=NAME, prompt='The ', max_tokens=40).choices
+    assert (choice.text, choice.finish_reason) == (plain[:plain.index(end)], 'stop')
+    seeded = c.completions.create(model=NAME, prompt='The ', max_tokens=12, temperature=1.0,
+                                  seed=4, n=2).choices
+    assert seeded[0].text != seeded[1].text
+  finally:
+    proc.terminate()
+    proc.communicate(timeout=60)
