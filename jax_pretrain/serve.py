@@ -10,14 +10,21 @@ Endpoints (FastAPI, served by uvicorn):
   of token ids or a list of such lists), `max_tokens` (default 16), `temperature` (default 1; 0 is
   greedy), `top_p`, `top_k` (an extension; 0: off), `n` choices per prompt, `stop` (up to 4
   strings), `seed`, `stream` (server-sent events, `stream_options.include_usage`), `echo`,
-  `logprobs` (0..5 alternatives per token). Penalties, logit_bias, suffix and best_of != n are
-  refused with 400 rather than ignored.
+  `logprobs` (0..20 alternatives per token), `presence_penalty`, `frequency_penalty` and
+  `logit_bias` (applied on the device, engine/sampling.py), `user`. suffix and best_of != n are
+  refused with 400 rather than ignored. A field sent as null takes its default.
 - POST /v1/chat/completions: OpenAI's chat completions API. `messages` are rendered with the chat
   template of the run's tokenizer (its tokenizer_config.json, which the run keeps in its
   tokenizer/ and HF export writes) exactly as SFT renders them, with the generation prompt
-  (data/sft.py's chat_prompt); a run without one answers 400. `max_completion_tokens` (or
-  `max_tokens`; default: the rest of the context), `logprobs` (true) with `top_logprobs` (0..5),
-  and the sampling fields of completions; `stream` sends each choice's role, then its content.
+  (data/sft.py's chat_prompt; openai_api.ChatMessage.rendered: tool calls, tool messages,
+  content parts); a run without one answers 400. `max_completion_tokens` (or `max_tokens`;
+  default: the rest of the context), `logprobs` (true) with `top_logprobs` (0..20), and the
+  sampling fields of completions; `stream` sends each choice's role, then its content. The no-op
+  forms of tools, tool_choice and response_format and the fields vLLM ignores are accepted
+  (openai_api.ChatRequest).
+- Defaults: the run's generation_config.json (workdir.generation_config) gives temperature,
+  top_p, top_k and a chat's max_tokens where a request gives none, and its eos_token_ids end a
+  sequence as EOS does.
 - GET /v1/models, GET /health (with the engine's slots, queue and compiled shapes; 503 with
   OpenAI's error JSON saying why when the engine is not running, or when it is stalled: below).
 
