@@ -344,7 +344,8 @@ class _Offsets:
 class _Token(NamedTuple):
   n: int  # the token is ids[n - 1]
   before: _Offsets  # the offsets before it
-  end: int  # the length of the text through it
+  after: _Offsets  # and after it
+  end: int  # the length of the text through it (the last one's: to the end of the text)
 
 
 def _tokens(tokenizer, ids: list[int], start: int, offsets: _Offsets) -> Iterator[_Token]:
@@ -352,7 +353,7 @@ def _tokens(tokenizer, ids: list[int], start: int, offsets: _Offsets) -> Iterato
   ids[:start]; a few tokens decoded for each, not all of ids[:n]."""
   for n in range(start + 1, len(ids) + 1):
     after = offsets.then(n, offsets.added(tokenizer, ids[:n - 1], ids[n - 1]))
-    yield _Token(n, offsets, after.chars)
+    yield _Token(n, offsets, after, after.chars)
     offsets = after
 
 
@@ -362,7 +363,7 @@ def _to_the_end(tokens: list[_Token], text: str) -> list[_Token]:
   return [*tokens[:-1], tokens[-1]._replace(end=max(tokens[-1].end, len(text)))] if tokens else []
 
 
-def _entry(text: str, logprob: float) -> dict:
+def _entry(text: str, logprob: float | None) -> dict:
   return {'token': text, 'logprob': logprob, 'bytes': list(text.encode())}
 
 
@@ -396,23 +397,21 @@ class _Choice:
           break
         ends.append(token)
       if ends:
-        last = ends[-1]
-        self.sent_tokens = last.n
-        self.offsets = last.before.then(
-            last.n, last.before.added(tokenizer, ids[:last.n - 1], ids[last.n - 1]))
+        self.sent_tokens, self.offsets = ends[-1].n, ends[-1].after
       if update.finish:
         ends = _to_the_end(ends, text)
     new, self.sent_text = text[self.sent_text:], len(text)
     return new, ends, start_chars
 
-  def tokens(self, tokenizer, ids: list[int], logprobs: list[float], tops: list | None,
+  def tokens(self, tokenizer, ids: list[int], logprobs: list[float] | list[float | None],
+             tops: list | None,
              text: str, start_chars: int, ends: list[_Token]
              ) -> Iterator[tuple[int, str, float | None, list[tuple[str, float]] | None]]:
     """(where its text starts, the text it adds to `text`, its logprob, the top alternatives'
     texts and logprobs, or None) of each token that ends covers; tops[n - 1]: token n - 1's
     alternatives (None: none)."""
     offset = start_chars
-    for n, before, end in ends:
+    for n, before, _, end in ends:
       top = None if not tops or tops[n - 1] is None else tops[n - 1][:self.top]
       offset = min(offset, len(text))
       yield (offset, text[offset:min(end, len(text))], logprobs[n - 1],

@@ -171,24 +171,21 @@ def generation_config(directory: str) -> GenerationConfig:
     raise WorkdirError(f'{path}: not a JSON object.')
   number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
   integer = lambda x: isinstance(x, int) and not isinstance(x, bool)
+  value = lambda name, kind, ok: raw.get(name) is None or kind(raw[name]) and ok(raw[name])
   eos = raw.get('eos_token_id')
-  eos_ids = [eos] if integer(eos) else eos if isinstance(eos, list) else [] if eos is None else None
+  eos_ids: Any = [eos] if integer(eos) else [] if eos is None else eos
   for name, ok, must in [
-      ('temperature', raw.get('temperature') is None or number(raw['temperature'])
-       and raw['temperature'] >= 0, 'be a number >= 0'),
-      ('top_p', raw.get('top_p') is None or number(raw['top_p']) and 0 < raw['top_p'] <= 1,
-       'be a number in (0, 1]'),
-      ('top_k', raw.get('top_k') is None or integer(raw['top_k']) and raw['top_k'] >= 0,
-       'be an integer >= 0'),
-      ('max_new_tokens', raw.get('max_new_tokens') is None or integer(raw['max_new_tokens'])
-       and raw['max_new_tokens'] >= 1, 'be an integer >= 1'),
-      ('eos_token_id', eos_ids is not None and all(integer(i) and i >= 0 for i in eos_ids),
+      ('temperature', value('temperature', number, lambda x: x >= 0), 'be a number >= 0'),
+      ('top_p', value('top_p', number, lambda x: 0 < x <= 1), 'be a number in (0, 1]'),
+      ('top_k', value('top_k', integer, lambda x: x >= 0), 'be an integer >= 0'),
+      ('max_new_tokens', value('max_new_tokens', integer, lambda x: x >= 1),
+       'be an integer >= 1'),
+      ('eos_token_id', isinstance(eos_ids, list) and all(integer(i) and i >= 0 for i in eos_ids),
        'be a token id or a list of them')]:
     if not ok:
       raise WorkdirError(f'{path}: "{name}" is {raw[name]!r}; it must {must}.')
-  assert eos_ids is not None  # (checked)
   return GenerationConfig(raw.get('temperature'), raw.get('top_p'), raw.get('top_k'),
-                          raw.get('max_new_tokens'), tuple(eos_ids))
+                          raw.get('max_new_tokens'), tuple(int(i) for i in eos_ids))
 
 
 @dataclasses.dataclass
