@@ -22,14 +22,31 @@ def write(out_dir: str, tokenizer) -> list[str]:
   ids as ours (checked on a sample text with the tokenizers library), with the chat_template of
   ours if it has one; returns notes. Our special tokens are special tokens there too, so a text
   that spells one out ('</s>') encodes to its id."""
-  convert = {tokenizer_lib.ByteTokenizer: _byte_tokenizer,
-             tokenizer_lib.SentencePieceTokenizer: _sentencepiece_tokenizer,
-             tokenizer_lib.HfTokenizer: lambda t: tokenizers.Tokenizer.from_file(t.path)
-             }.get(type(tokenizer))
-  if convert is None:
-    return [f'the run has no text tokenizer ({type(tokenizer).__name__}): exported the model '
-            'without one.']
-  tok = convert(tokenizer)
+  try:
+    tok, specials = convert(tokenizer)
+  except DataError as e:
+    return [f'{e}: exported the model without a tokenizer.']
+  tokenizer_lib.write_hf_tokenizer(tok, out_dir, specials,
+                                   tokenizer_lib.chat_template_field(tokenizer.directory))
+  written = tokenizers.Tokenizer.from_file(os.path.join(out_dir,
+                                                       tokenizer_lib.HfTokenizer.file_name))
+  if written.encode(_PROBE).ids != [int(i) for i in tokenizer.encode(_PROBE)]:
+    return [f'the exported tokenizer encodes {_PROBE!r} differently from ours: check it.']
+  return []
+
+
+def convert(tokenizer) -> tuple[tokenizers.Tokenizer, dict[str, str]]:
+  """Our tokenizer as a tokenizers.Tokenizer with our BOS, EOS and pad as its special tokens (at
+  our ids), and their texts ({'bos_token': ..., ...}); a DataError for one without text (bare
+  ids) or whose special tokens cannot have our ids. What write exports, and what the grammar
+  library reads a token's bytes from (engine/grammar.py)."""
+  converter = {tokenizer_lib.ByteTokenizer: _byte_tokenizer,
+               tokenizer_lib.SentencePieceTokenizer: _sentencepiece_tokenizer,
+               tokenizer_lib.HfTokenizer: lambda t: tokenizers.Tokenizer.from_file(t.path)
+               }.get(type(tokenizer))
+  if converter is None:
+    raise DataError(f'the run has no text tokenizer ({type(tokenizer).__name__})')
+  tok = converter(tokenizer)
   specials = {}
   for key, i in (('bos_token', tokenizer.bos_id), ('eos_token', tokenizer.eos_id),
                  ('pad_token', tokenizer.pad_id)):
@@ -39,16 +56,9 @@ def write(out_dir: str, tokenizer) -> list[str]:
                   if tok.token_to_id(t) is None)
     tok.add_special_tokens([tokenizers.AddedToken(text, special=True, normalized=False)])
     if tok.token_to_id(text) != i:
-      return [f'could not give the {key} {text!r} its id {i}: exported the model without a '
-              'tokenizer.']
+      raise DataError(f'could not give the {key} {text!r} its id {i}')
     specials[key] = text
-  tokenizer_lib.write_hf_tokenizer(tok, out_dir, specials,
-                                   tokenizer_lib.chat_template_field(tokenizer.directory))
-  written = tokenizers.Tokenizer.from_file(os.path.join(out_dir,
-                                                       tokenizer_lib.HfTokenizer.file_name))
-  if written.encode(_PROBE).ids != [int(i) for i in tokenizer.encode(_PROBE)]:
-    return [f'the exported tokenizer encodes {_PROBE!r} differently from ours: check it.']
-  return []
+  return tok, specials
 
 
 def _sentencepiece_tokenizer(tokenizer):
