@@ -33,7 +33,7 @@ SCHEMA = {
 
 
 def tokenizers(vocab: int, directory: str):
-  from pydoc_data import topics  # noqa: PLC0415
+  from pydoc_data import topics
   texts = [topics.topics[k] for k in sorted(topics.topics)]
   for name in sorted(os.listdir(os.path.dirname(os.__file__)))[:400]:  # (Python's own code)
     if name.endswith('.py'):
@@ -77,7 +77,7 @@ def bench_llguidance(tok):
 
 
 def bench_xgrammar(tok):
-  import xgrammar as xgr  # noqa: PLC0415
+  import xgrammar as xgr
   lltok = grammar_lib.lltokenizer(tok)  # (the bytes of each id, as llguidance reads them)
   tokens = [b'' if lltok.is_special_token(i) else lltok.decode_bytes([i])
             for i in range(tok.vocab_size)]

@@ -2,6 +2,7 @@
 over a mesh's devices, the live window read), its rows decode the same anywhere, and its
 incremental detokenization gives the tokenizer's own text."""
 import dataclasses
+import json
 from pydoc_data import topics
 import random
 import re
@@ -10,6 +11,7 @@ import threading
 from flax.linen import meta
 import jax
 import jax.numpy as jnp
+import jsonschema
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ from jax_pretrain import hlo
 from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
 from jax_pretrain.data import tokenizer as tokenizer_lib
+from jax_pretrain.engine import grammar as grammar_lib
 from jax_pretrain.engine import runner
 from jax_pretrain.grpo import rollout
 
@@ -399,3 +402,57 @@ def test_extra_eos_ids_end_a_sequence_as_eos_does(tiny):
                         eos_ids=(end, tok.eos_id)).generate(_greedy([PROMPTS[0]], 16))
   assert seq.tokens == plain.tokens[:first] and seq.finish_reason == 'stop'
   assert seq.eos_logprob == pytest.approx(plain.logprobs[first], abs=1e-5)
+
+
+SCHEMA = {'type': 'object', 'additionalProperties': False, 'required': ['name', 'n', 'ok', 'kind'],
+          'properties': {'name': {'type': 'string', 'maxLength': 6},
+                         'n': {'type': 'integer', 'minimum': 0, 'maximum': 99},
+                         'ok': {'type': 'boolean'}, 'kind': {'enum': ['a', 'bc']}}}
+
+
+def _allowed(grammar, tokens, vocab_size):
+  """bool [len(tokens), vocab_size]: what a fresh matcher of the grammar allows before each token
+  (each token must be allowed: it is then taken)."""
+  matcher, mask_1xW, rows = grammar.matcher(), np.zeros((1, (vocab_size + 31) // 32), np.int32), []
+  for token in tokens:
+    matcher.fill(mask_1xW, 0)
+    rows.append(np.unpackbits(mask_1xW.view(np.uint8), bitorder='little')[:vocab_size] > 0)
+    assert rows[-1][token], token
+    matcher.advance(token)
+  return np.stack(rows)
+
+
+def test_constrained_and_free_rows_decode_together(tiny, tmp_path):
+  """With each kind of tokenizer (bytes, sentencepiece, byte-level BPE), a model with random
+  weights: every token of a constrained row is one its grammar allows (a fresh matcher replays
+  it), a greedy one is the argmax of the float64 reference's logits over the allowed ids, each
+  answer is JSON that validates against the schema (jsonschema) and ends when the grammar is
+  complete; the free rows decoded beside them (greedy and sampled) are what they are alone."""
+  cfg, params = tiny
+  texts = [topics.topics[k].encode('ascii', 'ignore').decode()
+           for k in sorted(topics.topics)[:60]]
+  model = model_lib.Transformer(cfg)  # (its 384 ids: the tokenizers' 360, 300 and 259)
+  for tok in [tokenizer_lib.ByteTokenizer(),
+              tokenizer_lib.train_sentencepiece(texts, str(tmp_path / 'sp.model'), 360),
+              tokenizer_lib.train_bytelevel_bpe(texts, str(tmp_path / 'bpe/tokenizer.json'), 300)]:
+    grammar = grammar_lib.Grammars(tok).json_schema(SCHEMA)
+    prompt = [int(t) for t in tok.encode('Answer in JSON:')][:8]
+    free = lambda: [engine.Sequence(prompt=[5, 6, 7], max_new_tokens=12),
+                    engine.Sequence(prompt=[9], max_new_tokens=20, temperature=1.0, seed=3)]
+    constrained = [engine.Sequence(prompt=prompt, max_new_tokens=56, temperature=t, seed=s,
+                                   grammar=grammar.matcher()) for t, s in ((0, 0), (1.0, 1))]
+    alone = [engine.Engine(cfg, params, tok, slots=4, context=64, chunk=4).generate([seq])[0]
+             for seq in free()]
+    eng = engine.Engine(cfg, params, tok, slots=4, context=64, chunk=4)
+    together = eng.generate([constrained[0], *free(), constrained[1]])
+    assert [s.tokens for s in together[1:3]] == [s.tokens for s in alone]
+    for seq in constrained:
+      assert seq.finish_reason == 'stop', (tok, seq.text)
+      jsonschema.validate(json.loads(seq.text), SCHEMA)
+      allowed_TxV = _allowed(grammar, seq.tokens, cfg.vocab_size)
+      assert not allowed_TxV.all(axis=1).any()  # (the grammar cut something at every step)
+    seq = constrained[0]
+    logits_TxV = np.asarray(model.apply({'params': params}, np.asarray(
+        [seq.prompt + seq.tokens]))[0], np.float64)[len(seq.prompt) - 1:-1]
+    reference = np.where(_allowed(grammar, seq.tokens, cfg.vocab_size), logits_TxV, -np.inf)
+    np.testing.assert_array_equal(seq.tokens, reference.argmax(axis=1))

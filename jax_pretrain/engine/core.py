@@ -13,6 +13,12 @@ found by the host: the call in flight still decodes that row, and its tokens are
 whose sequence has every token dispatched takes the next sequence at once (the device prefills it
 after the calls before).
 
+Constrained decoding (engine/grammar.py): while a busy sequence keeps a grammar, a decode call
+runs one step, and the host reads the call before it first (no overlap): each constrained row's
+mask (runner.masks) comes from its matcher after its last token, and a sequence whose grammar is
+complete has ended (output.py) before the next call is planned. Free rows decode beside them,
+one token a call, as they would alone.
+
 Failures (run_forever, the server's loop): an exception in one sequence's host-side handling (its
 detokenization, its stop strings, its on_update callback) fails that sequence only and is no
 failure of the step (engine/output.py). A step that raises (a compiled prefill or decode, or the
@@ -189,8 +195,11 @@ class Engine:
       output_lib.finish(seq, 'cancelled')
     for prefill in prefills:
       self.runner.prefill(self.runner.fit(prefill))
-    call = self.scheduler.decode()
     last, self._pending = self._pending, None
+    if last is not None and self.scheduler.constrained():
+      self._read(*last)  # (a grammar's next mask needs the token before: no overlap)
+      last = None
+    call = self.scheduler.decode()
     if call is not None:
       call = self.runner.fit(call)
       self._pending = call, self.runner.decode(call)

@@ -14,8 +14,12 @@ accepted the EOS it allowed).
 import functools
 import json
 
+import llguidance
+import llguidance.numpy
 import numpy as np
 
+from jax_pretrain.data import tokenizer_json
+from jax_pretrain.data.errors import DataError
 from jax_pretrain.errors import UserError
 
 
@@ -34,9 +38,6 @@ def lltokenizer(tokenizer):
   (data/tokenizer_json.convert: a byte tokenizer, a sentencepiece model or a tokenizer.json,
   with our special tokens at their ids), which gives it the bytes of every id; about a second for
   a large vocabulary: kept."""
-  import llguidance  # noqa: PLC0415
-  from jax_pretrain.data import tokenizer_json  # noqa: PLC0415
-  from jax_pretrain.data.errors import DataError  # noqa: PLC0415
   try:
     tok, _ = tokenizer_json.convert(tokenizer)
   except DataError as e:
@@ -55,7 +56,6 @@ class Grammars:
   def json_schema(self, schema: dict | bool, what: str = 'the schema') -> 'Grammar':
     """A grammar of the JSON values that `schema` validates (compact: no whitespace between
     tokens, as vLLM's default), or a GrammarError naming `what`."""
-    import llguidance  # noqa: PLC0415
     try:
       grammar = llguidance.LLMatcher.grammar_from_json_schema(
           json.dumps(schema), defaults={'whitespace_flexible': False})
@@ -66,11 +66,9 @@ class Grammars:
 
   def lark(self, lark: str, what: str) -> 'Grammar':
     """A grammar in llguidance's Lark syntax (a tool call's framing around a schema, %json)."""
-    import llguidance  # noqa: PLC0415
     return self._grammar(llguidance.LLMatcher.grammar_from_lark(lark), what)
 
   def _grammar(self, grammar: str, what: str) -> 'Grammar':
-    import llguidance  # noqa: PLC0415
     lltok = lltokenizer(self.tokenizer)
     error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
     if error:
@@ -93,15 +91,17 @@ class Matcher:
   """One sequence's place in its grammar (the module docstring)."""
 
   def __init__(self, lltok, grammar: str):
-    import llguidance  # noqa: PLC0415
     self._m = llguidance.LLMatcher(lltok, grammar, log_level=0)
+    self._row_1xW = np.zeros((1, words(lltok.vocab_size)), np.int32)
     self._check()
 
   def fill(self, bitmask_RxW: np.ndarray, row: int) -> None:
-    """Writes the ids allowed next into row `row` of an int32 bitmask [rows, words]."""
-    import llguidance.numpy  # noqa: PLC0415
-    llguidance.numpy.fill_next_token_bitmask(self._m, bitmask_RxW, row)
+    """Writes the ids allowed next into row `row` of an int32 bitmask [rows, words] (the model's
+    vocabulary, which may be wider than the tokenizer's: ids past it are not allowed)."""
+    llguidance.numpy.fill_next_token_bitmask(self._m, self._row_1xW, 0)
     self._check()
+    bitmask_RxW[row] = 0
+    bitmask_RxW[row, :self._row_1xW.shape[1]] = self._row_1xW[0]
 
   def advance(self, token: int) -> bool:
     """Takes the sampled token; returns whether the grammar is complete (nothing may follow)."""

@@ -3,11 +3,12 @@ at a time.
 
 A call returns `chunk` tokens per row (their logprobs, and the TOP_N alternatives where asked);
 `OutputProcessor.extend` appends a row's tokens to its sequence up to the first EOS (or another
-end id, a generation_config.json's; not kept: its logprob is, for GRPO), max_new_tokens or a stop
-string, decodes the new text incrementally (Sequence.detokenize: a handful of tokens a chunk, not
-the whole sequence), and reports it to the sequence's callback (streaming). A stop string cuts the
-text before it and keeps the tokens up to the one that completed it (GRPO trains on them); an EOS
-sampled after the stop string is not the sequence's own.
+end id, a generation_config.json's; not kept: its logprob is, for GRPO), max_new_tokens, a stop
+string or its grammar's completion (a constrained sequence's matcher takes each token,
+engine/grammar.py), decodes the new text incrementally (Sequence.detokenize: a handful of tokens
+a chunk, not the whole sequence), and reports it to the sequence's callback (streaming). A stop
+string cuts the text before it and keeps the tokens up to the one that completed it (GRPO trains
+on them); an EOS sampled after the stop string is not the sequence's own.
 
 A sequence fails alone: an exception in its handling here (its tokenizer's decode, its stop
 strings) or in its on_update callback (report) fails that sequence only ('error', the exception's
@@ -50,6 +51,9 @@ class OutputProcessor:
       seq.logprobs.append(float(logprobs[j]))
       if top_lp_CxN is not None:
         seq.top_logprobs.append(list(zip(top_ids_CxN[j].tolist(), top_lp_CxN[j].tolist())))
+      if seq.grammar is not None and seq.grammar.advance(token):
+        reason = 'stop'  # the grammar is complete
+        break
       if len(seq.tokens) == seq.max_new_tokens:
         reason = 'length'
         break

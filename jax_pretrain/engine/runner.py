@@ -54,6 +54,7 @@ import numpy as np
 
 from jax_pretrain import model as model_lib
 from jax_pretrain import multihost
+from jax_pretrain.engine import grammar as grammar_lib
 from jax_pretrain.engine import programs as programs_lib
 from jax_pretrain.engine import sampling
 from jax_pretrain.engine.sampling import MAX_LOGIT_BIAS
@@ -230,8 +231,8 @@ def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V) -
   return State(cache, logits_SxV, counts_SxV, rows)
 
 
-def _decode_local(model, params, state: State, allowed_V, eos_E, steps, want_top, *, rows: int,
-                  chunk: int, live: int):
+def _decode_local(model, params, state: State, allowed_V, eos_E, steps, want_top, mask_RxW, *,
+                  rows: int, chunk: int, live: int):
   """One device's decoding steps of its first `rows` (R) slots, up to `steps` (<= chunk) of them
   and no more once every row has ended: each step samples a token per row from its logits and
   runs it at the row's next position, attending over positions [0, live). A row that ends (EOS,
@@ -240,19 +241,22 @@ def _decode_local(model, params, state: State, allowed_V, eos_E, steps, want_top
   TOP_N] logprobs and ids: zeros unless want_top); a row's entries after its end are not its own.
   Sampling's variants are runtime branches, not programs: the top-k/top-p cut runs when a row
   asks for it (sampling.filter_logits), the alternatives when want_top (a traced bool), the
-  penalties and logit_bias when a row has one (sampling.penalized)."""
+  penalties, logit_bias and the grammars' masks mask_RxW when a row has one (sampling.penalized;
+  a call with a constrained row runs one step: its mask is for that token, engine/core.py)."""
   R = rows
   context = state.cache.layers[0].k_BxSxKxH.shape[1]
   r = jax.tree.map(lambda x: x[:R], state.rows)
   streams_R = sampling.row_streams(r.seeds, r.streams)
-  any_processed = jnp.any(r.presence != 0) | jnp.any(r.frequency != 0) | jnp.any(r.bias != 0)
+  any_processed = (jnp.any(r.presence != 0) | jnp.any(r.frequency != 0) | jnp.any(r.bias != 0)
+                   | jnp.any(mask_RxW != -1))
 
   def body(c: Decoding) -> Decoding:
     i = c.step
     keys_R = sampling.token_keys(streams_R, c.counts_R)
     logits_RxV = jax.lax.cond(
         any_processed, lambda: sampling.penalized(c.logits_RxV, c.counts_RxV, r.presence,
-                                                  r.frequency, r.bias_ids, r.bias),
+                                                  r.frequency, r.bias_ids, r.bias,
+                                                  mask_RxW),
         lambda: c.logits_RxV)
     token_R = sampling.sample_rows(logits_RxV, keys_R, r.temperature, r.top_k, r.top_p)
     all_RxV = jax.nn.log_softmax(c.logits_RxV, axis=-1)
@@ -306,19 +310,19 @@ def _prefill(params, state: State, admitted: Admitted, allowed_V, *, model, mesh
 
 @functools.partial(jax.jit, static_argnames=('model', 'mesh', 'rows', 'chunk', 'live'),
                    donate_argnums=1)
-def _decode(params, state: State, allowed_V, eos_E, steps, want_top, *, model, mesh, rows: int,
-            chunk: int, live: int):
-  """_decode_local on every device of the mesh, each on its first `rows` slots; the tokens,
-  logprobs and alternatives gathered to every device."""
+def _decode(params, state: State, allowed_V, eos_E, steps, want_top, mask_RxW, *, model, mesh,
+            rows: int, chunk: int, live: int):
+  """_decode_local on every device of the mesh, each on its first `rows` slots (and its rows of
+  the masks); the tokens, logprobs and alternatives gathered to every device."""
   split, axes = _slots_spec(mesh), tuple(mesh.axis_names)
 
   def local(*args):
     state, *out = _decode_local(model, *args, rows=rows, chunk=chunk, live=live)
     return state, *(jax.lax.all_gather(x, axes, tiled=True) for x in out)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(), split, P(), P(), P(), P()),
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(), split, P(), P(), P(), P(), split),
                        out_specs=(split,) + (P(),) * 4, check_vma=False)(
-      params, state, allowed_V, eos_E, steps, want_top)
+      params, state, allowed_V, eos_E, steps, want_top, mask_RxW)
 
 
 class ModelRunner:
@@ -342,7 +346,8 @@ class ModelRunner:
     self.devices = self.mesh.size
     self.local_slots = -(-slots // self.devices)  # each device's rows of the cache
     self.slots, self.context, self.chunk = self.local_slots * self.devices, context, chunk
-    self.pad_id = tokenizer.pad_id
+    self.pad_id, self.vocab_size = tokenizer.pad_id, model_config.vocab_size
+    self._all_allowed: dict[tuple[int, int], jax.Array] = {}  # masks(): per shape
     self._replicated = NamedSharding(self.mesh, P())
     self._split = NamedSharding(self.mesh, _slots_spec(self.mesh))
     self._convert = jax.jit(functools.partial(decoding_params, self.model.config),
@@ -412,13 +417,30 @@ class ModelRunner:
   def decode(self, call: Decode) -> list[jax.Array]:
     """Dispatches the call's steps (the device runs them after the calls before it, the host goes
     on): its rows' tokens [rows × devices, chunk], logprobs and with top_n the alternatives, on
-    the device (read: to the host; row d × rows + j is device d's slot j)."""
+    the device (read: to the host; row d × rows + j is device d's slot j). A constrained
+    sequence's row samples what its grammar's matcher allows now (masks)."""
     program = self.programs.get(call.shape)
     self._state, *out = program(
         self.params, self.state(), *self.constants(),
         multihost.global_array(np.int32(call.steps), self._replicated),
-        multihost.global_array(np.bool_(call.top_n > 0), self._replicated))
+        multihost.global_array(np.bool_(call.top_n > 0), self._replicated), self.masks(call))
     return out if call.top_n else out[:2]
+
+  def masks(self, call: Decode):
+    """The call's bitmasks [rows × devices, words] on the mesh: each constrained sequence's row
+    filled by its matcher (engine/grammar.py), every other row all allowed (one array per shape,
+    placed once, when no row is constrained)."""
+    constrained = [(g, seq) for g, seq in call.busy if seq.grammar is not None and not seq.done]
+    shape = (self.devices * call.shape.rows, grammar_lib.words(self.vocab_size))
+    if not constrained:
+      if shape not in self._all_allowed:
+        self._all_allowed[shape] = multihost.global_array(np.full(shape, -1, np.int32),
+                                                          self._split)
+      return self._all_allowed[shape]
+    mask_RxW = np.full(shape, -1, np.int32)
+    for g, seq in constrained:
+      seq.grammar.fill(mask_RxW, call.row(g))
+    return multihost.global_array(mask_RxW, self._split)
 
   def compile(self, shape: Shape):
     """The call of this shape compiled, once per process for this model, mesh, cache, number of
@@ -457,9 +479,11 @@ class ModelRunner:
   def lower_decode(self, rows: int, live: int):
     """The decode call of each device's first `rows` slots (up to `chunk` steps) attending over
     `live` positions, lowered as lower_prefill lowers its call."""
+    mask = jax.ShapeDtypeStruct((self.devices * rows, grammar_lib.words(self.vocab_size)),
+                                np.int32, sharding=self._split)
     return _decode.lower(self.params, self.abstract_state(), *self.constants(abstract=True),
                          _abstract(np.int32(self.chunk), self._replicated),
-                         _abstract(np.bool_(False), self._replicated), model=self.model,
+                         _abstract(np.bool_(False), self._replicated), mask, model=self.model,
                          mesh=self.mesh, rows=rows, chunk=self.chunk, live=live)
 
   def score(self, tokens_BxT1, top_n: int = 0):

@@ -3,7 +3,9 @@
 First the logits are processed as vLLM's sampler processes them (penalized): each row's
 logit_bias added (its token ids and biases), then its presence penalty subtracted from the logit
 of every token it has generated and its frequency penalty times the number of times it has
-(counts: the row's output tokens only, not its prompt, as vLLM and OpenAI count them). The
+(counts: the row's output tokens only, not its prompt, as vLLM and OpenAI count them), and the
+tokens its grammar does not allow next set to -inf (a row of a bitmask, engine/grammar.py: a row
+without a grammar allows every token). The
 log-probabilities the engine reports are the model's own, before any of this (vLLM's default).
 
 Temperature 0 is greedy (argmax of the processed logits); otherwise the logits are divided by
@@ -86,12 +88,23 @@ def sample_rows(logits_BxV: jax.Array, keys_B: jax.Array, temperature_B: jax.Arr
 
 
 def penalized(logits_BxV: jax.Array, counts_BxV: jax.Array, presence_B: jax.Array,
-              frequency_B: jax.Array, bias_ids_BxK: jax.Array, bias_BxK: jax.Array) -> jax.Array:
+              frequency_B: jax.Array, bias_ids_BxK: jax.Array, bias_BxK: jax.Array,
+              mask_BxW: jax.Array | None = None) -> jax.Array:
   """The logits with each row's logit_bias added (bias_BxK at ids bias_ids_BxK; padding: a bias
   of 0) and its penalties subtracted: presence_B where the row's counts_BxV (its output tokens so
-  far) are > 0, frequency_B × counts_BxV; float32."""
+  far) are > 0, frequency_B × counts_BxV; then -inf where its grammar's mask_BxW (int32 words: bit
+  i % 32 of word i // 32 set where id i is allowed; all bits set: no grammar) forbids; float32."""
   rows_Bx1 = jnp.arange(logits_BxV.shape[0])[:, None]
   logits_BxV = jnp.asarray(logits_BxV, jnp.float32).at[rows_Bx1, bias_ids_BxK].add(bias_BxK)
   counts_BxV = jnp.asarray(counts_BxV, jnp.float32)
-  return (logits_BxV - frequency_B[:, None] * counts_BxV
-          - presence_B[:, None] * (counts_BxV > 0).astype(jnp.float32))
+  logits_BxV = (logits_BxV - frequency_B[:, None] * counts_BxV
+                - presence_B[:, None] * (counts_BxV > 0).astype(jnp.float32))
+  if mask_BxW is None:
+    return logits_BxV
+  return jnp.where(allowed_by(mask_BxW, logits_BxV.shape[-1]), logits_BxV, -jnp.inf)
+
+
+def allowed_by(mask_BxW: jax.Array, vocab_size: int) -> jax.Array:
+  """bool [B, vocab_size]: the ids a bitmask allows (bit i % 32 of int32 word i // 32)."""
+  bits_BxWx32 = (mask_BxW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+  return bits_BxWx32.reshape(mask_BxW.shape[0], -1)[:, :vocab_size].astype(bool)

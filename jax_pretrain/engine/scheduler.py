@@ -13,8 +13,9 @@ two tokens (MIN_BUCKET at least, the context at most) and its rows to a power of
 `prefill_tokens` prompt tokens a device (most_rows); a decode call covers each device's first 1,
 2, 4, ... slots, as many as cover the busy ones, with a live length (the positions its attention
 reads) of a power of two or 1.5 × one that covers the longest busy row after the call's steps
-(live_bucket). A call's steps (at most `chunk`) are traced, not static, and so are sampling's
-variants (the top-k/top-p cut, the TOP_N alternatives): one program per (rows, live).
+(live_bucket). A call's steps (at most `chunk`; one while a busy sequence keeps a grammar) are
+traced, not static, and so are sampling's variants (the top-k/top-p cut, the TOP_N alternatives):
+one program per (rows, live).
 
 A call's shape (PrefillShape, DecodeShape) names the program that runs it (engine/programs.py);
 dry_run gives the calls of a workload without a model (plan.py's GRPO rollout).
@@ -256,7 +257,8 @@ class Scheduler:
     busy = tuple((g, seq) for g, seq in enumerate(self.busy) if seq is not None)
     if not busy:
       return None
-    steps = max(min(self.chunk, seq.max_new_tokens - self.dispatched[g]) for g, seq in busy)
+    chunk = 1 if self.constrained() else self.chunk  # (a grammar's mask is for one token)
+    steps = max(min(chunk, seq.max_new_tokens - self.dispatched[g]) for g, seq in busy)
     longest = max(len(seq.prompt) + self.dispatched[g] for g, seq in busy)
     for g, seq in busy:
       self.dispatched[g] = min(seq.max_new_tokens, self.dispatched[g] + steps)
@@ -269,6 +271,11 @@ class Scheduler:
                     live=live_bucket(longest + steps, self.context)), steps=steps,
         top_n=TOP_N if any(s.alternatives for s in seqs) else 0, local_slots=self.local_slots,
         busy=busy)
+
+  def constrained(self) -> bool:
+    """Whether a busy slot's sequence keeps a grammar: then a decode call runs one step, and the
+    engine reads the call before it first (its matcher's mask needs its last token)."""
+    return any(seq is not None and seq.grammar is not None for seq in self.busy)
 
   def most_rows(self, P_: int) -> int:
     """Prompts per device per prefill call at most for prompts padded to P_: a power of two that

@@ -1,6 +1,6 @@
 """A request to the engine and what it decodes: Sequence, and its incremental detokenization."""
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 STOPPED = 'the engine stopped before this sequence finished'  # Sequence.error when it did
 
@@ -20,6 +20,9 @@ class Sequence:
   frequency_penalty: float = 0.0  # × the times it has generated the token, subtracted
   logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), MAX_LOGIT_BIAS
   alternatives: bool = False  # fill top_logprobs (the TOP_N most likely tokens at each step)
+  # Its grammar's matcher (engine/grammar.py: a structured output or a tool call), or None: every
+  # token it samples is one the matcher allows; it ends ('stop') when the grammar is complete.
+  grammar: Any = None
   # Called on new text and at the end, from the engine's thread (from stop()'s for a sequence
   # still waiting then). One that raises fails its sequence (engine/output.py).
   on_update: Callable[['Sequence'], None] | None = None
