@@ -18,6 +18,7 @@ from fastapi import responses
 import pydantic
 
 from jax_pretrain import engine as engine_lib
+from jax_pretrain import structured
 from jax_pretrain.engine import client as client_lib
 
 if TYPE_CHECKING:
@@ -200,9 +201,9 @@ def content_parts(template_source: str) -> bool:
 
 class ChatRequest(Sampling):
   """The body of POST /v1/chat/completions. Accepted as vLLM accepts them, with no effect:
-  store, metadata, parallel_tool_calls, service_tier, prompt_cache_key, safety_identifier,
-  modalities ["text"]; tools, tool_choice and response_format in their no-op forms (no tools or
-  [], "none", {"type": "text"}: check_chat refuses the others)."""
+  store, metadata, service_tier, prompt_cache_key, safety_identifier, modalities ["text"].
+  response_format, tools, tool_choice and parallel_tool_calls: structured.py (structured outputs
+  and tool calls, by constrained decoding)."""
   messages: list[ChatMessage]
   max_tokens: int | None = None  # (deprecated by OpenAI for max_completion_tokens)
   max_completion_tokens: int | None = None
@@ -218,19 +219,6 @@ class ChatRequest(Sampling):
   prompt_cache_key: str | None = None
   safety_identifier: str | None = None
   modalities: list[Literal['text']] | None = None
-
-
-def check_chat(r: ChatRequest) -> None:
-  """Refuses what a chat asks that this server does not do (tools, a response format), rather
-  than answer as if it had."""
-  for ok, param, message in [
-      (not r.tools, 'tools', 'tools are not supported by this server (no tool calls)'),
-      (r.tool_choice in (None, 'none') or (r.tool_choice == 'auto' and not r.tools),
-       'tool_choice', 'tool_choice other than "none" is not supported by this server'),
-      (r.response_format is None or r.response_format == {'type': 'text'}, 'response_format',
-       'response_format other than {"type": "text"} is not supported by this server')]:
-    if not ok:
-      raise APIError(message, param)
 
 
 def is_ids(prompt: list[str] | list[int] | list[list[int]]) -> 'TypeIs[list[int]]':
@@ -476,18 +464,36 @@ class CompletionChoice(_Choice):
 
 class ChatChoice(_Choice):
   """A chat completion's choice: the assistant's message, and with logprobs OpenAI's chat form
-  ({'content': [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]})."""
+  ({'content': [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}). With a tool
+  plan (structured.Plan 'named' or 'required') the message's tool_calls, read from the text
+  (structured.Calls), content null; finish_reason "tool_calls" for 'required' (OpenAI's)."""
+
+  def __init__(self, index: int, top: int | None,
+               plan: structured.Plan = structured.CONTENT):
+    super().__init__(index, top)
+    self.calls = None if plan.kind == 'content' else structured.Calls(plan)
+
+  def _finish(self, reason: str | None) -> str | None:
+    tools = self.calls is not None and self.calls.plan.kind == 'required'
+    return 'tool_calls' if tools and reason == 'stop' else reason
 
   def final(self, seq: engine_lib.Sequence, tokenizer) -> dict:
-    return {'index': self.index, 'message': {'role': 'assistant', 'content': seq.text},
+    message: dict = {'role': 'assistant', 'content': seq.text}
+    if self.calls is not None:
+      message = {'role': 'assistant', 'content': None, 'tool_calls': self.calls.whole(seq.text)}
+    return {'index': self.index, 'message': message,
             'logprobs': self._logprobs(tokenizer, seq, seq.text, 0, self.ends(seq, tokenizer)),
-            'finish_reason': seq.finish_reason}
+            'finish_reason': self._finish(seq.finish_reason)}
 
   def delta(self, update: client_lib.Update, tokenizer) -> dict:
     new, ends, start_chars = self.advance(update, tokenizer)
-    return {'index': self.index, 'delta': {'content': new} if new else {},
+    delta: dict = {'content': new} if new else {}
+    if self.calls is not None:
+      calls = self.calls.delta(update.text)
+      delta = {'tool_calls': calls} if calls else {}
+    return {'index': self.index, 'delta': delta,
             'logprobs': self._logprobs(tokenizer, update.seq, update.text, start_chars, ends),
-            'finish_reason': update.finish}
+            'finish_reason': self._finish(update.finish)}
 
   def _logprobs(self, tokenizer, seq, text: str, start_chars: int,
                 ends: list[_Token]) -> dict | None:
@@ -548,12 +554,14 @@ class CompletionAnswer:
 class ChatAnswer:
   """A chat completion's response (Answer): n choices of one prompt (the rendered messages)."""
 
-  def __init__(self, r: ChatRequest, name: str, prompt: list[int], tokenizer):
+  def __init__(self, r: ChatRequest, name: str, prompt: list[int], tokenizer,
+               plan: structured.Plan = structured.CONTENT):
     self.header, self.tokenizer = _header('chatcmpl', 'chat.completion', name), tokenizer
     self.chunk_header = {**self.header, 'object': 'chat.completion.chunk'}
     self.prompt, self.include_usage = prompt, _include_usage(r)
     top = (r.top_logprobs or 0) if r.logprobs else None
-    self.choices = [ChatChoice(i, top) for i in range(r.n)]
+    self.choices = [ChatChoice(i, top, plan) for i in range(r.n)]
+    self.content = None if plan.kind != 'content' else ''  # (tool calls: null, OpenAI's)
 
   def whole(self, sequences):
     return {**self.header, 'choices': [c.final(seq, self.tokenizer)
@@ -562,7 +570,8 @@ class ChatAnswer:
 
   def opening(self):
     return [{**self.chunk_header, 'choices': [{
-        'index': c.index, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None,
+        'index': c.index, 'delta': {'role': 'assistant', 'content': self.content},
+        'logprobs': None,
         'finish_reason': None}]} for c in self.choices]
 
   def delta(self, update):

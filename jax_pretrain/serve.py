@@ -109,9 +109,11 @@ from jax_pretrain import cli
 from jax_pretrain import engine as engine_lib
 from jax_pretrain import openai_api as api
 from jax_pretrain import sample as sample_lib
+from jax_pretrain import structured
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import sft
 from jax_pretrain.engine import client as client_lib
+from jax_pretrain.engine import grammar as grammar_lib
 from jax_pretrain.errors import UserError
 
 MAX_SEQUENCES = 256  # prompts × n per request (--max_sequences_per_request)
@@ -146,6 +148,7 @@ class Server:
     self.engine, self.name, self.tokenizer = engine, name, engine.tokenizer
     self.chat_template, self.defaults = chat_template, defaults or api.Defaults()
     self._parts = chat_template is not None and api.content_parts(chat_template.source)
+    self.grammars = grammar_lib.Grammars(self.tokenizer)  # (structured outputs, tool calls)
     self.max_sequences, self.api_key = max_sequences, api_key or None
     self.stall_timeout, self.shutdown_timeout = stall_timeout, shutdown_timeout
     self.shutdown_deadline: Callable[[], Awaitable] = lambda: asyncio.sleep(self.shutdown_timeout)
@@ -253,22 +256,35 @@ class Server:
 
   async def chat(self, r: api.ChatRequest, http: fastapi.Request):
     api.check_sampling(r, self.name)  # (an unknown model first: 404, template or not)
-    api.check_chat(r)
+    plan = await asyncio.to_thread(self.plan, r)
     ids = await asyncio.to_thread(self.chat_prompt, r)
     max_tokens = self.check_chat(r, ids)
-    request = self._submit(r, [ids], max_tokens, r.logprobs)
-    return await self._answer(request, api.ChatAnswer(r, self.name, ids, self.tokenizer), http)
+    request = self._submit(r, [ids], max_tokens, r.logprobs, plan.grammar)
+    return await self._answer(request, api.ChatAnswer(r, self.name, ids, self.tokenizer, plan),
+                              http)
+
+  def plan(self, r: api.ChatRequest) -> structured.Plan:
+    """What the chat's response_format, tools and tool_choice ask (structured.plan: its grammar
+    compiled); a 400 naming the field that cannot be served."""
+    try:
+      return structured.plan(r.response_format, r.tools, r.tool_choice, r.parallel_tool_calls,
+                             self.grammars)
+    except structured.RequestError as e:
+      raise api.APIError(str(e), e.param) from None
 
   def _submit(self, r: api.Sampling, prompts: list[list[int]], max_tokens: int,
-              alternatives: bool) -> client_lib.Request:
-    """The n sequences of each prompt, submitted (the client's QueueFull, Stopped)."""
+              alternatives: bool, grammar: grammar_lib.Grammar | None = None
+              ) -> client_lib.Request:
+    """The n sequences of each prompt, submitted (the client's QueueFull, Stopped); with a
+    grammar, each keeps it with a matcher of its own."""
     seed = secrets.randbits(32) if r.seed is None else r.seed
     temperature, top_p, top_k = r.settings(self.defaults)
     bias = r.bias(self.tokenizer.vocab_size)
     return self.client.submit([engine_lib.Sequence(
         ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         stream=j, stop=r.stops(), presence_penalty=r.presence_penalty,
-        frequency_penalty=r.frequency_penalty, logit_bias=bias, alternatives=alternatives)
+        frequency_penalty=r.frequency_penalty, logit_bias=bias, alternatives=alternatives,
+        grammar=None if grammar is None else grammar.matcher())
         for ids in prompts for j in range(r.n)], stream=r.stream)
 
   async def _answer(self, request: client_lib.Request, answer: api.Answer,

@@ -24,12 +24,15 @@ import sys
 import threading
 import time
 import types
+from typing import Literal
 import urllib.error
 import urllib.request
 
 import jax
+import jsonschema
 import numpy as np
 import openai
+import pydantic
 import pytest
 
 from jax_pretrain import engine
@@ -891,9 +894,16 @@ def test_chat_logprobs_are_the_completions_logprobs_in_the_chat_form(local):
     (b'{"messages": [{"role": "user"}]}', 'messages'),  # no content
     (b'{"messages": [{"role": "user", "content": "hi"}], "tols": []}', 'tols'),  # unknown field
     (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
-     b'"function": {"name": "f"}}]}', 'tools'),
+     b'"function": {"name": "f"}}]}', 'tool_choice'),  # ("auto": no parser of free text)
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+     b'"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": '
+     b'"g"}}}', 'tool_choice'),  # (not among the tools)
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "functio"}], '
+     b'"tool_choice": "required"}', 'tools'),
     (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
-     b'"json_object"}}', 'response_format'),
+     b'"json_schema", "json_schema": {"name": "x"}}}', 'response_format'),  # (no schema)
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+     b'"xml"}}', 'response_format'),
     (b'{"messages": [{"role": "tool", "content": "4"}]}', 'messages'),  # no tool_call_id
     (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 'top_logprobs'),
     (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}',
@@ -1136,3 +1146,87 @@ def test_the_server_reads_the_runs_generation_config(run, client, tmp_path):
   finally:
     proc.terminate()
     proc.communicate(timeout=60)
+
+
+SHORT = [{'role': 'user', 'content': 'x'}]  # (a prompt of 8 tokens: 56 for the answer)
+ANSWER_SCHEMA = {
+    'type': 'object', 'additionalProperties': False, 'required': ['ok', 'kind', 'n'],
+    'properties': {'ok': {'type': 'boolean'}, 'kind': {'enum': ['a', 'bc']},
+                   'n': {'type': 'integer', 'minimum': 0, 'maximum': 9}}}
+WEATHER = {'type': 'function', 'function': {  # (a call: 53 tokens)
+    'name': 'wx', 'description': 'The weather in a city',
+    'parameters': {'type': 'object', 'additionalProperties': False, 'required': ['city', 'days'],
+                   'properties': {'city': {'enum': ['Oslo', 'Rome']},
+                                  'days': {'type': 'integer', 'minimum': 1, 'maximum': 7}}}}}
+CLOCK = {'type': 'function', 'function': {'name': 'clock', 'parameters': {
+    'type': 'object', 'additionalProperties': False, 'required': ['utc'],
+    'properties': {'utc': {'type': 'boolean'}}}}}
+
+
+def test_structured_outputs_are_json_that_validates_against_the_schema(local):
+  """A model with random weights answers, sampled or greedy, JSON that validates (jsonschema)
+  against a json_schema response_format (strict), and the openai SDK's parse of a pydantic
+  model reads it; json_object gives a JSON object; a schema the grammar library cannot compile is
+  a 400 naming it."""
+  c = _client(local[0])
+  fmt = {'type': 'json_schema', 'json_schema': {'name': 'answer', 'schema': ANSWER_SCHEMA,
+                                                 'strict': True}}
+  answer = chat(c, SHORT, response_format=fmt, max_tokens=56, temperature=1.0, seed=1, n=3)
+  for choice in answer.choices:
+    assert choice.finish_reason == 'stop', choice.message.content
+    jsonschema.validate(json.loads(choice.message.content), ANSWER_SCHEMA)
+  assert len({choice.message.content for choice in answer.choices}) > 1  # (sampled)
+  free = chat(c, SHORT, max_tokens=20, temperature=0).choices[0].message.content
+  with pytest.raises(json.JSONDecodeError):
+    json.loads(free)  # (the same model, unconstrained)
+
+  class Answer(pydantic.BaseModel):
+    ok: bool
+    kind: Literal['a', 'bc']
+    n: int = pydantic.Field(ge=0, le=9)
+
+  parsed = c.chat.completions.parse(model=NAME, messages=SHORT, response_format=Answer,
+                                    max_tokens=56, temperature=0)
+  assert isinstance(parsed.choices[0].message.parsed, Answer)
+  obj = chat(c, SHORT, response_format={'type': 'json_object'}, max_tokens=56, temperature=0,
+             logit_bias={str(ord('}')): 8.0}).choices[0]  # (an object that ends soon)
+  assert obj.finish_reason == 'stop' and isinstance(json.loads(obj.message.content), dict)
+  for schema, match in [({'type': 'strin'}, 'strin'), ({'type': 'string', 'pattern': '('},
+                                                       'unclosed group')]:
+    with pytest.raises(openai.BadRequestError, match=match) as e:
+      chat(c, SHORT, response_format={'type': 'json_schema', 'json_schema': {
+          'name': 'bad', 'schema': schema}})
+    assert e.value.param == 'response_format' and "'bad'" in e.value.message
+
+
+def test_tool_calls_by_a_named_function_or_required_whole_and_streamed(local):
+  """tool_choice naming a function: one call of it, its arguments JSON that its parameters
+  validate, content null, finish_reason "stop" (OpenAI's); "required": calls among the tools
+  (one with parallel_tool_calls false), finish_reason "tool_calls". Streamed, a call opens with
+  its index, id and name, then its arguments in chunks that join into the whole answer's."""
+  c = _client(local[0])
+  schemas = {t['function']['name']: t['function']['parameters'] for t in (WEATHER, CLOCK)}
+  named = {'type': 'function', 'function': {'name': 'wx'}}
+  for kw, finish in [(dict(tool_choice=named), 'stop'),
+                     (dict(tool_choice='required', parallel_tool_calls=False), 'tool_calls')]:
+    answer = chat(c, SHORT, tools=[WEATHER, CLOCK], max_tokens=56, temperature=1.0, seed=2,
+                  **kw).choices[0]
+    assert answer.finish_reason == finish and answer.message.content is None
+    [call] = answer.message.tool_calls
+    assert call.type == 'function' and call.id.startswith('call_')
+    assert kw['tool_choice'] != named or call.function.name == 'wx'
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    chunks = list(chat(c, SHORT, tools=[WEATHER, CLOCK], max_tokens=56, temperature=1.0,
+                       seed=2, stream=True, **kw))
+    deltas = [d for e in chunks for d in e.choices[0].delta.tool_calls or ()]
+    assert deltas[0].index == 0 and deltas[0].id.startswith('call_')
+    assert deltas[0].function.name == call.function.name and deltas[0].function.arguments == ''
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(deltas) > 2  # (the arguments in several chunks)
+    assert ''.join(d.function.arguments for d in deltas) == call.function.arguments
+    assert chunks[0].choices[0].delta.role == 'assistant'
+    assert chunks[-1].choices[0].finish_reason == finish
+  many = chat(c, SHORT, tools=[WEATHER, CLOCK], tool_choice='required', max_tokens=56,
+              temperature=0).choices[0]
+  for call in many.message.tool_calls:  # (parallel calls allowed: those it completed)
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
