@@ -2,7 +2,7 @@
 
   python scripts/benchmark_engine.py [--config=configs/default.py] [--sequences=32,128] \
       [--prompt_tokens=64] [--new_tokens=64] [--slots=0] [--chunk=8] [--temperature=1.0] \
-      [--samples=1] [--markdown]
+      [--samples=1] [--constrained=0] [--markdown]
 
 Random params of the config's model (no checkpoint), prompts of random ids (each the prompt of
 --samples sequences, with streams of their own, as GRPO's num_samples completions), every sequence
@@ -17,7 +17,10 @@ Prints tokens/s of each and their ratio (the engine's time over the reference's)
 engine ran through the model in one generate (its prefills; '-' for an engine that does not count
 them), and how many of the engine's greedy tokens the reference reproduces (--temperature=0 checks
 that they decode the same model); --markdown: as a Markdown table, without the prompts
-(scripts/gpu_check.sh prints the transformers row of scripts/benchmark_peer.py under it). The
+(scripts/gpu_check.sh prints the transformers row of scripts/benchmark_peer.py under it).
+--constrained=K: the engine once more with K of the sequences constrained by a JSON schema
+(engine/grammar.py, the byte tokenizer's bytes: an array of objects that cannot end within
+--new_tokens), and its time over the unconstrained engine's (the goal: <= 1.5). The
 engine here is whatever `jax_pretrain` imports: run the script with another checkout first on
 PYTHONPATH to time that checkout's engine (its Engine(config, params, tokenizer, slots=, context=,
 chunk=) and Sequence).
@@ -41,6 +44,8 @@ _SAMPLES = flags.DEFINE_integer('samples', 1, 'Sequences per prompt (a divisor o
                                 'sequences).')
 _KV = flags.DEFINE_list('kv_cache_dtype', ['auto'], "The engine's KV cache kinds to measure "
                         '(model.KV_CACHE_DTYPES: auto, fp8, int8), each against the reference.')
+_CONSTRAINED = flags.DEFINE_integer('constrained', 0, 'Sequences that keep a grammar in one '
+                                    'more run of the engine (0: none).')
 _MARKDOWN = flags.DEFINE_bool('markdown', False, 'Print the results as a Markdown table.')
 MARKDOWN_HEADER = ('| decoder | sequences × (prompt + new) | slots | tokens/s | reference '
                    'tokens/s | time / reference | same tokens |\n|---|---|---|---|---|---|---|')
@@ -145,13 +150,16 @@ def measure(c, params, n: int) -> list[str]:
   prompts = np.repeat(distinct, k, axis=0)
   slots = _SLOTS.value or n
   measured = []
-  for kind in _KV.value:
+  grammar = _grammar() if _CONSTRAINED.value else None
+  for kind in _KV.value + (['json'] if grammar else []):
     eng = [engine_lib.Engine(c, params, _Tokenizer(c.vocab_size), slots=slots, context=P + M,
-                             chunk=_CHUNK.value, kv_cache_dtype=kind)]
+                             chunk=_CHUNK.value, kv_cache_dtype='auto' if kind == 'json' else kind)]
 
-    def generate(eng=eng):
-      seqs = [engine_lib.Sequence(prompt=prompts[b].tolist(), max_new_tokens=M, temperature=T,
-                                  seed=0, stream=b) for b in range(n)]
+    def generate(eng=eng, kind=kind):
+      seqs = [engine_lib.Sequence(
+          prompt=prompts[b].tolist(), max_new_tokens=M, temperature=T, seed=0, stream=b,
+          grammar=grammar.matcher() if kind == 'json' and b < _CONSTRAINED.value else None)
+          for b in range(n)]
       eng[0].generate(seqs)
       return seqs
 
@@ -168,6 +176,10 @@ def measure(c, params, n: int) -> list[str]:
   for kind, engine_s, seqs, prefilled in measured:
     same = np.mean([a == b for s, row in zip(seqs, ref_tokens) for a, b in zip(s.tokens, row)])
     name = 'engine (jax_pretrain)' + ('' if kind == 'auto' else f', {kind} KV cache')
+    if kind == 'json':
+      name = f'engine, {_CONSTRAINED.value} of {n} constrained'
+      lines.append(f'constrained: {_CONSTRAINED.value} of {n} sequences, time / unconstrained '
+                   f'engine: {engine_s / measured[0][1]:.2f}')
     if _MARKDOWN.value:
       lines.append(f'| {name} | {n} × ({P} + {M}) | {slots} | {n * M / engine_s:,.0f} | '
                    f'{n * M / ref_s:,.0f} | {engine_s / ref_s:.2f} | {same:.1%} |')
@@ -176,6 +188,18 @@ def measure(c, params, n: int) -> list[str]:
                    f'{n * M / ref_s:>15,.0f}  {engine_s / ref_s:>23.2f}  {prefilled:>12}  '
                    f'{same:>11.1%}')
   return lines
+
+
+def _grammar():
+  """A JSON schema no sequence completes within --new_tokens: an array of at least 1,000
+  objects (each a few fields of each kind), compiled for the byte tokenizer's ids."""
+  from jax_pretrain.data import tokenizer as tokenizer_lib
+  from jax_pretrain.engine import grammar as grammar_lib
+  item = {'type': 'object', 'required': ['name', 'n', 'ok', 'tags'], 'properties': {
+      'name': {'type': 'string'}, 'n': {'type': 'integer'}, 'ok': {'type': 'boolean'},
+      'tags': {'type': 'array', 'items': {'enum': ['a', 'bc', 'def']}}}}
+  return grammar_lib.Grammars(tokenizer_lib.ByteTokenizer()).json_schema(
+      {'type': 'array', 'items': item, 'minItems': 1000})
 
 
 def main():
