@@ -21,7 +21,10 @@ Endpoints (FastAPI, served by uvicorn):
   default: the rest of the context), `logprobs` (true) with `top_logprobs` (0..20), and the
   sampling fields of completions; `stream` sends each choice's role, then its content. The no-op
   forms of tools, tool_choice and response_format and the fields vLLM ignores are accepted
-  (openai_api.ChatRequest).
+  (openai_api.ChatRequest). Structured outputs (response_format json_schema, json_object) and
+  tool calls (tool_choice "required" or a named function; "auto": 400) by constrained decoding
+  (structured.py, engine/grammar.py): message.content the JSON, or message.tool_calls, streamed as
+  OpenAI streams them.
 - Defaults: the run's generation_config.json (workdir.generation_config) gives temperature,
   top_p, top_k and a chat's max_tokens where a request gives none, and its eos_token_ids end a
   sequence as EOS does.
