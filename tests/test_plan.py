@@ -527,10 +527,11 @@ def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta, num_itera
   # 10 + 8 tokens, of which the model's inputs are all but the last: 17, rounded up to 24 (cuDNN
   # trains on no odd length), and the last target.
   assert g['width'] == 25 and update['tokens_per_step'] == 16 * 25
-  # The engine's cache and logits, float32, split over the 2 devices: 4 slots each of the context
-  # the rollout reaches (10 + 8 tokens, not data.seq_len).
+  # The engine's cache, logits (float32) and token counts (int32, the penalties'), split over the
+  # 2 devices: 4 slots each of the context the rollout reaches (10 + 8 tokens, not data.seq_len).
   m = config_lib.resolve(_grpo_test_config(), 2, backend='cpu')[0].model
-  cache = 2 * m.num_layers * 4 * 18 * m.num_kv_heads * m.head_dim * 4 + 4 * m.vocab_size * 4
+  cache = (2 * m.num_layers * 4 * 18 * m.num_kv_heads * m.head_dim * 4
+           + 4 * m.vocab_size * (4 + 4))
   assert (g['context'], g['slots_per_device']) == (18, 4)
   assert g['engine_cache_gib'] * memory.GIB == cache
   reference = {'reference params': g['params_gib']} if beta else {}
