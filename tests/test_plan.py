@@ -536,22 +536,25 @@ def test_xlarge_data8_all_reduces_gradients_once_per_step_on_h100():
 
 
 @requires_plugin
-def test_xxlarge_on_two_a100_40gb_chooses_fsdp_and_full_remat_and_says_why():
-  """Issue 19's case: data parallelism does not fit one sequence per card with either remat; the
-  fit shards the state (fsdp=2) and, by the roofline, prefers full remat's 8 sequences a card to
-  dots' 1 (a weight gather per micro-batch)."""
+def test_xxlarge_on_two_a100_40gb_chooses_fsdp_full_remat_and_scanned_layers_and_says_why():
+  """Issues 19 and 45's case: data parallelism does not fit one sequence per card with either
+  remat, nor does fsdp=2 with the layers unrolled (an unrolled step holds more at once: 40.4 GiB
+  at one sequence with full remat); scanned, the fit shards the state (fsdp=2) and, by the
+  roofline, prefers full remat's 8 sequences a card to dots' 1 (a weight gather per
+  micro-batch)."""
   r = plan.plan(config_lib.preset('xxlarge'), target='a100-40', num_devices=2)
   assert r['mesh'] == {'data': 1, 'fsdp': 2, 'tensor': 1} and r['remat'] == 'full'
-  # 16 × 8 in this process since issue 30 (the loss holds no float32 logits: 4 × 32 before, and
-  # 8 × 16 under the plan command, whose GPU XLA flags runtime.configure sets).
+  assert r['layers'] == 'scan'
   assert r['micro_batch_size'] >= 8 and r['grad_accum_steps'] == 128 // r['micro_batch_size']
   assert r['fits'] and r['peak_memory_gib'] < 0.95 * r['usable_memory_gib']
   mesh = [x for x in r['choices'] if x.startswith('mesh ')]
-  assert len(mesh) == 1 and mesh[0].startswith('mesh data=1 fsdp=2, remat full (auto: data '
-                                               'parallelism with remat dots does not fit')
-  assert 'the fastest by the a100-40 roofline' in mesh[0]
-  assert 'fsdp 1 full does not fit' in mesh[0] and 'fsdp 2 dots -> micro-batch ' in mesh[0]
-  assert not any(x.startswith('remat ') for x in r['choices'])  # the resolve's 'dots' replaced
+  assert len(mesh) == 1 and mesh[0].startswith('mesh data=1 fsdp=2, remat full, layers scan '
+                                               '(auto: data parallelism with remat dots does '
+                                               'not fit')
+  assert 'no layout fits with the layers unrolled, so scanned: the fastest by the a100-40 ' \
+      'roofline' in mesh[0]
+  assert 'fsdp 2 full does not fit' in mesh[0] and 'fsdp 2 dots scanned -> micro-batch ' in mesh[0]
+  assert not any(x.startswith(('remat ', 'layers ')) for x in r['choices'])  # the resolve's
   assert r['tokens_per_s'] > 15_000
 
 
