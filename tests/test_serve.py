@@ -9,7 +9,9 @@ requests only and never show their text, stopping; a server whose every step fai
 429, a client that disconnects, /health on a stalled engine, no tokenizer call on the event loop,
 and a shutdown that answers every request in flight by its deadline. Chat completions on a copy
 of the run given a chat template: the completion of the rendered messages, streamed, n, stop,
-logprobs, bad requests, a run without a template (400), and the template in the HF export."""
+logprobs, bad requests, a run without a template (400), and the template in the HF export; a
+Qwen3-style multi-turn chat served with transformers' ids by a run whose tokenizer/ has only
+chat_template.jinja, and serve --chat_template=FILE."""
 import asyncio
 import concurrent.futures
 import contextlib

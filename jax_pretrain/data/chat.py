@@ -169,6 +169,9 @@ def tokenizer_template(tokenizer, path: str | None = None) -> ChatTemplate | Non
   tokenizer/), or None; the special tokens are the tokenizer directory's either way."""
   directory = tokenizer.directory
   if path:
+    if not hasattr(tokenizer, 'encode_rendered'):
+      raise DataError(f'{path}: this run has no text tokenizer (token ids only) to encode a '
+                      'rendered chat with.')
     return template_file(path, tokenizer_lib.hf_special_tokens(directory) if directory else {})
   return find_template([directory] if directory else [])
 

@@ -53,9 +53,8 @@ class ByteTokenizer:
       if special is not None:
         pieces.append((np.asarray([special]), np.asarray([[start, end]])))
         continue
-      for k, char in enumerate(text[start:end], start):
-        data = char.encode('utf-8')
-        pieces.append((np.frombuffer(data, np.uint8), np.tile([k, k + 1], (len(data), 1))))
+      data, char_B1 = _char_of_byte(text[start:end])
+      pieces.append((data, start + np.stack([char_B1[:-1], char_B1[:-1] + 1], axis=1)))
     return _rendered(pieces)
 
 
@@ -92,6 +91,14 @@ def split_specials(text: str, specials: dict[str, int]) -> list[tuple[int, int, 
   return out + ([(pos, len(text), None)] if pos < len(text) else [])
 
 
+def _char_of_byte(text: str) -> tuple[np.ndarray, np.ndarray]:
+  """(text's UTF-8 bytes uint8 [b], the index of the character each is part of int64 [b + 1],
+  len(text) last)."""
+  data = np.frombuffer(text.encode('utf-8'), np.uint8)
+  starts = (data & 0xC0) != 0x80  # (a continuation byte is 10xxxxxx)
+  return data, np.append(np.cumsum(starts) - 1, len(text))
+
+
 def _rendered(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
   """(ids int32 [n], offsets int64 [n, 2]) of pieces of (ids, offsets)."""
   if not pieces:
@@ -121,6 +128,7 @@ class SentencePieceTokenizer:
     (self.bos_id, self.eos_id, self.pad_id), self.vocab_size = _with_appended_specials(
         self.num_pieces, [self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()])
     self.identity = 'sentencepiece:' + hashlib.sha256(proto).hexdigest()[:16]
+    self._special_pieces: dict[str, int] | None = None  # (read when first asked: _specials)
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._sp.EncodeAsIds(text), np.int32)
@@ -134,7 +142,7 @@ class SentencePieceTokenizer:
   def _specials(self) -> dict[str, int]:
     """The control pieces (<s>, </s>) and user-defined pieces by their text: the tokens HF export
     adds to its tokenizer.json (data/tokenizer_json.py)."""
-    if not hasattr(self, '_special_pieces'):
+    if self._special_pieces is None:
       from sentencepiece import sentencepiece_model_pb2  # noqa: PLC0415
       proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]
       proto.ParseFromString(self._sp.serialized_model_proto())
@@ -154,16 +162,10 @@ class SentencePieceTokenizer:
         pieces.append((np.asarray([special]), np.asarray([[start, end]])))
         continue
       segment = text[start:end]
-      char_at = np.zeros(len(segment.encode('utf-8')) + 1, np.int64)  # byte offset -> character
-      byte = 0
-      for k, char in enumerate(segment):
-        n = len(char.encode('utf-8'))
-        char_at[byte:byte + n] = k
-        byte += n
-      char_at[byte] = len(segment)
+      _, char_B1 = _char_of_byte(segment)
       proto = self._sp.EncodeAsProto(segment)
       ids = [p.id for p in proto.pieces]
-      spans = [[start + char_at[p.begin], start + char_at[p.end]] for p in proto.pieces]
+      spans = [[start + char_B1[p.begin], start + char_B1[p.end]] for p in proto.pieces]
       for k in range(len(spans) - 2, -1, -1):
         if spans[k][0] == spans[k][1]:
           spans[k] = [spans[k][0], spans[k + 1][1]]
