@@ -71,6 +71,34 @@ QWEN3_TRAINING = QWEN3.replace(r"""        {%- if loop.index0 > ns.last_query_in
         {{- '<|im_end|>\n' }}
         {%- endgeneration %}""")
 assert QWEN3_TRAINING != QWEN3
+# The same text as QWEN3's, each assistant turn after its header inside {% generation %} (for
+# transformers' assistant mask).
+QWEN3_MARKED = QWEN3.replace(r"""        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n')
+                    + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}""", r"""        {{- '<|im_start|>' + message.role + '\n' }}
+        {%- generation %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+            {{- '<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n'
+                + content.lstrip('\n') }}
+        {%- else %}
+            {{- content }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+        {%- endgeneration %}""")
+assert QWEN3_MARKED != QWEN3
+# DeepSeek-R1-distill's kind: its generation prompt opens a <think> that the turns, their
+# reasoning dropped, do not have.
+R1_LIKE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ '<|im_start|>' + m['content'] }}"
+           "{% else %}{{ '<|im_end|>' + m['content'].split('</think>')[-1] + '</s>' }}{% endif %}"
+           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_end|><think>\n' }}{% endif %}")
 # Meta-Llama-3-8B-Instruct's, verbatim: header tokens, BOS written by the template.
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
           "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | "

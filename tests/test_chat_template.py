@@ -25,7 +25,9 @@ from jax_pretrain.data import tokenizer_json
 from jax_pretrain.data.errors import DataError
 from tests import chat_templates
 from tests.chat_templates import CONVERSATIONS
+from tests.chat_templates import QWEN3_MARKED
 from tests.chat_templates import QWEN3_TRAINING
+from tests.chat_templates import R1_LIKE
 from tests.chat_templates import SYSTEM
 from tests.chat_templates import TEMPLATES
 
@@ -95,12 +97,13 @@ def test_a_chat_prompt_is_the_ids_transformers_gives(tokenizer_files, kind, name
 
 
 @pytest.mark.parametrize('kind', list(BUILD))
-@pytest.mark.parametrize('name', ['qwen3_training', 'llama3', 'mistral'])
+@pytest.mark.parametrize('name', ['qwen3', 'qwen3_training', 'llama3', 'mistral'])
 def test_sft_trains_on_the_ids_transformers_gives_and_its_assistant_tokens(
     tokenizer_files, kind, name, tmp_path):
   """An SFT conversation's ids are apply_chat_template's; its targets are transformers' assistant
   mask where the template marks the turns ({% generation %}), else the turns found by rendering
-  prefixes (compared with the same template with the marks added)."""
+  prefixes (compared with the same template with the marks added): Qwen3's own, which drops the
+  earlier turn's <think>, included."""
   template_text = QWEN3_TRAINING if name == 'qwen3_training' else TEMPLATES[name][0]
   directory = _directory(tokenizer_files, kind, 'qwen3' if name == 'qwen3_training' else name,
                          tmp_path / 'tok')
@@ -111,6 +114,8 @@ def test_sft_trains_on_the_ids_transformers_gives_and_its_assistant_tokens(
                                     messages, tok)
   if name == 'qwen3_training':
     marked = template_text
+  elif name == 'qwen3':
+    marked = QWEN3_MARKED
   else:  # the assistant's output (its content and end of turn) marked
     end = {'llama3': "'<|eot_id|>' %}", 'mistral': "{{ message['content'] + eos_token}}"}[name]
     marked = template_text.replace(end, {
@@ -127,23 +132,26 @@ def test_sft_trains_on_the_ids_transformers_gives_and_its_assistant_tokens(
   assert is_target.tolist() == [bool(x) for x in out['assistant_masks']]
   assert tok.decode(ids[is_target]).replace(' ', '').count('Itis') == 2  # both turns
   assert 'What' not in tok.decode(ids[is_target])
+  assert ('hmm' in tok.decode(ids[is_target])) == (name != 'qwen3')  # (Qwen3's drops it)
   if name != 'qwen3_training':  # ids and targets unchanged by the marks
     marked_ids, marked_targets = chat.example_ids(chat.ChatTemplate(marked, specials, 'test'),
                                                   messages, tok)
     assert (marked_ids.tolist(), marked_targets.tolist()) == (ids.tolist(), is_target.tolist())
 
 
-def test_a_template_that_changes_earlier_turns_needs_generation_marks(tokenizer_files, tmp_path):
-  """Qwen3's own template drops the <think> of an earlier turn: served as is, but SFT cannot find
-  that turn by rendering prefixes (one error naming the way out); a single turn trains."""
-  tok, template = _ours(_directory(tokenizer_files, 'bytelevel', 'qwen3', tmp_path / 'tok'))
-  messages = [*CONVERSATIONS['multi'], {'role': 'assistant', 'content': 'It is 7.'}]
-  with pytest.raises(ValueError, match=r'assistant turn 1 .*\{% generation %\}'):
+def test_a_template_whose_generation_prompt_the_turns_lack_needs_generation_marks(
+    tokenizer_files, tmp_path):
+  """A generation prompt that opens a <think> the rendered turns do not have (DeepSeek-R1's kind):
+  served as is, but SFT cannot find the turn by rendering prefixes: the example is refused with
+  the way out."""
+  tok, template = _ours(_directory(tokenizer_files, 'bytelevel', R1_LIKE, tmp_path / 'tok'))
+  messages = CONVERSATIONS['multi'][:2]
+  assert chat.prompt_ids(template, messages[:1], tok).tolist() == _theirs(
+      str(tmp_path / 'tok'), messages[:1], add_generation_prompt=True)
+  with pytest.raises(ValueError, match=r'before message 1 .*\{% generation %\}'):
     chat.example_ids(template, messages, tok)
-  ids, is_target = chat.example_ids(template, messages[:2], tok)
-  assert tok.decode(ids[is_target]).startswith('<think>\nhmm')
-  line = json.dumps({'messages': messages})
-  assert sft.example_tokens(line, template, tok, 'a.jsonl:1')[0] is None
+  example, error = sft.example_tokens(json.dumps({'messages': messages}), template, tok, 'a:1')
+  assert example is None and 'rendering prefixes' in error
 
 
 @pytest.mark.parametrize('in_file', [False, True], ids=['tokenizer_config', 'chat_template_jinja'])

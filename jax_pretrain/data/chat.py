@@ -13,12 +13,15 @@ SFT trains on the assistant turns: each token whose characters overlap an assist
 in the rendered text (transformers' return_assistant_tokens_mask rule). The spans are
 - the {% generation %}...{% endgeneration %} blocks, where the template marks them (TRL's training
   templates do), tracked while rendering, as transformers tracks them;
-- otherwise found by rendering prefixes: assistant turn i spans from the end of the conversation
-  before it rendered with the generation prompt to the end of the conversation through it, which
-  must both be prefixes of the whole (so that they are its text). A template that renders an
-  earlier turn differently once others follow it (Qwen3's drops its <think>) gives no such span:
-  that example is refused, with the hint to mark the turns with {% generation %}. (Serving needs
-  no spans: any template serves.)
+- otherwise found by rendering prefixes: assistant turn i starts where the conversation before it,
+  rendered with the generation prompt, ends (it must be the start of the whole), and is the text
+  that rendering the conversation through it adds to that, as far as the whole has it there.
+  A template that renders an earlier turn differently once others follow keeps its end (Qwen3's
+  drops the <think> at its start; the turn is then the longest end of it that the whole has
+  there: its answer and <|im_end|>). A template whose conversation before a turn is not the start
+  of the whole (a generation prompt that the turns do not have) has its example refused, with
+  the hint to mark the turns with {% generation %}. (Serving needs no spans: any template
+  serves.)
 """
 import contextvars
 import datetime
@@ -140,17 +143,26 @@ class ChatTemplate:
       if m['role'] != 'assistant':
         continue
       before = self._render(messages[:i], True)
-      through = self._render(messages[:i + 1], False)
-      if not (full.startswith(through) and through.startswith(before) and len(before) >= pos):
+      turn = self._render(messages[:i + 1], False)[len(before):]  # the turn rendered last
+      kept = _kept(full, len(before), turn) if full.startswith(before) else 0
+      if not (kept and len(before) >= pos):
         raise ValueError(
-            f'the chat template renders the conversation up to assistant turn {i} (message '
-            f'{i}) differently from the whole (as a template that drops the <think> of earlier '
-            "turns does), so that turn's tokens cannot be found by rendering prefixes; mark the "
+            f'the chat template does not render the conversation before message {i} (an '
+            'assistant turn), with the generation prompt, as the start of the whole, or keeps '
+            "nothing of that turn, so its tokens cannot be found by rendering prefixes; mark the "
             'assistant turns with {% generation %}...{% endgeneration %} in the template (as '
             "TRL's training templates do)")
-      spans.append((len(before), len(through)))
-      pos = len(through)
+      spans.append((len(before), len(before) + kept))
+      pos = len(before) + kept
     return full, spans
+
+
+def _kept(text: str, start: int, turn: str) -> int:
+  """How much of turn text keeps at start: all of it, or (a turn rendered differently once others
+  follow it, as Qwen3's without its <think>) the longest end of it that text has there."""
+  if text.startswith(turn, start):
+    return len(turn)
+  return next((n for n in range(len(turn) - 1, 0, -1) if text.startswith(turn[-n:], start)), 0)
 
 
 def find_template(directories: list[str]) -> ChatTemplate | None:
