@@ -143,8 +143,10 @@ class ChatTemplate:
       if m['role'] != 'assistant':
         continue
       before = self._render(messages[:i], True)
-      turn = self._render(messages[:i + 1], False)[len(before):]  # the turn rendered last
-      kept = _kept(full, len(before), turn) if full.startswith(before) else 0
+      through = self._render(messages[:i + 1], False)
+      turn = through[len(before):]  # the turn as rendered last
+      kept = (_kept(full, len(before), turn, m['content'])
+              if full.startswith(before) and through.startswith(before) else 0)
       if not (kept and len(before) >= pos):
         raise ValueError(
             f'the chat template does not render the conversation before message {i} (an '
@@ -157,12 +159,15 @@ class ChatTemplate:
     return full, spans
 
 
-def _kept(text: str, start: int, turn: str) -> int:
+def _kept(text: str, start: int, turn: str, content: str) -> int:
   """How much of turn text keeps at start: all of it, or (a turn rendered differently once others
-  follow it, as Qwen3's without its <think>) the longest end of it that text has there."""
+  follow it, as Qwen3's without its <think>) the longest end of it that text has there, if that
+  holds the turn's answer (its content after any </think>); else 0."""
   if text.startswith(turn, start):
     return len(turn)
-  return next((n for n in range(len(turn) - 1, 0, -1) if text.startswith(turn[-n:], start)), 0)
+  n = next((n for n in range(len(turn) - 1, 0, -1) if text.startswith(turn[-n:], start)), 0)
+  answer = content.split('</think>')[-1].strip()
+  return n if n and answer in turn[-n:] else 0
 
 
 def find_template(directories: list[str]) -> ChatTemplate | None:
