@@ -152,6 +152,12 @@ def test_a_template_whose_generation_prompt_the_turns_lack_needs_generation_mark
     chat.example_ids(template, messages, tok)
   example, error = sft.example_tokens(json.dumps({'messages': messages}), template, tok, 'a:1')
   assert example is None and 'rendering prefixes' in error
+  # A template that drops an earlier turn's text: its '\n' alone is not taken for the turn.
+  dropping = chat.ChatTemplate("{% for m in messages %}{{ (m['content'] if m['role'] == 'user' "
+                               "or loop.last else '') + '\n' }}{% endfor %}", {}, 'test')
+  with pytest.raises(ValueError, match='before message 1 '):
+    dropping.assistant_spans([*messages, {'role': 'user', 'content': 'u'},
+                              {'role': 'assistant', 'content': 'a'}])
 
 
 @pytest.mark.parametrize('in_file', [False, True], ids=['tokenizer_config', 'chat_template_jinja'])
