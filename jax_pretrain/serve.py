@@ -4,6 +4,7 @@
       [--slots=16] [--context=0] [--chunk=8] [--model_name=NAME] [--warmup]
       [--max_sequences_per_request=256] [--max_queued_sequences=256] [--api_key=KEY]
       [--stall_timeout=300] [--shutdown_timeout=20] [--kv_cache_dtype=auto|int8|fp8]
+      [--chat_template=FILE]
 
 Endpoints (FastAPI, served by uvicorn):
 - POST /v1/completions: OpenAI's completions API. `prompt` (a string, a list of strings, a list
@@ -12,10 +13,11 @@ Endpoints (FastAPI, served by uvicorn):
   strings), `seed`, `stream` (server-sent events, `stream_options.include_usage`), `echo`,
   `logprobs` (0..5 alternatives per token). Penalties, logit_bias, suffix and best_of != n are
   refused with 400 rather than ignored.
-- POST /v1/chat/completions: OpenAI's chat completions API. `messages` are rendered with the chat
-  template of the run's tokenizer (its tokenizer_config.json, which the run keeps in its
-  tokenizer/ and HF export writes) exactly as SFT renders them, with the generation prompt
-  (data/sft.py's chat_prompt); a run without one answers 400. `max_completion_tokens` (or
+- POST /v1/chat/completions: OpenAI's chat completions API. `messages` are rendered once with the
+  chat template (--chat_template=FILE, else the run's tokenizer/ chat_template.jinja or
+  tokenizer_config.json's, which the run keeps from its tokenizer, HF import and HF export) with
+  the generation prompt, and encoded once, as SFT and transformers' apply_chat_template do
+  (data/chat.py's prompt_ids); a run without one answers 400. `max_completion_tokens` (or
   `max_tokens`; default: the rest of the context), `logprobs` (true) with `top_logprobs` (0..5),
   and the sampling fields of completions; `stream` sends each choice's role, then its content.
 - GET /v1/models, GET /health (with the engine's slots, queue and compiled shapes; 503 with
@@ -102,7 +104,7 @@ from jax_pretrain import engine as engine_lib
 from jax_pretrain import openai_api as api
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import workdir as workdir_lib
-from jax_pretrain.data import sft
+from jax_pretrain.data import chat as chat_lib
 from jax_pretrain.engine import client as client_lib
 from jax_pretrain.errors import UserError
 
@@ -122,13 +124,13 @@ T = TypeVar('T')
 
 class Server:
   """The OpenAI layer over the engine client: a request's checks, its prompts (encoded, or
-  messages rendered with chat_template: an sft.ChatTemplate, or None) and its answer, whole or
+  messages rendered with chat_template: a chat.ChatTemplate, or None) and its answer, whole or
   streamed; the model's name, the limits (see the flags), the timeouts and the API key ('' or
   None: none asked). shutdown_deadline: what a shutdown waits for before giving up on the requests
   in flight (shutdown_timeout seconds)."""
 
   def __init__(self, engine: engine_lib.Engine, name: str, *,
-               chat_template: sft.ChatTemplate | None = None,
+               chat_template: chat_lib.ChatTemplate | None = None,
                max_sequences: int = MAX_SEQUENCES, max_queued: int = MAX_QUEUED,
                api_key: str | None = None, stall_timeout: float = STALL_TIMEOUT_S,
                shutdown_timeout: float = SHUTDOWN_TIMEOUT_S):
@@ -203,18 +205,19 @@ class Server:
     return await self._answer(request, answer, http)
 
   def chat_prompt(self, r: api.ChatRequest) -> list[int]:
-    """The ids of a chat's messages, rendered with the run's chat template (sft.chat_prompt)."""
+    """The ids of a chat's messages, rendered with the chat template (chat.prompt_ids)."""
     if self.chat_template is None:
       raise api.APIError(
-          "This model's tokenizer has no chat template (no \"chat_template\" in the "
-          "tokenizer_config.json of the run's tokenizer/), so /v1/chat/completions cannot render "
-          'messages; send a prompt to /v1/completions.',
+          "This model's tokenizer has no chat template (no chat_template.jinja or "
+          "\"chat_template\" in the tokenizer_config.json of the run's tokenizer/, and no "
+          '--chat_template), so /v1/chat/completions cannot render messages; send a prompt to '
+          '/v1/completions.',
           'messages', code='chat_template_missing')
     if not r.messages:
       raise api.APIError('messages must not be empty', 'messages')
     try:
-      ids = sft.chat_prompt(self.chat_template, [m.rendered() for m in r.messages],
-                            self.tokenizer)
+      ids = chat_lib.prompt_ids(self.chat_template, [m.rendered() for m in r.messages],
+                                self.tokenizer)
     except ValueError as e:
       raise api.APIError(str(e), 'messages') from None
     return [int(t) for t in ids] or [self.tokenizer.eos_id]
@@ -467,6 +470,8 @@ def main():
   from absl import flags  # noqa: PLC0415
   f = flags.FLAGS
   check_flags(f)
+  if f.chat_template:  # a missing or unparsable file: one error line before the run is loaded
+    chat_lib.template_file(f.chat_template)
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   context = f.context or run.config.data.seq_len
   engine = engine_lib.Engine(run.config.model, run.params, run.tokenizer,
@@ -488,7 +493,8 @@ def _serve(f, engine: engine_lib.Engine, run, context: int) -> None:
     engine.warmup(background=True, report=lambda line: print(line, flush=True))
     print(f'compiled {len(engine.shapes)} programs in {time.perf_counter() - t0:.1f}s '
           f'({engine.stats()["compiling_shapes"]} more in the background)', flush=True)
-  server = Server(engine, name, chat_template=sft.tokenizer_chat_template(run.tokenizer),
+  server = Server(engine, name,
+                  chat_template=chat_lib.tokenizer_template(run.tokenizer, f.chat_template),
                   max_sequences=f.max_sequences_per_request,
                   max_queued=f.max_queued_sequences, stall_timeout=f.stall_timeout,
                   shutdown_timeout=f.shutdown_timeout,
@@ -550,6 +556,9 @@ def define_flags() -> None:
   flags.DEFINE_string('api_key', '', 'Requests to /v1 need "Authorization: Bearer KEY" (401 '
                       f'without); default: ${API_KEY_ENV} if set, else none needed. /health '
                       'stays open.')
+  flags.DEFINE_string('chat_template', '', 'A chat template file (Jinja, as chat_template.jinja) '
+                      "to render /v1/chat/completions' messages with, instead of the run's "
+                      "tokenizer's.")
   cli.define_kv_cache_flag()
 
 
