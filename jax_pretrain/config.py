@@ -52,7 +52,8 @@ AUTO_REMAT = 'auto'  # resolved by resolve: 'dots' with fused attention, else 'f
 # XLA copies the stacked activations and weight gradients in and out of the loop every
 # micro-batch); 'unroll' compiles every layer (no such copies; compile time grows with depth).
 # 'auto' unrolls on a GPU up to UNROLL_MAX_LAYERS layers (BENCHMARKS.md: the compiled steps and
-# compile times), else scans.
+# compile times), else scans; the trainer's fit (memory.fit_micro_batch) scans where no unrolled
+# step fits one sequence per device (an unrolled step holds more at once).
 AUTO_LAYERS = 'auto'
 LAYERS = ('scan', 'unroll')
 UNROLL_MAX_LAYERS = 48
@@ -167,7 +168,8 @@ class ModelConfig:
       "fit needs it: memory.fit_micro_batch) | 'none' | 'full' | 'dots' | 'dots_no_batch' | "
       "'minimal'")
   layers: str = field(AUTO_LAYERS, SAFE, "'auto' (unroll on a GPU up to UNROLL_MAX_LAYERS layers, "
-      "else scan) | 'scan' | 'unroll': how a step runs the layers; the params are the same")
+      "else scan; scan where no unrolled step fits: memory.fit_micro_batch) | 'scan' | 'unroll': "
+      'how a step runs the layers; the params are the same')
   dtype: str = field(_AUTO_DTYPE, _float16_toggled, "compute dtype: 'auto' (bfloat16 on TPUs and "
       'NVIDIA sm_80+, float16 with loss scaling on older NVIDIA GPUs, float32 on the CPU) | '
       "'bfloat16' | 'float16' | 'float32'; params and optimizer state stay float32")

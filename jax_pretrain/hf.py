@@ -15,8 +15,10 @@ field and value), the tokenizer, the run config, and every tensor's name, shape 
 safetensors headers. Then it streams: tensors are read one at a time in their stored dtype and
 converted into their place in float32 params allocated once, so peak host memory is about one
 float32 copy of the params. `export(workdir, out_dir)` (scripts/export_hf.py) writes config.json,
-model.safetensors and the tokenizer as tokenizer.json + tokenizer_config.json
-(data/tokenizer_json.py), which AutoTokenizer loads and which encode text to our ids. Needs
+model.safetensors and the tokenizer as tokenizer.json + tokenizer_config.json (with the run's chat
+template; data/tokenizer_json.py), which AutoTokenizer loads and which encode text to our ids. An
+import keeps the checkpoint's chat template (chat_template.jinja, tokenizer_config.json) with the
+tokenizer in the run's tokenizer/. Needs
 safetensors and tokenizers; never transformers or torch.
 """
 from collections.abc import Callable

@@ -7,7 +7,8 @@
 `peak_bytes` reads its memory from XLA's buffer assignment, and `fit_micro_batch` compiles a few
 candidate micro-batches and keeps the largest that fits; where not even one sequence per device
 fits, it also tries the mesh's FSDP and full remat, where the config leaves them automatic
-(`search_layouts`). The trainer and the planner (plan.py) both use them.
+(`search_layouts`), and where no unrolled layout fits, the same layouts with the layers scanned
+(model.layers 'auto'). The trainer and the planner (plan.py) both use them.
 """
 import dataclasses
 
@@ -26,7 +27,7 @@ GIB = 2**30
 FIT_MARGIN = 0.95
 # ... and whose compiled FLOPs per token exceed the smallest micro-batch's by at most this much.
 MAX_EXTRA_FLOPS = 0.02
-# Where the state does not fit as resolved, the fit compares at most this many (fsdp, remat)
+# Where the state does not fit as resolved, the fit compares at most this many (fsdp, remat, layers)
 # layouts that fit: each costs a micro-batch search (two to four compiles), one that does not fit
 # a single compile.
 MAX_FITTING_LAYOUTS = 4
@@ -128,36 +129,45 @@ def with_micro_batch[C: config_lib.Config](config: config_lib.Config, resolved: 
           dataclasses.replace(run, grad_accum_steps=accum))
 
 
-def with_layout[C: config_lib.Config](resolved: C, run: config_lib.RunShape, fsdp: int,
-                                       remat: str) -> tuple[C, config_lib.RunShape]:
-  """(resolved, run) with mesh.fsdp=fsdp (mesh.data the data-parallel devices it leaves) and
-  model.remat=remat, re-derived as config.resolve derives them (without resolving again): the
-  mesh shape, and the start-up lines without the resolve's remat choice where the fit replaced
-  it. The data-parallel devices (data × fsdp), and so the batch's splits, stay."""
+type Layout = tuple[int, str, str]  # (mesh.fsdp, model.remat, model.layers)
+
+
+def with_layout[C: config_lib.Config](resolved: C, run: config_lib.RunShape,
+                                       layout: Layout) -> tuple[C, config_lib.RunShape]:
+  """(resolved, run) with a layout (mesh.fsdp, model.remat, model.layers; mesh.data the
+  data-parallel devices the fsdp leaves), re-derived as config.resolve derives them (without
+  resolving again): the mesh shape, and the start-up lines without the resolve's remat or layers
+  choice where the fit replaced it. The data-parallel devices (data × fsdp), and so the batch's
+  splits, stay."""
+  fsdp, remat, layers = layout
   mesh = resolved.mesh
   dp = mesh.data * mesh.fsdp
   c = dataclasses.replace(
       resolved, mesh=dataclasses.replace(mesh, data=dp // fsdp, fsdp=fsdp),
-      model=dataclasses.replace(resolved.model, remat=remat))
-  choices = run.choices if remat == resolved.model.remat else tuple(
-      x for x in run.choices if not x.startswith('remat '))  # (config._resolve_model's line)
+      model=dataclasses.replace(resolved.model, remat=remat, layers=layers))
+  replaced = {name for name, value in (('remat', remat), ('layers', layers))
+              if value != getattr(resolved.model, name)}
+  choices = tuple(x for x in run.choices  # (config._resolve_model's lines)
+                  if not any(x.startswith(f'{name} ') for name in replaced))
   return c, dataclasses.replace(run, mesh_shape=(dp // fsdp, fsdp, mesh.tensor), choices=choices)
 
 
+
 def layout_candidates(dp: int, d_model: int, fsdp: int, remat: str, fsdp_auto: bool,
-                      remat_auto: bool) -> list[tuple[int, str]]:
-  """(fsdp, remat) layouts the fit may use, the resolved one (fsdp, remat) first, in the order
-  that prefers less sharding, then less recompute. With fsdp_auto: every power of two from fsdp up
-  that divides the dp data-parallel devices and d_model (the mesh.fsdp rule), and dp itself where
-  it does; with remat_auto: the resolve's choice, then 'full' (only the layers' inputs kept)."""
+                      remat_auto: bool, layers: str = 'unroll') -> list[Layout]:
+  """(fsdp, remat, layers) layouts the fit may use, the resolved one (fsdp, remat, layers) first,
+  in the order that prefers less sharding, then less recompute. With fsdp_auto: every power of two
+  from fsdp up that divides the dp data-parallel devices and d_model (the mesh.fsdp rule), and dp
+  itself where it does; with remat_auto: the resolve's choice, then 'full' (only the layers'
+  inputs kept). The layers stay as given (search_layouts is asked once per layers value)."""
   fsdps = [fsdp]
   if fsdp_auto:
     fsdps = [f for f in micro_batch_candidates(dp) if f >= fsdp and d_model % f == 0]
   remats = [remat] + (['full'] if remat_auto and remat != 'full' else [])
-  return [(f, r) for f in fsdps for r in remats]
+  return [(f, r, layers) for f in fsdps for r in remats]
 
 
-def search_layouts(layouts: list[tuple[int, str]], search, per_device: int, ranked: bool):
+def search_layouts(layouts: list[Layout], search, per_device: int, ranked: bool):
   """(the layout chosen or None, {layout: search(layout)} for every layout searched).
 
   layouts: layout_candidates' list. search(layout) -> (the micro-batch it fits, or None; the
@@ -174,13 +184,13 @@ def search_layouts(layouts: list[tuple[int, str]], search, per_device: int, rank
     saves);
   and at most MAX_FITTING_LAYOUTS that fit.
   """
-  rank = {r: i for i, r in enumerate(dict.fromkeys(r for _, r in layouts))}  # by recompute
-  results: dict[tuple[int, str], tuple] = {}
+  rank = {r: i for i, r in enumerate(dict.fromkeys(r for _, r, _ in layouts))}  # by recompute
+  results: dict[Layout, tuple] = {}
   whole: list[tuple[int, str]] = []
   stopped: set[str] = set()
   last: dict[str, float] = {}
   for layout in layouts:
-    f, r = layout
+    f, r, _ = layout
     if r in stopped or any(f >= f0 and rank[r] >= rank[r0] for f0, r0 in whole):
       continue
     if sum(m is not None for m, _ in results.values()) >= MAX_FITTING_LAYOUTS:
@@ -191,7 +201,7 @@ def search_layouts(layouts: list[tuple[int, str]], search, per_device: int, rank
     if layout == layouts[0] or not ranked or seconds is None:
       return layout, results
     if m == per_device:
-      whole.append(layout)
+      whole.append((f, r))
     if r in last and seconds >= last[r]:
       stopped.add(r)
     last[r] = seconds
@@ -208,26 +218,13 @@ def _compiled_line(tried: dict) -> str:
       for m, (p, f, *_) in sorted(tried.items()))
 
 
-def _layout_name(layout: tuple[int, str]) -> str:
-  return f'fsdp {layout[0]} {layout[1]}'
-
-
-def _layout_outcome(layout: tuple[int, str], result: tuple, tried: dict) -> str:
-  """What a layout's micro-batch search found: its micro-batch and roofline tokens/s, or its
-  peak at one sequence per device."""
-  micro_batch, seconds = result
-  if micro_batch is None:
-    return f'{_layout_name(layout)} does not fit ({_compiled_line(tried)})'
-  speed = f', {1 / seconds:,.0f} tokens/s' if seconds else ''
-  return f'{_layout_name(layout)} -> micro-batch {micro_batch}{speed}'
-
-
 def fit_micro_batch[C: config_lib.Config](
     config: config_lib.Config, resolved: C, run: config_lib.RunShape, devices,
     target: gpu_targets.Target | None = None, alongside: float = 0.0, batch=None,
     loss=None) -> tuple[C, config_lib.RunShape, tuple[str, ...]]:
   """train.micro_batch_size=0 on a GPU: the largest micro-batch whose compiled step fits, and
-  where not even one sequence per device fits, the mesh's FSDP and the remat policy too.
+  where not even one sequence per device fits, the mesh's FSDP, the remat policy and the layers'
+  scan too.
 
   config: the config as given (config.typed: its micro_batch_size 0 asks for the fit); resolved,
   run: what config.resolve made of it. Returns (resolved, run, the lines to print) with the choice
@@ -243,8 +240,11 @@ def fit_micro_batch[C: config_lib.Config](
   are searched (search_layouts), each with its own micro-batch search, and ranked by the
   compiled step's roofline per token at the speeds of `target`, or on a real GPU of the
   gpu_targets target of its device kind; without one, the first that fits in the order less
-  sharding, then less recompute. Explicit values are never replaced. Raises config.ConfigError
-  when no layout fits one sequence per device.
+  sharding, then less recompute. Where no layout fits with the layers unrolled and model.layers
+  is 'auto', the same search runs with them scanned (the scan keeps one layer's activations
+  and weight gradients at a time: less memory, slower; xxlarge on 2 A100 40GB): auto unrolls
+  where an unrolled step fits and scans only where nothing else does. Explicit values are never
+  replaced. Raises config.ConfigError when no layout fits one sequence per device.
   """
   if config.train.micro_batch_size != 0 or devices[0].platform != 'gpu':
     return resolved, run, ()
@@ -264,7 +264,7 @@ def fit_micro_batch[C: config_lib.Config](
   searched = {}  # layout -> {micro-batch: (peak bytes, FLOPs per token, seconds per token)}
 
   def search(layout):
-    at = with_layout(resolved, run, *layout)
+    at = with_layout(resolved, run, layout)
 
     def measure(m):
       from jax_pretrain import hlo  # noqa: PLC0415
@@ -279,43 +279,85 @@ def fit_micro_batch[C: config_lib.Config](
                                                   budget)
     return chosen, searched[layout][chosen][2] if chosen else None
 
-  layouts = layout_candidates(
-      dp, resolved.model.d_model, resolved.mesh.fsdp, resolved.model.remat,
-      fsdp_auto=config.mesh.fsdp == sharding.AUTO_FSDP and config.mesh.data == -1,
-      remat_auto=config.model.remat == config_lib.AUTO_REMAT)
-  layout, results = search_layouts(layouts, search, per_device, ranked=speeds is not None)
+  m = resolved.model
+  layers = [m.layers] + (['scan'] if config.model.layers == config_lib.AUTO_LAYERS
+                         and m.layers != 'scan' else [])
+  results: dict[Layout, tuple] = {}
+  for each in layers:  # the resolved layers first; 'scan' only where no unrolled layout fits
+    layouts = layout_candidates(
+        dp, m.d_model, resolved.mesh.fsdp, m.remat,
+        fsdp_auto=config.mesh.fsdp == sharding.AUTO_FSDP and config.mesh.data == -1,
+        remat_auto=config.model.remat == config_lib.AUTO_REMAT, layers=each)
+    layout, found = search_layouts(layouts, search, per_device, ranked=speeds is not None)
+    results.update(found)
+    if layout is not None:
+      break
   beside = f' less {alongside / GIB:.1f} GiB held beside the step' if alongside else ''
   within = f'{FIT_MARGIN:.0%} of {limit / GIB:.1f} GiB{beside}'
+  first = (resolved.mesh.fsdp, m.remat, m.layers)
   if layout is None:
-    compiled = (_compiled_line(searched[layouts[0]]) if len(searched) == 1 else '; '.join(
-        f'{_layout_name(x)}: {_compiled_line(tried)}' for x, tried in searched.items()))
-    advice = []
-    if len({f for f, _ in layouts}) == 1 and dp > 1:
-      advice.append('shard the state (--config.mesh.fsdp)')
-    if all(r != 'full' for _, r in layouts):
-      advice.append(f'set --config.model.remat=full (now {resolved.model.remat})')
-    more = 'shard the state over more devices (mesh.fsdp)' + (
-        ', or split the layers too (--config.mesh.tensor)' if dp > 1 else '')
-    raise config_lib.ConfigError(
-        f'the train step does not fit {FIT_MARGIN:.0%} of the {limit / GIB:.1f} GiB per device'
-        f'{beside} even with one sequence per device (compiled: {compiled}): '
-        f'{", or ".join(advice or [more])}.')
-  micro_batch = results[layout][0]
-  lines = [f'micro-batch {micro_batch} (auto: the largest within {within} that XLA does not '
-           f'recompute more of; compiled: {_compiled_line(searched[layout])})']
-  if layout != layouts[0]:
-    if speeds is not None:
-      how = f'the fastest by the {speeds.name} roofline (compiled, not measured)'
-    else:
-      how = (f'no roofline for {devices[0].device_kind} (not in gpu_targets): the first that '
-             'fits, less sharding first, then less recompute')
-    tried = '; '.join(_layout_outcome(x, result, searched[x])
-                      for x, result in results.items() if x != layouts[0])
-    (f, r), first = layouts[0], searched[layouts[0]]
-    mesh = f'mesh data={dp // layout[0]} fsdp={layout[0]}, ' if layout[0] != f else ''
-    lines.insert(0, f'{mesh}remat {layout[1]} (auto: '
-                 f'{"data parallelism" if f == 1 else f"fsdp {f}"} with remat {r} does not fit '
-                 f'{within} even with one sequence per device ({_compiled_line(first)}); {how}: '
-                 f'{tried})')
-  resolved, run = with_layout(resolved, run, *layout)
-  return (*with_micro_batch(config, resolved, run, micro_batch), tuple(lines))
+    raise _no_fit(config, searched, first, dp, f'{FIT_MARGIN:.0%} of the {limit / GIB:.1f} GiB '
+                  f'per device{beside}')
+  lines = [f'micro-batch {results[layout][0]} (auto: the largest within {within} that XLA does '
+           f'not recompute more of; compiled: {_compiled_line(searched[layout])})']
+  if layout != first:
+    lines.insert(0, _layout_line(layout, first, results, searched, dp, within, speeds,
+                                 devices[0].device_kind))
+  resolved, run = with_layout(resolved, run, layout)
+  return (*with_micro_batch(config, resolved, run, results[layout][0]), tuple(lines))
+
+
+def _layout_name(layout: Layout) -> str:
+  return f'fsdp {layout[0]} {layout[1]}' + (' scanned' if layout[2] == 'scan' else '')
+
+
+def _layout_outcome(layout: Layout, result: tuple, tried: dict) -> str:
+  """What a layout's micro-batch search found: its micro-batch and roofline tokens/s, or its
+  peak at one sequence per device."""
+  micro_batch, seconds = result
+  if micro_batch is None:
+    return f'{_layout_name(layout)} does not fit ({_compiled_line(tried)})'
+  speed = f', {1 / seconds:,.0f} tokens/s' if seconds else ''
+  return f'{_layout_name(layout)} -> micro-batch {micro_batch}{speed}'
+
+
+def _layout_line(layout: Layout, first: Layout, results: dict, searched: dict, dp: int,
+                 within: str, speeds, device_kind: str) -> str:
+  """The start-up line of a layout the fit chose over the resolved one (`first`): what it is,
+  why the resolved one was left, and every other layout it tried."""
+  f, r, layers = first
+  if speeds is not None:
+    how = f'the fastest by the {speeds.name} roofline (compiled, not measured)'
+  else:
+    how = (f'no roofline for {device_kind} (not in gpu_targets): the first that fits, less '
+           'sharding first, then less recompute')
+  if layout[2] != layers:
+    how = f'no layout fits with the layers unrolled, so scanned: {how}'
+  tried = '; '.join(_layout_outcome(x, result, searched[x])
+                    for x, result in results.items() if x != first)
+  mesh = f'mesh data={dp // layout[0]} fsdp={layout[0]}, ' if layout[0] != f else ''
+  scanned = f', layers {layout[2]}' if layout[2] != layers else ''
+  return (f'{mesh}remat {layout[1]}{scanned} (auto: '
+          f'{"data parallelism" if f == 1 else f"fsdp {f}"} with remat {r} does not fit '
+          f'{within} even with one sequence per device ({_compiled_line(searched[first])}); '
+          f'{how}: {tried})')
+
+
+def _no_fit(config: config_lib.Config, searched: dict, first: Layout, dp: int,
+            within: str) -> config_lib.ConfigError:
+  """The error where no layout searched fits one sequence per device, with what each compiled
+  to and what the user may set that the fit did not try."""
+  compiled = (_compiled_line(searched[first]) if len(searched) == 1 else '; '.join(
+      f'{_layout_name(x)}: {_compiled_line(tried)}' for x, tried in searched.items()))
+  advice = []
+  if len({x[0] for x in searched}) == 1 and dp > 1:
+    advice.append('shard the state (--config.mesh.fsdp)')
+  if all(x[1] != 'full' for x in searched):
+    advice.append(f'set --config.model.remat=full (now {first[1]})')
+  if all(x[2] != 'scan' for x in searched):
+    advice.append('scan the layers (--config.model.layers=scan)')
+  more = 'shard the state over more devices (mesh.fsdp)' + (
+      ', or split the layers too (--config.mesh.tensor)' if dp > 1 else '')
+  return config_lib.ConfigError(
+      f'the train step does not fit {within} even with one sequence per device (compiled: '
+      f'{compiled}): {", or ".join(advice or [more])}.')

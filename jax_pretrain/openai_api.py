@@ -9,6 +9,7 @@ its role, as OpenAI's does.
 """
 from collections.abc import Iterator
 import dataclasses
+import functools
 import json
 import time
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
@@ -178,6 +179,7 @@ def _arguments(text: str):
   return value if isinstance(value, dict) else text
 
 
+@functools.lru_cache(maxsize=16)
 def content_parts(template_source: str) -> bool:
   """Whether a chat template loops over a message's content (it takes content parts, a list of
   {"type", "text"}) rather than printing it (a string): vLLM's --chat-template-content-format

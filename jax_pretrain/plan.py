@@ -129,6 +129,7 @@ def report(s, compiled, target: gpu_targets.Target, compile_s: float | None = No
       'params': model_lib.count_params(s.abstract_state.params),
       'attention': c.model.attention,
       'remat': c.model.remat,
+      'layers': c.model.layers,
       'micro_batch_size': c.train.micro_batch_size,
       'grad_accum_steps': run.grad_accum_steps,
       'tokens_per_step': tokens_per_step,
@@ -242,7 +243,8 @@ def format_report(r: dict) -> str:
   lines = [
       f'target       {r["num_devices"]} × {r["device_kind"]} ({r["target"]}), mesh {mesh}',
       f'model        {r["params"]:,} parameters; {r["tokens_per_step"]:,} tokens per step',
-      f'settings     attention {r["attention"]}, remat {r["remat"]}, micro-batch '
+      f'settings     attention {r["attention"]}, remat {r["remat"]}, layers {r["layers"]}, '
+      f'micro-batch '
       f'{r["micro_batch_size"]} × {r["grad_accum_steps"]} accumulation steps per device',
   ] + [f'chosen       {x}' for x in r['choices']] + [
       f'memory       {memory_text(r)}',

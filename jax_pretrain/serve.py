@@ -4,6 +4,7 @@
       [--slots=16] [--context=0] [--chunk=8] [--model_name=NAME] [--warmup]
       [--max_sequences_per_request=256] [--max_queued_sequences=256] [--api_key=KEY]
       [--stall_timeout=300] [--shutdown_timeout=20] [--kv_cache_dtype=auto|int8|fp8]
+      [--chat_template=FILE]
 
 Endpoints (FastAPI, served by uvicorn):
 - POST /v1/completions: OpenAI's completions API. `prompt` (a string, a list of strings, a list
@@ -13,18 +14,19 @@ Endpoints (FastAPI, served by uvicorn):
   `logprobs` (0..20 alternatives per token), `presence_penalty`, `frequency_penalty` and
   `logit_bias` (applied on the device, engine/sampling.py), `user`. suffix and best_of != n are
   refused with 400 rather than ignored. A field sent as null takes its default.
-- POST /v1/chat/completions: OpenAI's chat completions API. `messages` are rendered with the chat
-  template of the run's tokenizer (its tokenizer_config.json, which the run keeps in its
-  tokenizer/ and HF export writes) exactly as SFT renders them, with the generation prompt
-  (data/sft.py's chat_prompt; openai_api.ChatMessage.rendered: tool calls, tool messages,
-  content parts); a run without one answers 400. `max_completion_tokens` (or `max_tokens`;
-  default: the rest of the context), `logprobs` (true) with `top_logprobs` (0..20), and the
-  sampling fields of completions; `stream` sends each choice's role, then its content. The no-op
-  forms of tools, tool_choice and response_format and the fields vLLM ignores are accepted
+- POST /v1/chat/completions: OpenAI's chat completions API. `messages` are rendered once with the
+  chat template (--chat_template=FILE, else the run's tokenizer/ chat_template.jinja or
+  tokenizer_config.json's, which the run keeps from its tokenizer, HF import and HF export) with
+  the generation prompt, and encoded once, as SFT and transformers' apply_chat_template do
+  (data/chat.py's prompt_ids; openai_api.ChatMessage.rendered: tool calls, tool messages, content
+  parts); a run without one answers 400. `max_completion_tokens` (or `max_tokens`; default: the
+  rest of the context), `logprobs` (true) with `top_logprobs` (0..20), and the sampling fields of
+  completions; `stream` sends each choice's role, then its content. The no-op forms of tools,
+  tool_choice and response_format and the fields vLLM ignores are accepted
   (openai_api.ChatRequest). Structured outputs (response_format json_schema, json_object) and
   tool calls (tool_choice "required" or a named function; "auto": 400) by constrained decoding
-  (structured.py, engine/grammar.py): message.content the JSON, or message.tool_calls, streamed as
-  OpenAI streams them.
+  (structured.py, engine/grammar.py): message.content the JSON, or message.tool_calls, streamed
+  as OpenAI streams them.
 - Defaults: the run's generation_config.json (workdir.generation_config) gives temperature,
   top_p, top_k and a chat's max_tokens where a request gives none, and its eos_token_ids end a
   sequence as EOS does.
@@ -114,7 +116,7 @@ from jax_pretrain import openai_api as api
 from jax_pretrain import sample as sample_lib
 from jax_pretrain import structured
 from jax_pretrain import workdir as workdir_lib
-from jax_pretrain.data import sft
+from jax_pretrain.data import chat as chat_lib
 from jax_pretrain.engine import client as client_lib
 from jax_pretrain.engine import grammar as grammar_lib
 from jax_pretrain.errors import UserError
@@ -135,14 +137,14 @@ T = TypeVar('T')
 
 class Server:
   """The OpenAI layer over the engine client: a request's checks, its prompts (encoded, or
-  messages rendered with chat_template: an sft.ChatTemplate, or None) and its answer, whole or
+  messages rendered with chat_template: an chat_lib.ChatTemplate, or None) and its answer, whole or
   streamed; the model's sampling defaults (api.Defaults: its generation_config.json's; None: the
   API's), its name, the limits (see the flags), the timeouts and the API key ('' or None: none
   asked). shutdown_deadline: what a shutdown waits for before giving up on the requests in flight
   (shutdown_timeout seconds)."""
 
   def __init__(self, engine: engine_lib.Engine, name: str, *,
-               chat_template: sft.ChatTemplate | None = None,
+               chat_template: chat_lib.ChatTemplate | None = None,
                defaults: api.Defaults | None = None,
                max_sequences: int = MAX_SEQUENCES, max_queued: int = MAX_QUEUED,
                api_key: str | None = None, stall_timeout: float = STALL_TIMEOUT_S,
@@ -150,7 +152,6 @@ class Server:
     self.client = client_lib.EngineClient(engine, max_queued=max_queued)
     self.engine, self.name, self.tokenizer = engine, name, engine.tokenizer
     self.chat_template, self.defaults = chat_template, defaults or api.Defaults()
-    self._parts = chat_template is not None and api.content_parts(chat_template.source)
     self.grammars = grammar_lib.Grammars(self.tokenizer)  # (structured outputs, tool calls)
     self.max_sequences, self.api_key = max_sequences, api_key or None
     self.stall_timeout, self.shutdown_timeout = stall_timeout, shutdown_timeout
@@ -220,21 +221,22 @@ class Server:
     return await self._answer(request, answer, http)
 
   def chat_prompt(self, r: api.ChatRequest) -> list[int]:
-    """The ids of a chat's messages, rendered with the run's chat template (sft.chat_prompt)."""
+    """The ids of a chat's messages, rendered with the chat template (chat.prompt_ids)."""
     if self.chat_template is None:
       raise api.APIError(
-          "This model's tokenizer has no chat template (no \"chat_template\" in the "
-          "tokenizer_config.json of the run's tokenizer/), so /v1/chat/completions cannot render "
-          'messages; send a prompt to /v1/completions.',
+          "This model's tokenizer has no chat template (no chat_template.jinja or "
+          "\"chat_template\" in the tokenizer_config.json of the run's tokenizer/, and no "
+          '--chat_template), so /v1/chat/completions cannot render messages; send a prompt to '
+          '/v1/completions.',
           'messages', code='chat_template_missing')
     if not r.messages:
       raise api.APIError('messages must not be empty', 'messages')
     try:
-      ids = sft.chat_prompt(self.chat_template, [m.rendered(self._parts) for m in r.messages],
-                            self.tokenizer)
-    except ValueError as e:  # (the template's own words, without the server's path to it)
-      message = str(e).replace(self.chat_template.path, os.path.basename(self.chat_template.path))
-      raise api.APIError(message, 'messages') from None
+      parts = api.content_parts(self.chat_template.source)
+      ids = chat_lib.prompt_ids(self.chat_template, [m.rendered(parts) for m in r.messages],
+                                self.tokenizer)
+    except ValueError as e:  # (the template's words: no path of the server's)
+      raise api.APIError(str(e), 'messages') from None
     return [int(t) for t in ids] or [self.tokenizer.eos_id]
 
   def check_chat(self, r: api.ChatRequest, ids: list[int]) -> int:
@@ -504,6 +506,8 @@ def main():
   from absl import flags  # noqa: PLC0415
   f = flags.FLAGS
   check_flags(f)
+  if f.chat_template:  # a missing or unparsable file: one error line before the run is loaded
+    chat_lib.template_file(f.chat_template)
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   context = f.context or run.config.data.seq_len
   generation = workdir_lib.generation_config(f.workdir)
@@ -535,7 +539,8 @@ def _serve(f, engine: engine_lib.Engine, run, context: int, defaults: api.Defaul
     engine.warmup(background=True, report=lambda line: print(line, flush=True))
     print(f'compiled {len(engine.shapes)} programs in {time.perf_counter() - t0:.1f}s '
           f'({engine.stats()["compiling_shapes"]} more in the background)', flush=True)
-  server = Server(engine, name, chat_template=sft.tokenizer_chat_template(run.tokenizer),
+  server = Server(engine, name,
+                  chat_template=chat_lib.tokenizer_template(run.tokenizer, f.chat_template),
                   defaults=defaults,
                   max_sequences=f.max_sequences_per_request,
                   max_queued=f.max_queued_sequences, stall_timeout=f.stall_timeout,
@@ -598,6 +603,9 @@ def define_flags() -> None:
   flags.DEFINE_string('api_key', '', 'Requests to /v1 need "Authorization: Bearer KEY" (401 '
                       f'without); default: ${API_KEY_ENV} if set, else none needed. /health '
                       'stays open.')
+  flags.DEFINE_string('chat_template', '', 'A chat template file (Jinja, as chat_template.jinja) '
+                      "to render /v1/chat/completions' messages with, instead of the run's "
+                      "tokenizer's.")
   cli.define_kv_cache_flag()
 
 

@@ -2,7 +2,7 @@
 
   python scripts/benchmark_engine.py [--config=configs/default.py] [--sequences=32,128] \
       [--prompt_tokens=64] [--new_tokens=64] [--slots=0] [--chunk=8] [--temperature=1.0] \
-      [--samples=1] [--constrained=0] [--markdown]
+      [--samples=1] [--frequency_penalty=0] [--constrained=0] [--markdown]
 
 Random params of the config's model (no checkpoint), prompts of random ids (each the prompt of
 --samples sequences, with streams of their own, as GRPO's num_samples completions), every sequence
@@ -44,6 +44,9 @@ _SAMPLES = flags.DEFINE_integer('samples', 1, 'Sequences per prompt (a divisor o
                                 'sequences).')
 _KV = flags.DEFINE_list('kv_cache_dtype', ['auto'], "The engine's KV cache kinds to measure "
                         '(model.KV_CACHE_DTYPES: auto, fp8, int8), each against the reference.')
+_PENALTY = flags.DEFINE_float('frequency_penalty', 0.0, "The engine's sequences' frequency "
+                              'penalty (0: none; else the penalties and logit_bias run on the '
+                              'device, engine/sampling.penalized, the reference without them).')
 _CONSTRAINED = flags.DEFINE_integer('constrained', 0, 'Sequences that keep a grammar in one '
                                     'more run of the engine (0: none).')
 _MARKDOWN = flags.DEFINE_bool('markdown', False, 'Print the results as a Markdown table.')
@@ -158,6 +161,7 @@ def measure(c, params, n: int) -> list[str]:
     def generate(eng=eng, kind=kind):
       seqs = [engine_lib.Sequence(
           prompt=prompts[b].tolist(), max_new_tokens=M, temperature=T, seed=0, stream=b,
+          frequency_penalty=_PENALTY.value,
           grammar=grammar.matcher() if kind == 'json' and b < _CONSTRAINED.value else None)
           for b in range(n)]
       eng[0].generate(seqs)

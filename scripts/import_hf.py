@@ -7,7 +7,8 @@ pretraining.
 Reads config.json and model.safetensors (or its shards) from --hf, and writes into --workdir:
   checkpoints/0   the params (float32) in a step-0 train state with a fresh optimizer
   tokenizer/      the checkpoint's tokenizer.json (special tokens from its tokenizer_config.json)
-                  or tokenizer.model, or --config.data.tokenizer
+                  or tokenizer.model, or --config.data.tokenizer, with its chat template
+                  (chat_template.jinja or tokenizer_config.json's), which serve and SFT render
   config.json     the run config: --config (default configs/default.py, with overrides) with
                   config.model taken from the checkpoint
   config.py       that config as a config file, with checkpoint.restore_from=--workdir, so that

@@ -51,7 +51,8 @@ def row(r: dict) -> str:
   mesh = ','.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or '1'
   fits = 'fits' if r['fits'] else '**does not fit**'
   comm = sum(r['collective_bytes_per_step'].values()) / 1e9
-  return (f'{case} {mesh}: {r["attention"]}, {r["remat"]}, mb {r["micro_batch_size"]} × '
+  layers = f', {r["layers"]}' if 'layers' in r else ''
+  return (f'{case} {mesh}: {r["attention"]}, {r["remat"]}{layers}, mb {r["micro_batch_size"]} × '
           f'{r["grad_accum_steps"]} | {r["peak_memory_gib"]:.1f} / {r["usable_memory_gib"]:.1f} '
           f'GiB, {fits} | {r["flops_ratio"]:.2f} | {comm:.2f} | {r["tokens_per_s"]:,.0f} | '
           f'{r["mfu"]:.0%} |')
@@ -59,7 +60,8 @@ def row(r: dict) -> str:
 
 def pivot(results: list[dict]) -> str:
   """Presets down, (target, GPUs) across; each cell: peak GiB (fits), compiled/model FLOPs,
-  roofline tokens/s, and the micro-batch × accumulation the plan chose."""
+  roofline tokens/s, and the micro-batch × accumulation, remat, layers (where scanned) and FSDP
+  the plan chose."""
   cases = list(dict.fromkeys((r['target'], r['num_devices'],
                               r.get('device_memory_gib', 0)) for r in results))
   presets = list(dict.fromkeys(r['preset'] for r in results))
@@ -75,9 +77,12 @@ def pivot(results: list[dict]) -> str:
         cells.append(r['error'] if r else '')
         continue
       mark = '' if r['fits'] else ' ✗'
+      mesh = ','.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1 and k != 'data')
       cells.append(f'{r["peak_memory_gib"]:.1f} GiB{mark}, {r["flops_ratio"]:.2f}×, '
                    f'{r["tokens_per_s"] / 1e3:,.0f}k tok/s, mb {r["micro_batch_size"]}×'
-                   f'{r["grad_accum_steps"]}')
+                   f'{r["grad_accum_steps"]}, {r["remat"]}'
+                   + (', scanned' if r.get('layers') == 'scan' else '')
+                   + (f', {mesh}' if mesh else ''))
     lines.append(f'| {preset} | ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 

@@ -170,16 +170,26 @@ def test_micro_batch_search_finds_the_largest_fitting_in_few_compiles():
 
 def test_layout_candidates_prefer_less_sharding_then_less_recompute():
   both = memory.layout_candidates(8, 2560, 1, 'dots', fsdp_auto=True, remat_auto=True)
-  assert both == [(1, 'dots'), (1, 'full'), (2, 'dots'), (2, 'full'), (4, 'dots'), (4, 'full'),
-                  (8, 'dots'), (8, 'full')]
+  assert both == [(1, 'dots', 'unroll'), (1, 'full', 'unroll'), (2, 'dots', 'unroll'),
+                  (2, 'full', 'unroll'), (4, 'dots', 'unroll'), (4, 'full', 'unroll'),
+                  (8, 'dots', 'unroll'), (8, 'full', 'unroll')]
   # fsdp divides the data-parallel devices and d_model: powers of two, and all of them.
-  assert [f for f, _ in memory.layout_candidates(6, 12, 1, 'full', True, True)] == [1, 2, 6]
-  assert [f for f, _ in memory.layout_candidates(8, 68, 1, 'full', True, True)] == [1, 2, 4]
+  assert [x[0] for x in memory.layout_candidates(6, 12, 1, 'full', True, True)] == [1, 2, 6]
+  assert [x[0] for x in memory.layout_candidates(8, 68, 1, 'full', True, True)] == [1, 2, 4]
   # An explicit value is the only one; 'auto' that resolved to 'full' has nothing to add.
-  assert memory.layout_candidates(8, 2560, 2, 'dots', False, True) == [(2, 'dots'), (2, 'full')]
-  assert memory.layout_candidates(8, 2560, 1, 'dots', True, False) == [
+  assert _pairs(memory.layout_candidates(8, 2560, 2, 'dots', False, True)) == [
+      (2, 'dots'), (2, 'full')]
+  assert _pairs(memory.layout_candidates(8, 2560, 1, 'dots', True, False)) == [
       (1, 'dots'), (2, 'dots'), (4, 'dots'), (8, 'dots')]
-  assert memory.layout_candidates(8, 2560, 1, 'full', False, True) == [(1, 'full')]
+  assert _pairs(memory.layout_candidates(8, 2560, 1, 'full', False, True)) == [(1, 'full')]
+  # The layers as given (the fit asks again with 'scan' where nothing unrolled fits).
+  assert {x[2] for x in memory.layout_candidates(8, 2560, 1, 'dots', True, True, 'scan')} == {
+      'scan'}
+
+
+def _pairs(layouts):
+  """(fsdp, remat) of each (fsdp, remat, layers) layout."""
+  return [x[:2] for x in layouts]
 
 
 def _fake_search(table):
@@ -187,70 +197,75 @@ def _fake_search(table):
   searched = []
 
   def search(layout):
-    searched.append(layout)
-    micro_batch, tokens_per_s = table.get(layout, (None, None))
+    searched.append(layout[:2])
+    micro_batch, tokens_per_s = table.get(layout[:2], (None, None))
     return micro_batch, (1 / tokens_per_s if micro_batch else None)
   return search, searched
 
 
 def test_layout_search_keeps_what_fits_and_otherwise_ranks_by_the_roofline():
   layouts = memory.layout_candidates(2, 2560, 1, 'dots', True, True)
+  pairs = _pairs(layouts)
   # xxlarge on 2 × A100 40 GB: data parallelism fits no sequence, with either remat.
   table = {(2, 'dots'): (1, 10_512), (2, 'full'): (8, 17_539)}
   search, searched = _fake_search(table)
   chosen, results = memory.search_layouts(layouts, search, per_device=128, ranked=True)
-  assert chosen == (2, 'full') and searched == layouts
-  assert results[(1, 'full')] == (None, None) and results[(2, 'dots')][0] == 1
+  assert chosen[:2] == (2, 'full') and searched == pairs
+  assert results[(1, 'full', 'unroll')] == (None, None)
+  assert results[(2, 'dots', 'unroll')][0] == 1
   # Without a roofline: the first that fits, less sharding first, then less recompute.
   search, searched = _fake_search(table)
-  assert memory.search_layouts(layouts, search, 128, ranked=False)[0] == (2, 'dots')
-  assert searched == layouts[:3]
+  assert memory.search_layouts(layouts, search, 128, ranked=False)[0][:2] == (2, 'dots')
+  assert searched == pairs[:3]
   # What fits as resolved is kept, even where another layout would be faster.
   search, searched = _fake_search({**table, (1, 'dots'): (1, 5_000)})
-  assert memory.search_layouts(layouts, search, 128, ranked=True)[0] == (1, 'dots')
+  assert memory.search_layouts(layouts, search, 128, ranked=True)[0][:2] == (1, 'dots')
   assert searched == [(1, 'dots')]
   # Nothing fits: None, and everything was tried.
   search, searched = _fake_search({})
   chosen, results = memory.search_layouts(layouts, search, 128, ranked=True)
-  assert chosen is None and list(results) == searched == layouts
+  assert chosen is None and list(results) == layouts and searched == pairs
 
 
 def test_layout_search_skips_layouts_that_cannot_be_faster(monkeypatch):
   monkeypatch.setattr(memory, 'MAX_FITTING_LAYOUTS', 99)
   layouts = memory.layout_candidates(16, 2560, 1, 'dots', True, True)
+  pairs = _pairs(layouts)
   # (2, dots) fits the whole batch: every layout of more sharding and recompute is no faster.
   search, searched = _fake_search({(2, 'dots'): (8, 100), (4, 'dots'): (8, 90),
                                    (1, 'full'): (2, 50)})
-  assert memory.search_layouts(layouts, search, per_device=8, ranked=True)[0] == (2, 'dots')
+  assert memory.search_layouts(layouts, search, per_device=8, ranked=True)[0][:2] == (2, 'dots')
   assert searched == [(1, 'dots'), (1, 'full'), (2, 'dots')]
   # full got slower from fsdp 1 to 2: not tried at 4; dots improved from 2 to 4, not to 8.
   search, searched = _fake_search({(1, 'full'): (1, 50), (2, 'full'): (2, 40),
                                    (2, 'dots'): (1, 60), (4, 'dots'): (2, 80),
                                    (8, 'dots'): (4, 70), (16, 'dots'): (8, 200)})
-  assert memory.search_layouts(layouts, search, per_device=8, ranked=True)[0] == (4, 'dots')
+  assert memory.search_layouts(layouts, search, per_device=8, ranked=True)[0][:2] == (4, 'dots')
   assert searched == [(1, 'dots'), (1, 'full'), (2, 'dots'), (2, 'full'), (4, 'dots'),
                       (8, 'dots')]
   # At most MAX_FITTING_LAYOUTS that fit are compared.
   monkeypatch.setattr(memory, 'MAX_FITTING_LAYOUTS', 4)
-  search, searched = _fake_search({layout: (1, 10 + i) for i, layout in enumerate(layouts[1:])})
+  search, searched = _fake_search({layout: (1, 10 + i) for i, layout in enumerate(pairs[1:])})
   chosen, results = memory.search_layouts(layouts, search, per_device=8, ranked=True)
   assert sum(m is not None for m, _ in results.values()) == memory.MAX_FITTING_LAYOUTS
-  assert chosen == searched[-1]
+  assert chosen[:2] == searched[-1]
 
 
-@pytest.mark.parametrize('fsdp, remat, micro_batch', [(2, 'dots', 1), (4, 'full', 2),
-                                                      (1, 'full', 4)])
-def test_a_fitted_layout_is_what_resolving_with_it_gives(fsdp, remat, micro_batch):
+@pytest.mark.parametrize('fsdp, remat, layers, micro_batch', [
+    (2, 'dots', 'scan', 1), (4, 'full', 'unroll', 2), (1, 'full', 'scan', 4)])
+def test_a_fitted_layout_is_what_resolving_with_it_gives(fsdp, remat, layers, micro_batch):
   """The fit re-derives the resolved config for each layout (mesh.fsdp, model.remat) instead of
   resolving again, and must agree with resolving those values given explicitly."""
   c = config_lib.preset('test')
   c.model.remat = 'auto'
   resolved, run = config_lib.resolve(c, 4, backend='cpu')  # fsdp 0: 1; remat auto: full (xla)
   assert run.mesh_shape == (4, 1, 1) and resolved.model.remat == 'full'
-  fitted, fitted_run = memory.with_micro_batch(c, *memory.with_layout(resolved, run, fsdp, remat),
+  fitted, fitted_run = memory.with_micro_batch(c, *memory.with_layout(resolved, run,
+                                                                       (fsdp, remat, layers)),
                                                micro_batch)
   c.mesh.fsdp, c.train.micro_batch_size = fsdp, micro_batch
   c.model.remat = 'auto' if remat == 'full' else remat
+  c.model.layers = 'auto' if layers == 'scan' else layers  # (the CPU's auto: scan)
   expected, expected_run = config_lib.resolve(c, 4, backend='cpu')
   assert fitted == expected and fitted_run == expected_run
   assert fitted_run.mesh_shape == (4 // fsdp, fsdp, 1)
@@ -268,26 +283,30 @@ class _FakeDevice:
     return {'bytes_limit': 0.9 * 40 * memory.GIB}
 
 
-def _fake_compiles(monkeypatch, state_gib=40.0, per_sequence_gib=None):
+def _fake_compiles(monkeypatch, state_gib=40.0, per_sequence_gib=None, scan_saves_gib=0.0):
   """memory.fit_micro_batch's compiles replaced by a model: a peak of the state over fsdp plus
-  each sequence's activations by remat; a roofline of 1 s a step plus 1 s per micro-batch (an
-  FSDP gather each) and 0.3 s more with full remat. Returns the list of what was compiled."""
+  each sequence's activations by remat, less scan_saves_gib with the layers scanned; a roofline
+  of 1 s a step plus 1 s per micro-batch (an FSDP gather each), 0.3 s more with full remat and
+  0.5 s more scanned. Returns the list of what was compiled: (fsdp, remat, micro-batch), and
+  'scan' after them where the layers were scanned."""
   per_sequence_gib = per_sequence_gib or {'dots': 10.0, 'full': 1.5}
   compiled = []
 
   def compile_step(c, run, devices, autotune=True, batch=None, loss=None):
     layout = (c.mesh.fsdp, c.model.remat, c.train.micro_batch_size)
-    compiled.append(layout)
-    peak = (state_gib / c.mesh.fsdp + per_sequence_gib[c.model.remat] * layout[2]) * memory.GIB
-    text = json.dumps([*layout, run.grad_accum_steps])
+    scanned = c.model.layers == 'scan'
+    compiled.append(layout + (('scan',) if scanned else ()))
+    peak = (state_gib / c.mesh.fsdp + per_sequence_gib[c.model.remat] * layout[2]
+            - scan_saves_gib * scanned) * memory.GIB
+    text = json.dumps([*layout, run.grad_accum_steps, scanned])
     analysis = types.SimpleNamespace(argument_size_in_bytes=peak, output_size_in_bytes=0,
                                      alias_size_in_bytes=0, temp_size_in_bytes=0)
     return (types.SimpleNamespace(run=run),
             types.SimpleNamespace(memory_analysis=lambda: analysis, as_text=lambda: text))
 
   def roofline(stats, target):
-    fsdp, remat, _, accum = stats.layout
-    step = 1 + (accum if fsdp > 1 else 0) + (0.3 if remat == 'full' else 0)
+    fsdp, remat, _, accum, scanned = stats.layout
+    step = 1 + (accum if fsdp > 1 else 0) + (0.3 if remat == 'full' else 0) + 0.5 * scanned
     return gpu_targets.Roofline(step, 0.0)
 
   monkeypatch.setattr(memory, 'compile_step', compile_step)
@@ -338,16 +357,20 @@ def test_the_fit_never_replaces_an_explicit_fsdp_or_remat(monkeypatch):
       2, 'dots', 1)
   assert 'fsdp 2 dots -> micro-batch 1' in lines[0] and 'full' not in lines[0]
   c = _gpu_preset()
-  c.mesh.fsdp = 1  # remat automatic: full is tried, does not fit at fsdp 1
+  c.mesh.fsdp, c.model.layers = 1, 'unroll'  # remat automatic: full is tried, does not fit
   with pytest.raises(config_lib.ConfigError) as e:
     _fit(c)
   assert str(e.value) == (
       'the train step does not fit 95% of the 35.5 GiB per device even with one sequence per '
       'device (compiled: fsdp 1 dots: 1 -> 50.0 GiB; fsdp 1 full: 1 -> 41.5 GiB): shard the '
-      'state (--config.mesh.fsdp).')
-  c.model.remat = 'dots'  # both explicit: as before the layouts were searched
+      'state (--config.mesh.fsdp), or scan the layers (--config.model.layers=scan).')
+  c.model.remat, c.model.layers = 'dots', 'scan'  # all explicit: no layout searched
   with pytest.raises(config_lib.ConfigError, match=r'\(compiled: 1 -> 50.0 GiB\): shard the state '
                      r'\(--config.mesh.fsdp\), or set --config.model.remat=full \(now dots\)\.$'):
+    _fit(c)
+  c.model.layers = 'auto'  # scanned after unrolled: both listed
+  with pytest.raises(config_lib.ConfigError, match=r'\(compiled: fsdp 1 dots: 1 -> 50.0 GiB; '
+                     r'fsdp 1 dots scanned: 1 -> 50.0 GiB\): shard the state'):
     _fit(c)
 
 
@@ -365,9 +388,46 @@ def test_the_fit_without_a_roofline_takes_the_first_layout_that_fits(monkeypatch
 def test_nothing_fits_anywhere_lists_every_layout_tried(monkeypatch):
   _fake_compiles(monkeypatch, state_gib=100.0)
   with pytest.raises(config_lib.ConfigError, match=r'compiled: fsdp 1 dots: 1 -> 110.0 GiB; '
-                     r'fsdp 1 full: .*; fsdp 2 full: 1 -> 51.5 GiB\): shard the state over more '
-                     r'devices \(mesh.fsdp\), or split the layers too \(--config.mesh.tensor\)\.$'):
+                     r'fsdp 1 full: .*; fsdp 2 full: 1 -> 51.5 GiB; fsdp 1 dots scanned: 1 -> '
+                     r'110.0 GiB; .*; fsdp 2 full scanned: 1 -> 51.5 GiB\): shard the state over '
+                     r'more devices \(mesh.fsdp\), or split the layers too '
+                     r'\(--config.mesh.tensor\)\.$'):
     _fit(_gpu_preset())
+
+
+def test_the_fit_scans_the_layers_only_where_no_unrolled_layout_fits(monkeypatch):
+  """model.layers 'auto' (unrolled on a GPU): xxlarge on 2 × A100 40GB, modelled: no unrolled
+  layout fits one sequence; scanned, fsdp 2 with full remat fits 8. Where an unrolled layout
+  fits, it is kept, though scanning would fit more sequences."""
+  compiled = _fake_compiles(monkeypatch, state_gib=66.0, scan_saves_gib=12.0)
+  resolved, run, lines = _fit(_gpu_preset())
+  assert (resolved.mesh.fsdp, resolved.model.remat, resolved.model.layers) == (2, 'full', 'scan')
+  assert resolved.train.micro_batch_size == 8
+  assert not any(x.startswith(('layers ', 'remat ')) for x in run.choices)  # the resolve's
+  layout_line, micro_line = lines
+  assert layout_line.startswith('mesh data=1 fsdp=2, remat full, layers scan (auto: data '
+                                'parallelism with remat dots does not fit 95% of 35.5 GiB even '
+                                'with one sequence per device (1 -> 76.0 GiB); no layout fits '
+                                'with the layers unrolled, so scanned: the fastest by the '
+                                'a100-40 roofline')
+  assert 'fsdp 2 full does not fit (1 -> 34.5 GiB)' in layout_line
+  assert 'fsdp 2 full scanned -> micro-batch 8' in layout_line
+  assert micro_line.startswith('micro-batch 8 (auto:')
+  assert [x for x in compiled if x[-1] != 'scan'] == [(1, 'dots', 1), (1, 'full', 1),
+                                                      (2, 'dots', 1), (2, 'full', 1)]
+  # An unrolled layout fits (fsdp 2, full, 1 sequence): kept, no scanned step compiled.
+  compiled = _fake_compiles(monkeypatch, state_gib=64.0, scan_saves_gib=12.0)
+  resolved, run, lines = _fit(_gpu_preset())
+  assert (resolved.mesh.fsdp, resolved.model.layers, resolved.train.micro_batch_size) == (
+      2, 'unroll', 1)
+  assert 'layers' not in lines[0] and not any(x[-1] == 'scan' for x in compiled)
+  # Given explicitly, the layers are never changed.
+  c = _gpu_preset()
+  c.model.layers = 'unroll'
+  _fake_compiles(monkeypatch, state_gib=66.0, scan_saves_gib=12.0)
+  with pytest.raises(config_lib.ConfigError, match=r'34.5 GiB\): scan the layers '
+                     r'\(--config.model.layers=scan\)\.$'):
+    _fit(c)
 
 
 def test_on_one_device_the_fit_changes_only_the_remat(monkeypatch):
@@ -476,22 +536,25 @@ def test_xlarge_data8_all_reduces_gradients_once_per_step_on_h100():
 
 
 @requires_plugin
-def test_xxlarge_on_two_a100_40gb_chooses_fsdp_and_full_remat_and_says_why():
-  """Issue 19's case: data parallelism does not fit one sequence per card with either remat; the
-  fit shards the state (fsdp=2) and, by the roofline, prefers full remat's 8 sequences a card to
-  dots' 1 (a weight gather per micro-batch)."""
+def test_xxlarge_on_two_a100_40gb_chooses_fsdp_full_remat_and_scanned_layers_and_says_why():
+  """Issues 19 and 45's case: data parallelism does not fit one sequence per card with either
+  remat, nor does fsdp=2 with the layers unrolled (an unrolled step holds more at once: 40.4 GiB
+  at one sequence with full remat); scanned, the fit shards the state (fsdp=2) and, by the
+  roofline, prefers full remat's 8 sequences a card to dots' 1 (a weight gather per
+  micro-batch)."""
   r = plan.plan(config_lib.preset('xxlarge'), target='a100-40', num_devices=2)
   assert r['mesh'] == {'data': 1, 'fsdp': 2, 'tensor': 1} and r['remat'] == 'full'
-  # 16 × 8 in this process since issue 30 (the loss holds no float32 logits: 4 × 32 before, and
-  # 8 × 16 under the plan command, whose GPU XLA flags runtime.configure sets).
+  assert r['layers'] == 'scan'
   assert r['micro_batch_size'] >= 8 and r['grad_accum_steps'] == 128 // r['micro_batch_size']
   assert r['fits'] and r['peak_memory_gib'] < 0.95 * r['usable_memory_gib']
   mesh = [x for x in r['choices'] if x.startswith('mesh ')]
-  assert len(mesh) == 1 and mesh[0].startswith('mesh data=1 fsdp=2, remat full (auto: data '
-                                               'parallelism with remat dots does not fit')
-  assert 'the fastest by the a100-40 roofline' in mesh[0]
-  assert 'fsdp 1 full does not fit' in mesh[0] and 'fsdp 2 dots -> micro-batch ' in mesh[0]
-  assert not any(x.startswith('remat ') for x in r['choices'])  # the resolve's 'dots' replaced
+  assert len(mesh) == 1 and mesh[0].startswith('mesh data=1 fsdp=2, remat full, layers scan '
+                                               '(auto: data parallelism with remat dots does '
+                                               'not fit')
+  assert 'no layout fits with the layers unrolled, so scanned: the fastest by the a100-40 ' \
+      'roofline' in mesh[0]
+  assert 'fsdp 2 full does not fit' in mesh[0] and 'fsdp 2 dots scanned -> micro-batch ' in mesh[0]
+  assert not any(x.startswith(('remat ', 'layers ')) for x in r['choices'])  # the resolve's
   assert r['tokens_per_s'] > 15_000
 
 
@@ -527,10 +590,11 @@ def test_cpu_grpo_plan_counts_the_engine_cache_beside_the_update(beta, num_itera
   # 10 + 8 tokens, of which the model's inputs are all but the last: 17, rounded up to 24 (cuDNN
   # trains on no odd length), and the last target.
   assert g['width'] == 25 and update['tokens_per_step'] == 16 * 25
-  # The engine's cache and logits, float32, split over the 2 devices: 4 slots each of the context
-  # the rollout reaches (10 + 8 tokens, not data.seq_len).
+  # The engine's cache, logits (float32) and token counts (int32, the penalties'), split over the
+  # 2 devices: 4 slots each of the context the rollout reaches (10 + 8 tokens, not data.seq_len).
   m = config_lib.resolve(_grpo_test_config(), 2, backend='cpu')[0].model
-  cache = 2 * m.num_layers * 4 * 18 * m.num_kv_heads * m.head_dim * 4 + 4 * m.vocab_size * 4
+  cache = (2 * m.num_layers * 4 * 18 * m.num_kv_heads * m.head_dim * 4
+           + 4 * m.vocab_size * (4 + 4))
   assert (g['context'], g['slots_per_device']) == (18, 4)
   assert g['engine_cache_gib'] * memory.GIB == cache
   reference = {'reference params': g['params_gib']} if beta else {}

@@ -9,7 +9,9 @@ requests only and never show their text, stopping; a server whose every step fai
 429, a client that disconnects, /health on a stalled engine, no tokenizer call on the event loop,
 and a shutdown that answers every request in flight by its deadline. Chat completions on a copy
 of the run given a chat template: the completion of the rendered messages, streamed, n, stop,
-logprobs, bad requests, a run without a template (400), and the template in the HF export."""
+logprobs, bad requests, a run without a template (400), and the template in the HF export; a
+Qwen3-style multi-turn chat served with transformers' ids by a run whose tokenizer/ has only
+chat_template.jinja, and serve --chat_template=FILE."""
 import asyncio
 import concurrent.futures
 import contextlib
@@ -28,6 +30,7 @@ from typing import Literal
 import urllib.error
 import urllib.request
 
+from flax.core import meta
 import jax
 import jsonschema
 import numpy as np
@@ -35,15 +38,18 @@ import openai
 import pydantic
 import pytest
 
+from jax_pretrain import config as config_lib
 from jax_pretrain import engine
 from jax_pretrain import hf
+from jax_pretrain import model as model_lib
 from jax_pretrain import openai_api
 from jax_pretrain import serve
 from jax_pretrain import workdir as workdir_lib
-from jax_pretrain.data import sft
+from jax_pretrain.data import chat as chat_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.engine import client as client_lib
 from jax_pretrain.errors import UserError
+from tests import chat_templates
 from tests import tiny_run
 from tests.conftest import ROOT
 from tests.conftest import run_cli
@@ -349,13 +355,13 @@ def trained(chat_run):
 
 
 @contextlib.contextmanager
-def _serving(trained, **kw):
+def _serving(trained, context=tiny_run.SEQ_LEN, **kw):
   """A server in this process, on a free port (4 slots, chunks of 4): (base URL, its Server, to
   break on purpose, and shut_down(): uvicorn's shutdown, as on a signal; whether its thread ended
   within 60 s), serving the run's chat template as serve.main does. kw: Server's."""
   eng = engine.Engine(trained.config.model, trained.params, trained.tokenizer,
-                      slots=4, context=tiny_run.SEQ_LEN, chunk=4)
-  srv = serve.Server(eng, NAME, chat_template=sft.tokenizer_chat_template(trained.tokenizer), **kw)
+                      slots=4, context=context, chunk=4)
+  srv = serve.Server(eng, NAME, chat_template=chat_lib.tokenizer_template(trained.tokenizer), **kw)
   uv = serve.listen(srv, '127.0.0.1', 0)
   sock = socket.socket()
   sock.bind(('127.0.0.1', 0))
@@ -816,7 +822,7 @@ def chat(c, messages=MESSAGES, **kw):
 def test_a_chat_completion_is_the_completion_of_its_rendered_messages(local):
   url, srv = local
   c = _client(url)
-  assert sft.chat_prompt(srv.chat_template, MESSAGES, srv.tokenizer).tolist() == list(
+  assert chat_lib.prompt_ids(srv.chat_template, MESSAGES, srv.tokenizer).tolist() == list(
       RENDERED.encode())  # as SFT renders them
   answer = chat(c, temperature=0, max_tokens=20)
   plain = greedy(c, RENDERED, max_tokens=20)
@@ -935,7 +941,76 @@ def test_the_chat_template_travels_to_the_hf_export(local, chat_run, tmp_path):
   theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / 'hf'))
   assert list(theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
                                          return_dict=False)) == (
-      sft.chat_prompt(srv.chat_template, MESSAGES, srv.tokenizer).tolist())
+      chat_lib.prompt_ids(srv.chat_template, MESSAGES, srv.tokenizer).tolist())
+
+
+@pytest.fixture(scope='module')
+def qwen_run(tmp_path_factory):
+  """A run (random weights, the test preset) whose tokenizer is a byte-level BPE with Qwen3's
+  special tokens and whose tokenizer/ has its chat template only as chat_template.jinja (as
+  transformers 5's save_pretrained writes it)."""
+  directory = tmp_path_factory.mktemp('qwen_tokenizer')
+  chat_templates.bytelevel(directory)
+  (directory / 'chat_template.jinja').write_text(chat_templates.QWEN3, encoding='utf-8')
+  tok = tokenizer_lib.load(str(directory))
+  c = config_lib.preset('test')
+  c.data.seq_len = 128
+  resolved, _ = config_lib.resolve(c, num_devices=1, backend='cpu',
+                                   tokenizer_vocab_size=tok.vocab_size)
+  params = jax.jit(model_lib.Transformer(resolved.model).init)(
+      jax.random.key(0), np.zeros((1, 8), np.int32))['params']
+  workdir = str(tmp_path_factory.mktemp('qwen_run') / 'run')
+  workdir_lib.create(workdir, c, jax.tree.map(np.asarray, meta.unbox(params)), tok)
+  config = tokenizer_lib.read_hf_file(f'{workdir}/tokenizer', tokenizer_lib.HF_CONFIG_FILE)
+  assert config is not None and 'chat_template' not in config
+  return workdir
+
+
+def test_a_qwen3_style_multi_turn_chat_is_served_with_the_ids_transformers_gives(qwen_run):
+  """Qwen3's template drops the <think> of the earlier turn: rendered once, the chat is served
+  (200), its prompt the ids of transformers' apply_chat_template on the run's tokenizer/."""
+  transformers = pytest.importorskip('transformers')
+  messages = [chat_templates.SYSTEM, *chat_templates.CONVERSATIONS['multi']]
+  theirs = transformers.AutoTokenizer.from_pretrained(f'{qwen_run}/tokenizer')
+  expected = list(theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False))
+  trained = workdir_lib.load(qwen_run, devices=jax.devices()[:1])
+  with _serving(trained, context=128) as (url, srv, _):
+    request = openai_api.ChatRequest.model_validate_json(json.dumps({'messages': messages}))
+    assert srv.chat_prompt(request) == expected
+    c = _client(url)
+    answer = chat(c, messages=messages, temperature=0, max_tokens=8)
+    plain = greedy(c, expected, max_tokens=8)  # the completion of transformers' ids
+  assert answer.usage.prompt_tokens == len(expected)
+  assert answer.choices[0].message.content == plain.choices[0].text
+  assert answer.usage.completion_tokens == plain.usage.completion_tokens > 0
+
+
+def test_serve_takes_a_chat_template_file(run, tmp_path):
+  """--chat_template=FILE serves chats for a run without one; a missing or unparsable file is one
+  error line before the run is loaded."""
+  (tmp_path / 'chat.jinja').write_text(CHAT_TEMPLATE, encoding='utf-8')
+  for name, text, message in [
+      ('missing.jinja', None, 'missing.jinja: chat template file not found.'),
+      ('bad.jinja', '{% for m in messages %}', 'bad.jinja: the chat template does not parse (')]:
+    if text is not None:
+      (tmp_path / name).write_text(text, encoding='utf-8')
+    out = subprocess.run(
+        [sys.executable, '-m', 'jax_pretrain.serve', f'--workdir={run}',
+         f'--chat_template={tmp_path / name}'],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and out.stderr.strip().startswith(f'error: {tmp_path / name}'), (
+        out.stderr[-3000:])
+    assert message in out.stderr and 'Traceback' not in out.stderr
+  proc, url = _start(run, '--slots=2', '--chunk=4', f'--chat_template={tmp_path / "chat.jinja"}')
+  try:
+    c = openai.OpenAI(base_url=f'{url}/v1', api_key='unused', max_retries=0, timeout=120)
+    answer = chat(c, temperature=0, max_tokens=12)
+    assert answer.choices[0].message.content == greedy(c, RENDERED, max_tokens=12).choices[0].text
+    assert answer.usage.prompt_tokens == len(RENDERED)
+  finally:
+    proc.terminate()
+    proc.communicate(timeout=60)
 
 
 def _raw_stream(url: str, body: dict, path: str = '/v1/completions') -> list[str]:
@@ -1026,7 +1101,7 @@ def test_a_template_that_loops_over_content_gets_the_parts_as_transformers_passe
              "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.a }})"
              "{% endfor %};{% endfor %}")
   assert openai_api.content_parts(looping) and not openai_api.content_parts(CHAT_TEMPLATE)
-  template = sft.ChatTemplate(looping, {}, '/srv/secret/tokenizer_config.json')
+  template = chat_lib.ChatTemplate(looping, {}, '/srv/secret/tokenizer_config.json')
   r = openai_api.ChatRequest.model_validate({'messages': TOOL_CHAT})
   assert template.render([m.rendered(True) for m in r.messages], False) == (
       'user:[Add 2][and 2];assistant:add(2);tool:4;')
@@ -1034,7 +1109,7 @@ def test_a_template_that_loops_over_content_gets_the_parts_as_transformers_passe
 
 def test_a_template_error_names_no_server_path(local, monkeypatch):
   url, srv = local
-  monkeypatch.setattr(srv, 'chat_template', sft.ChatTemplate(
+  monkeypatch.setattr(srv, 'chat_template', chat_lib.ChatTemplate(
       "{{ raise_exception('no system messages') }}", {}, '/srv/secret/tokenizer_config.json'))
   status, answer = _post(url, json.dumps({'messages': MESSAGES}).encode(),
                          '/v1/chat/completions', key=KEY)

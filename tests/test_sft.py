@@ -16,6 +16,7 @@ from jax_pretrain import config as config_lib
 from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
 from jax_pretrain import state as state_lib
+from jax_pretrain.data import chat
 from jax_pretrain.data import sft
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.data.errors import DataError
@@ -149,15 +150,15 @@ def test_prompt_completion_rows(tmp_path):
 
 
 def test_chat_template_assistant_turns_are_the_completion():
-  template = sft.ChatTemplate(
+  template = chat.ChatTemplate(
       "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
       "{% if add_generation_prompt %}<assistant>{% endif %}", {'bos_token': '<bos>'}, 'test')
   messages = [{'role': 'system', 'content': 'S'}, {'role': 'user', 'content': 'U1'},
               {'role': 'assistant', 'content': 'A1'}, {'role': 'user', 'content': 'U2'},
               {'role': 'assistant', 'content': 'A2'}]
-  assert template.pieces(messages) == [
-      ('<bos><system>S</s><user>U1</s><assistant>', False), ('A1</s>', True),
-      ('<user>U2</s><assistant>', False), ('A2</s>', True), ('', False)]
+  text, spans = template.assistant_spans(messages)
+  assert text == '<bos><system>S</s><user>U1</s><assistant>A1</s><user>U2</s><assistant>A2</s>'
+  assert [text[start:end] for start, end in spans] == ['A1</s>', 'A2</s>']
 
 
 @pytest.mark.parametrize('line, message', [
@@ -269,10 +270,10 @@ def test_messages_render_as_transformers_does_and_train_on_assistant_turns(tmp_p
                     {'role': 'assistant', 'content': str(i + 3)},
                     {'role': 'user', 'content': 'and 2 + 3 ='},
                     {'role': 'assistant', 'content': '5'}] for i in range(8)]
-  template = sft.find_chat_template([str(directory)])
+  template = chat.find_template([str(directory)])
   theirs = transformers.AutoTokenizer.from_pretrained(str(directory))
   for messages in conversations:
-    assert ''.join(t for t, _ in template.pieces(messages)) == theirs.apply_chat_template(
+    assert template.render(messages, False) == theirs.apply_chat_template(
         messages, tokenize=False)
 
   path = write_jsonl(tmp_path / 'chat.jsonl', [{'messages': m} for m in conversations])
@@ -290,7 +291,7 @@ def test_messages_render_as_transformers_does_and_train_on_assistant_turns(tmp_p
     assert n >= 1 and list(targets).count(tok.eos_id) == n
   # A run's tokenizer/ keeps the template, so an SFT run restored from it can render messages.
   tokenizer_lib.save(data.tokenizer, str(tmp_path / 'run_tokenizer'))
-  kept = sft.find_chat_template([str(tmp_path / 'run_tokenizer')])
+  kept = chat.find_template([str(tmp_path / 'run_tokenizer')])
   assert kept is not None and kept.render(conversations[0], False) == template.render(
       conversations[0], False)
 

@@ -4,10 +4,12 @@ A source is JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), one example per line:
   {"prompt": "...", "completion": "..."}   the prompt is encoded as a document starts (with the
                                            tokenizer's own specials, e.g. Llama 3's BOS), the
                                            completion without; then EOS
-  {"messages": [{"role": ..., "content": ...}, ...]}   rendered with the chat template of the
-                                           tokenizer's tokenizer_config.json, as Hugging Face's
-                                           apply_chat_template renders it; the assistant turns
-                                           are the completion, the rest is prompt; then EOS
+  {"messages": [{"role": ..., "content": ...}, ...]}   rendered once with the tokenizer's chat
+                                           template and encoded once, as Hugging Face's
+                                           apply_chat_template(tokenize=True) does (data/chat.py);
+                                           the tokens of the assistant turns are the completion,
+                                           the rest is prompt; then EOS (unless the text ends
+                                           with it)
 Only completion tokens (and the EOS) are loss targets.
 
 Examples are packed in file order into rows of seq_len + 1 tokens (a row holds as many whole
@@ -24,13 +26,13 @@ An example longer than seq_len + 1 tokens is a bad record: an error naming its f
 skipped and counted with data.on_bad_record=skip.
 """
 import dataclasses
-import datetime
 import json
 import os
 
 from absl import logging
 import numpy as np
 
+from jax_pretrain.data import chat
 from jax_pretrain.data import formats
 from jax_pretrain.data import sources as sources_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
@@ -38,90 +40,6 @@ from jax_pretrain.data.errors import DataError
 
 _JSONL_FORMATS = (formats.Jsonl, formats.CompressedJsonl)
 _SKIP_HINT = ('(Set data.on_bad_record=skip to skip such examples and count them.)')
-
-
-class ChatTemplate:
-  """A tokenizer_config.json's chat_template, rendered as transformers' apply_chat_template does
-  (an immutable sandboxed jinja2 environment, trim_blocks and lstrip_blocks, the loopcontrols
-  extension, tojson, raise_exception, strftime_now, and the special tokens as variables)."""
-
-  def __init__(self, template: str, specials: dict[str, str], path: str):
-    import jinja2  # noqa: PLC0415
-    from jinja2 import sandbox  # noqa: PLC0415
-
-    def raise_exception(message):
-      raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-      return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                        sort_keys=sort_keys)
-
-    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=['jinja2.ext.loopcontrols'])
-    env.filters['tojson'] = tojson
-    env.globals['raise_exception'] = raise_exception
-    env.globals['strftime_now'] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    self.path, self.specials, self.source = path, specials, template
-    try:
-      self._template = env.from_string(template)
-    except jinja2.exceptions.TemplateError as e:
-      raise DataError(f'{path}: its chat_template does not parse ({e}).') from None
-    self._error = jinja2.exceptions.TemplateError
-
-  def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-    return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                 **self.specials)
-
-  def pieces(self, messages: list[dict],
-             add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
-    """The rendered conversation as (text, is_completion) pieces: each assistant turn's text is
-    what rendering through it adds to rendering up to it with the generation prompt (with
-    add_generation_prompt, the conversation ends with the prompt of the next turn: a chat
-    request's)."""
-    try:
-      full = self.render(messages, add_generation_prompt)
-      out, pos = [], 0
-      for i, m in enumerate(messages):
-        if m['role'] != 'assistant':
-          continue
-        before = self.render(messages[:i], True)
-        through = self.render(messages[:i + 1], False)
-        if not (full.startswith(through) and through.startswith(before) and len(before) >= pos):
-          raise ValueError(f'the chat template ({self.path}) does not render the conversation '
-                           'up to each assistant turn as a prefix of the whole, so the '
-                           "assistant's tokens cannot be told apart")
-        out += [(full[pos:len(before)], False), (full[len(before):len(through)], True)]
-        pos = len(through)
-      return out + [(full[pos:], False)]
-    except self._error as e:
-      raise ValueError(f'the chat template ({self.path}) failed: {e}') from None
-
-
-def find_chat_template(directories: list[str]) -> ChatTemplate | None:
-  """The chat_template of the first tokenizer_config.json in directories that has one."""
-  for directory in directories:
-    path = os.path.join(directory, tokenizer_lib.HF_CONFIG_FILE)
-    template = tokenizer_lib.chat_template_field(directory)
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-      named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
-      template = named.get('default')
-    if isinstance(template, str) and template:
-      return ChatTemplate(template, tokenizer_lib.hf_special_tokens(directory), path)
-  return None
-
-
-def tokenizer_chat_template(tokenizer) -> ChatTemplate | None:
-  """The chat template of the tokenizer's tokenizer_config.json (in tokenizer.directory:
-  data.tokenizer's directory, or its file's; a run keeps it in its tokenizer/), or None."""
-  return find_chat_template([tokenizer.directory] if tokenizer.directory else [])
-
-
-def chat_prompt(template: ChatTemplate, messages: list[dict], tokenizer) -> np.ndarray:
-  """The ids of a conversation for the assistant to continue (a chat request's prompt): rendered
-  with the generation prompt and encoded piece by piece as SFT encodes its examples, so that the
-  model sees the tokens it was fine-tuned on. Raises ValueError for a template that fails."""
-  return np.concatenate([_encode(tokenizer, text, False) for text, _ in
-                         template.pieces(messages, add_generation_prompt=True)]).astype(np.int32)
 
 
 def _string_error(obj: dict, key: str) -> str | None:
@@ -133,31 +51,44 @@ def _string_error(obj: dict, key: str) -> str | None:
   return None
 
 
-def example_pieces(line: str, template: ChatTemplate | None,
-                   where: str) -> tuple[list[tuple[str, bool, bool]] | None, str | None]:
-  """(pieces, None) or (None, what is wrong). A piece: (text, is_completion, with the tokenizer's
-  specials). Raises DataError for messages without a chat template (not the record's fault)."""
+def _messages_error(messages) -> str | None:
+  """What is wrong with an example's "messages"; None: nothing."""
+  if not isinstance(messages, list) or not messages:
+    return '"messages" must be a non-empty list'
+  for m in messages:
+    if not (isinstance(m, dict) and isinstance(m.get('role'), str)
+            and isinstance(m.get('content'), str)):
+      return 'each message must be an object with string "role" and "content"'
+  if not any(m['role'] == 'assistant' for m in messages):
+    return 'no "assistant" message (nothing to train on)'
+  return None
+
+
+Tokens = tuple[np.ndarray, np.ndarray]  # (ids int32 [n], is_target bool [n]) of one example
+
+
+def example_tokens(line: str, template: chat.ChatTemplate | None, tokenizer,
+                   where: str) -> tuple[Tokens | None, str | None]:
+  """((ids, is_target), None) of one example, its EOS included, or (None, what is wrong). Raises
+  DataError for messages without a chat template (not the record's fault)."""
   obj = json.loads(line)  # formats checked that it is a JSON object
   if 'messages' in obj:
     if template is None:
-      raise DataError(f'{where}: "messages" needs a chat template, but the tokenizer has no '
-                      f'{tokenizer_lib.HF_CONFIG_FILE} with a "chat_template" beside it. Give '
-                      '{"prompt", "completion"} examples, or set data.tokenizer to a tokenizer '
-                      'directory that has one.')
-    messages = obj['messages']
-    if not isinstance(messages, list) or not messages:
-      return None, '"messages" must be a non-empty list'
-    for m in messages:
-      if not (isinstance(m, dict) and isinstance(m.get('role'), str)
-              and isinstance(m.get('content'), str)):
-        return None, 'each message must be an object with string "role" and "content"'
-    if not any(m['role'] == 'assistant' for m in messages):
-      return None, 'no "assistant" message (nothing to train on)'
+      raise DataError(f'{where}: "messages" needs a chat template, but the tokenizer has none '
+                      f'({tokenizer_lib.CHAT_TEMPLATE_FILE}, or a "chat_template" in the '
+                      f'{tokenizer_lib.HF_CONFIG_FILE} beside it). Give {{"prompt", '
+                      '"completion"} examples, or set data.tokenizer to a tokenizer directory '
+                      'that has one.')
+    error = _messages_error(obj['messages'])
+    if error:
+      return None, error
     try:
-      return [(text, is_completion, False)
-              for text, is_completion in template.pieces(messages)], None
+      ids, is_target = chat.example_ids(template, obj['messages'], tokenizer)
     except ValueError as e:
       return None, str(e)
+    if len(ids) and ids[-1] == tokenizer.eos_id:  # (the template's text ends with EOS)
+      return (ids, is_target | (np.arange(len(ids)) == len(ids) - 1)), None
+    return _with_eos(ids, is_target, tokenizer), None
   error = _string_error(obj, 'prompt')
   if error:
     return None, error + (' (an SFT example is {"prompt", "completion"} or {"messages"})'
@@ -169,7 +100,11 @@ def example_pieces(line: str, template: ChatTemplate | None,
   completion: str = obj['completion']
   if not completion:
     return None, '"completion" is empty'
-  return [(prompt, False, True), (completion, True, False)], None
+  prompt_ids = _encode(tokenizer, prompt, True)
+  completion_ids = _encode(tokenizer, completion, False)
+  return _with_eos(np.concatenate([prompt_ids, completion_ids]),
+                   np.arange(len(prompt_ids) + len(completion_ids)) >= len(prompt_ids),
+                   tokenizer), None
 
 
 def _encode(tokenizer, text: str, specials: bool) -> np.ndarray:
@@ -180,12 +115,10 @@ def _encode(tokenizer, text: str, specials: bool) -> np.ndarray:
   return np.asarray(tokenizer.encode(text), np.int32)
 
 
-def encode_pieces(pieces, tokenizer) -> tuple[np.ndarray, np.ndarray]:
-  """(ids int32 [n], is_target bool [n]) of one example: its pieces, then EOS (a target)."""
-  ids = [_encode(tokenizer, text, specials) for text, _, specials in pieces]
-  ids.append(np.asarray([tokenizer.eos_id], np.int32))
-  is_target = [np.full(len(x), c) for x, (_, c, _) in zip(ids, pieces)] + [np.ones(1, bool)]
-  return np.concatenate(ids).astype(np.int32), np.concatenate(is_target).astype(bool)
+def _with_eos(ids: np.ndarray, is_target: np.ndarray, tokenizer) -> Tokens:
+  """The example's tokens, then EOS (a target)."""
+  return (np.append(ids, tokenizer.eos_id).astype(np.int32),
+          np.append(is_target, True).astype(bool))
 
 
 @dataclasses.dataclass
@@ -209,7 +142,7 @@ class Examples:
 
 
 def read_examples(source: sources_lib.Source, tokenizer, options: sources_lib.ReadOptions,
-                  seq_len: int, template: ChatTemplate | None) -> Examples:
+                  seq_len: int, template: chat.ChatTemplate | None) -> Examples:
   """Reads and tokenizes one source's examples (in file order); bad ones raise or are counted."""
   if not (isinstance(source, sources_lib.Files) and source.is_text
           and all(fmt in _JSONL_FORMATS for _, fmt in source.files)):
@@ -223,12 +156,12 @@ def read_examples(source: sources_lib.Source, tokenizer, options: sources_lib.Re
       for n, line, error in formats.read(item):
         records += 1
         where = formats.location(item, n)
-        pieces = None
+        example = None
         if error is None:
           assert line is not None  # a record has its text or its error (formats.Record)
-          pieces, error = example_pieces(line, template, where)
-        if pieces is not None:
-          x, t = encode_pieces(pieces, tokenizer)
+          example, error = example_tokens(line, template, tokenizer, where)
+        if example is not None:
+          x, t = example
           if len(x) > seq_len + 1:
             error = (f'the example is {len(x)} tokens, more than data.seq_len + 1 = '
                      f'{seq_len + 1}; raise data.seq_len or shorten it')
@@ -293,7 +226,7 @@ def packed_sources(sources, seq_len: int, val_ratio: float, pad_id: int
                    ) -> tuple[list[PackedRows], list[PackedRows]]:
   """(train rows, eval rows) per source of a loader.Sources; eval is data.val's examples, else the
   last val_ratio of each training source's examples."""
-  template = tokenizer_chat_template(sources.tokenizer)
+  template = chat.tokenizer_template(sources.tokenizer)
   tok, options = sources.tokenizer, sources.options
   train, val = [], []
   for source in sources.train:

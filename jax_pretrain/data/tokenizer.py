@@ -5,12 +5,17 @@ All have encode(str) -> int32 [n], decode(ids) -> str, vocab_size, bos_id, eos_i
 `identity`: equal for two tokenizers exactly when they map text to the same ids (prepared data
 records the identity of the tokenizer that made it, so training can refuse a different one), and
 `directory`: where its tokenizer_config.json belongs (the directory load() read, else that of its
-file; None for bare bytes or ids), whose chat_template SFT renders messages with (data/sft.py),
-which a run keeps in its tokenizer/ (save) and which HF export writes (data/tokenizer_json.py).
+file; None for bare bytes or ids), whose chat template (chat_template.jinja or the
+"chat_template" of tokenizer_config.json: chat_template_source) SFT and the server render chats
+with (data/chat.py), which a run keeps in its tokenizer/ (save) and which HF export writes
+(data/tokenizer_json.py). A rendered chat is encoded with encode_rendered: as transformers'
+apply_chat_template encodes it (the special tokens' text to their ids), with each token's
+character span.
 """
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -38,6 +43,20 @@ class ByteTokenizer:
     data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
     return data.decode('utf-8', errors='replace')
 
+  def encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [n], character offsets int64 [n, 2]) of a rendered chat: '<s>', '</s>' and
+    '<pad>' (the texts HF export gives BOS, EOS and pad) as their ids, each other character as
+    its UTF-8 bytes."""
+    pieces = []
+    specials = {'<s>': self.bos_id, '</s>': self.eos_id, '<pad>': self.pad_id}
+    for start, end, special in split_specials(text, specials):
+      if special is not None:
+        pieces.append((np.asarray([special]), np.asarray([[start, end]])))
+        continue
+      data, char_B1 = _char_of_byte(text[start:end])
+      pieces.append((data, start + np.stack([char_B1[:-1], char_B1[:-1] + 1], axis=1)))
+    return _rendered(pieces)
+
 
 def _with_appended_specials(num_pieces: int, ids: list[int | None]) -> tuple[list[int], int]:
   """[bos, eos, pad] with the ids a model lacks (-1 or None) appended after its pieces; returns
@@ -53,6 +72,39 @@ def _with_appended_specials(num_pieces: int, ids: list[int | None]) -> tuple[lis
       i, next_id = next_id, next_id + 1
     out.append(int(i))
   return out, max(next_id, max(out) + 1)
+
+
+def split_specials(text: str, specials: dict[str, int]) -> list[tuple[int, int, int | None]]:
+  """text as (start, end, id) pieces: a special token's text (the longest that starts where the
+  text is matched first, as the tokenizers library matches added tokens) with its id, the text
+  between with None."""
+  if not specials:
+    return [(0, len(text), None)] if text else []
+  pattern = re.compile('|'.join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+  out: list[tuple[int, int, int | None]] = []
+  pos = 0
+  for m in pattern.finditer(text):
+    if m.start() > pos:
+      out.append((pos, m.start(), None))
+    out.append((m.start(), m.end(), specials[m.group()]))
+    pos = m.end()
+  return out + ([(pos, len(text), None)] if pos < len(text) else [])
+
+
+def _char_of_byte(text: str) -> tuple[np.ndarray, np.ndarray]:
+  """(text's UTF-8 bytes uint8 [b], the index of the character each is part of int64 [b + 1],
+  len(text) last)."""
+  data = np.frombuffer(text.encode('utf-8'), np.uint8)
+  starts = (data & 0xC0) != 0x80  # (a continuation byte is 10xxxxxx)
+  return data, np.append(np.cumsum(starts) - 1, len(text))
+
+
+def _rendered(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+  """(ids int32 [n], offsets int64 [n, 2]) of pieces of (ids, offsets)."""
+  if not pieces:
+    return np.zeros(0, np.int32), np.zeros((0, 2), np.int64)
+  return (np.concatenate([i for i, _ in pieces]).astype(np.int32),
+          np.concatenate([o for _, o in pieces]).astype(np.int64).reshape(-1, 2))
 
 
 class SentencePieceTokenizer:
@@ -76,6 +128,7 @@ class SentencePieceTokenizer:
     (self.bos_id, self.eos_id, self.pad_id), self.vocab_size = _with_appended_specials(
         self.num_pieces, [self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()])
     self.identity = 'sentencepiece:' + hashlib.sha256(proto).hexdigest()[:16]
+    self._special_pieces: dict[str, int] | None = None  # (read when first asked: _specials)
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._sp.EncodeAsIds(text), np.int32)
@@ -85,6 +138,39 @@ class SentencePieceTokenizer:
 
   def decode(self, ids) -> str:
     return self._sp.DecodeIds([int(i) for i in ids if 0 <= int(i) < self.num_pieces])
+
+  def _specials(self) -> dict[str, int]:
+    """The control pieces (<s>, </s>) and user-defined pieces by their text: the tokens HF export
+    adds to its tokenizer.json (data/tokenizer_json.py)."""
+    if self._special_pieces is None:
+      from sentencepiece import sentencepiece_model_pb2  # noqa: PLC0415
+      proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]
+      proto.ParseFromString(self._sp.serialized_model_proto())
+      self._special_pieces = {p.piece: i for i, p in enumerate(proto.pieces)
+                              if p.type in (p.CONTROL, p.USER_DEFINED)}
+    return self._special_pieces
+
+  def encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [n], character offsets int64 [n, 2]) of a rendered chat, as transformers encodes
+    it with this model (HF export's tokenizer.json, or LlamaTokenizer with legacy=True): split at
+    the control and user-defined pieces' text (their ids), each text between encoded alone (with
+    the model's normalization: a dummy prefix '▁' each). A piece that covers no character (the
+    dummy prefix, a character's leading byte pieces) gets the span of the piece after it."""
+    pieces = []
+    for start, end, special in split_specials(text, self._specials()):
+      if special is not None:
+        pieces.append((np.asarray([special]), np.asarray([[start, end]])))
+        continue
+      segment = text[start:end]
+      _, char_B1 = _char_of_byte(segment)
+      proto = self._sp.EncodeAsProto(segment)
+      ids = [p.id for p in proto.pieces]
+      spans = [[start + char_B1[p.begin], start + char_B1[p.end]] for p in proto.pieces]
+      for k in range(len(spans) - 2, -1, -1):
+        if spans[k][0] == spans[k][1]:
+          spans[k] = [spans[k][0], spans[k + 1][1]]
+      pieces.append((np.asarray(ids), np.asarray(spans).reshape(-1, 2)))
+    return _rendered(pieces)
 
 
 HF_CONFIG_FILE = 'tokenizer_config.json'  # beside a tokenizer.json: its special tokens
@@ -103,11 +189,37 @@ def read_hf_file(directory: str, name: str) -> dict | None:
     raise DataError(f'{path}: invalid JSON ({e}).') from None
 
 
-def chat_template_field(directory: str | None):
-  """The "chat_template" of directory's tokenizer_config.json (a string, or a list of named
-  ones), or None."""
-  config = read_hf_file(directory, HF_CONFIG_FILE) if directory else None
-  return config.get('chat_template') if isinstance(config, dict) else None
+CHAT_TEMPLATE_FILE = 'chat_template.jinja'  # where transformers (since 4.47) saves a template
+
+
+def chat_template_source(directory: str | None) -> tuple[str, str] | None:
+  """(the chat template, the file it is in) of a tokenizer directory, as transformers finds it:
+  chat_template.jinja, else the "chat_template" of tokenizer_config.json (a string, or a list of
+  named ones: the one named "default"); None if it has neither."""
+  if not directory:
+    return None
+  path = os.path.join(directory, CHAT_TEMPLATE_FILE)
+  if os.path.isfile(path):
+    return read_chat_template(path), path
+  config = read_hf_file(directory, HF_CONFIG_FILE)
+  template = config.get('chat_template') if isinstance(config, dict) else None
+  if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+    named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
+    template = named.get('default')
+  if isinstance(template, str) and template:
+    return template, os.path.join(directory, HF_CONFIG_FILE)
+  return None
+
+
+def read_chat_template(path: str) -> str:
+  """A chat template file's text (chat_template.jinja, or serve --chat_template's)."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      return f.read()
+  except FileNotFoundError:
+    raise DataError(f'{path}: chat template file not found.') from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise DataError(f'{path}: cannot read the chat template ({e}).') from None
 
 
 def hf_special_tokens(directory: str) -> dict[str, str]:
@@ -189,6 +301,14 @@ class HfTokenizer:
 
   def encode_batch(self, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in self._tok.encode_batch(texts)] if texts else []
+
+  def encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [n], character offsets int64 [n, 2]) of a rendered chat, as transformers'
+    apply_chat_template encodes it: the whole text at once, its added tokens' text to their ids,
+    no post-processor (add_special_tokens=False)."""
+    encoding = self._tok.encode(text, add_special_tokens=False)
+    return (np.asarray(encoding.ids, np.int32),
+            np.asarray(encoding.offsets, np.int64).reshape(-1, 2))
 
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self.num_pieces],
@@ -284,10 +404,10 @@ def record(tokenizer) -> dict:
 
 
 def save(tokenizer, directory: str) -> dict:
-  """Writes the tokenizer's file (if any), its tokenizer_config.json (if it has one: its
-  chat_template formats SFT messages and the server's chats, data/sft.py; the special ids stay the
-  record's) and RECORD_FILE into directory; returns the record. load(directory) gives the
-  tokenizer back."""
+  """Writes the tokenizer's file (if any), its tokenizer_config.json and chat_template.jinja (those
+  it has: the chat template renders SFT's messages and the server's chats, data/chat.py; the
+  special ids stay the record's) and RECORD_FILE into directory; returns the record.
+  load(directory) gives the tokenizer back."""
   os.makedirs(directory, exist_ok=True)
   rec = record(tokenizer)
   if 'tokenizer_file' in rec:
@@ -295,9 +415,10 @@ def save(tokenizer, directory: str) -> dict:
     if os.path.abspath(target) != os.path.abspath(tokenizer.path):
       shutil.copyfile(tokenizer.path, target)
   source = tokenizer.directory
-  if source and os.path.isfile(os.path.join(source, HF_CONFIG_FILE)) and not os.path.samefile(
-      source, directory):
-    shutil.copyfile(os.path.join(source, HF_CONFIG_FILE), os.path.join(directory, HF_CONFIG_FILE))
+  for name in (HF_CONFIG_FILE, CHAT_TEMPLATE_FILE):
+    if source and os.path.isfile(os.path.join(source, name)) and not os.path.samefile(
+        source, directory):
+      shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
   with open(os.path.join(directory, RECORD_FILE), 'w', encoding='utf-8') as f:
     json.dump(rec, f, indent=2, sort_keys=True)
     f.write('\n')

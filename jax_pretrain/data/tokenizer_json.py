@@ -19,15 +19,17 @@ _PROBE = ' Two  spaces,\ttabs\nand ünïcödé 日本 🙂 3.14159 '
 
 def write(out_dir: str, tokenizer) -> list[str]:
   """tokenizer.json and tokenizer_config.json that AutoTokenizer loads, encoding text to the same
-  ids as ours (checked on a sample text with the tokenizers library), with the chat_template of
-  ours if it has one; returns notes. Our special tokens are special tokens there too, so a text
-  that spells one out ('</s>') encodes to its id."""
+  ids as ours (checked on a sample text with the tokenizers library), with our chat template if
+  there is one (from chat_template.jinja or tokenizer_config.json, written into
+  tokenizer_config.json, where every transformers version reads it); returns notes. Our special
+  tokens are special tokens there too, so a text that spells one out ('</s>') encodes to its
+  id."""
   try:
     tok, specials = convert(tokenizer)
   except DataError as e:
     return [f'{e}: exported the model without a tokenizer.']
-  tokenizer_lib.write_hf_tokenizer(tok, out_dir, specials,
-                                   tokenizer_lib.chat_template_field(tokenizer.directory))
+  template = tokenizer_lib.chat_template_source(tokenizer.directory)
+  tokenizer_lib.write_hf_tokenizer(tok, out_dir, specials, template and template[0])
   written = tokenizers.Tokenizer.from_file(os.path.join(out_dir,
                                                        tokenizer_lib.HfTokenizer.file_name))
   if written.encode(_PROBE).ids != [int(i) for i in tokenizer.encode(_PROBE)]:
