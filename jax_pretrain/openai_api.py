@@ -467,35 +467,45 @@ class CompletionChoice(_Choice):
 class ChatChoice(_Choice):
   """A chat completion's choice: the assistant's message, and with logprobs OpenAI's chat form
   ({'content': [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}). With a tool
-  plan (structured.Plan 'named' or 'required') the message's tool_calls, read from the text
-  (structured.Calls), content null; finish_reason "tool_calls" for 'required' (OpenAI's)."""
+  plan (structured.Plan 'named', 'required' or 'auto') the message's tool_calls, read from the
+  text (structured.Calls), and its content ('auto': the text before the calls; else null);
+  finish_reason "tool_calls" where calls were asked ('required') or found ('auto')."""
 
   def __init__(self, index: int, top: int | None,
                plan: structured.Plan = structured.CONTENT):
     super().__init__(index, top)
     self.calls = None if plan.kind == 'content' else structured.Calls(plan)
+    self.sent_content = 0  # ('auto': the content's characters sent)
 
-  def _finish(self, reason: str | None) -> str | None:
-    tools = self.calls is not None and self.calls.plan.kind == 'required'
+  def _finish(self, reason: str | None, called: bool) -> str | None:
+    kind = self.calls.plan.kind if self.calls is not None else 'content'
+    tools = kind == 'required' or (kind == 'auto' and called)
     return 'tool_calls' if tools and reason == 'stop' else reason
 
   def final(self, seq: engine_lib.Sequence, tokenizer) -> dict:
     message: dict = {'role': 'assistant', 'content': seq.text}
-    if self.calls is not None:
-      message = {'role': 'assistant', 'content': None, 'tool_calls': self.calls.whole(seq.text)}
+    calls = self.calls.whole(seq.text) if self.calls is not None else []
+    if calls or (self.calls is not None and self.calls.plan.kind != 'auto'):
+      message = {'role': 'assistant', 'content': self.calls.content(seq.text, True) or None,
+                 'tool_calls': calls}
     return {'index': self.index, 'message': message,
             'logprobs': self._logprobs(tokenizer, seq, seq.text, 0, self.ends(seq, tokenizer)),
-            'finish_reason': self._finish(seq.finish_reason)}
+            'finish_reason': self._finish(seq.finish_reason, bool(calls))}
 
   def delta(self, update: client_lib.Update, tokenizer) -> dict:
     new, ends, start_chars = self.advance(update, tokenizer)
     delta: dict = {'content': new} if new else {}
     if self.calls is not None:
       calls = self.calls.delta(update.text)
+      content = self.calls.content(update.text, update.finish is not None)
+      if update.finish is not None and not self.calls.ids:
+        content = update.text  # ('auto' without a call: all of it is content)
       delta = {'tool_calls': calls} if calls else {}
+      if content and len(content) > self.sent_content:
+        delta['content'], self.sent_content = content[self.sent_content:], len(content)
     return {'index': self.index, 'delta': delta,
             'logprobs': self._logprobs(tokenizer, update.seq, update.text, start_chars, ends),
-            'finish_reason': self._finish(update.finish)}
+            'finish_reason': self._finish(update.finish, bool(self.calls and self.calls.ids))}
 
   def _logprobs(self, tokenizer, seq, text: str, start_chars: int,
                 ends: list[_Token]) -> dict | None:
@@ -563,7 +573,7 @@ class ChatAnswer:
     self.prompt, self.include_usage = prompt, _include_usage(r)
     top = (r.top_logprobs or 0) if r.logprobs else None
     self.choices = [ChatChoice(i, top, plan) for i in range(r.n)]
-    self.content = None if plan.kind != 'content' else ''  # (tool calls: null, OpenAI's)
+    self.content = None if plan.kind in ('named', 'required') else ''  # (calls: null, OpenAI's)
 
   def whole(self, sequences):
     return {**self.header, 'choices': [c.final(seq, self.tokenizer)

@@ -220,8 +220,9 @@ class Server:
     answer = api.CompletionAnswer(r, self.name, prompts, prompt_logprobs, self.tokenizer)
     return await self._answer(request, answer, http)
 
-  def chat_prompt(self, r: api.ChatRequest) -> list[int]:
-    """The ids of a chat's messages, rendered with the chat template (chat.prompt_ids)."""
+  def chat_prompt(self, r: api.ChatRequest, with_tools: bool = False) -> list[int]:
+    """The ids of a chat's messages (and with_tools, its tools: tool calls asked), rendered with
+    the chat template (chat.prompt_ids)."""
     if self.chat_template is None:
       raise api.APIError(
           "This model's tokenizer has no chat template (no chat_template.jinja or "
@@ -234,7 +235,7 @@ class Server:
     try:
       parts = api.content_parts(self.chat_template.source)
       ids = chat_lib.prompt_ids(self.chat_template, [m.rendered(parts) for m in r.messages],
-                                self.tokenizer)
+                                self.tokenizer, r.tools if with_tools else None)
     except ValueError as e:  # (the template's words: no path of the server's)
       raise api.APIError(str(e), 'messages') from None
     return [int(t) for t in ids] or [self.tokenizer.eos_id]
@@ -262,7 +263,7 @@ class Server:
   async def chat(self, r: api.ChatRequest, http: fastapi.Request):
     api.check_sampling(r, self.name)  # (an unknown model first: 404, template or not)
     plan = await asyncio.to_thread(self.plan, r)
-    ids = await asyncio.to_thread(self.chat_prompt, r)
+    ids = await asyncio.to_thread(self.chat_prompt, r, plan.kind != 'content')
     max_tokens = self.check_chat(r, ids)
     request = self._submit(r, [ids], max_tokens, r.logprobs, plan.grammar)
     return await self._answer(request, api.ChatAnswer(r, self.name, ids, self.tokenizer, plan),
@@ -273,7 +274,7 @@ class Server:
     compiled); a 400 naming the field that cannot be served."""
     try:
       return structured.plan(r.response_format, r.tools, r.tool_choice, r.parallel_tool_calls,
-                             self.grammars)
+                             self.grammars, self.chat_template.source if self.chat_template else '')
     except structured.RequestError as e:
       raise api.APIError(str(e), e.param) from None
 

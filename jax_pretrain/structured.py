@@ -12,19 +12,27 @@ and how an answer reads back, as vLLM's OpenAI server does.
   ...] (vLLM's form; one call at most with parallel_tool_calls false), each name one of the tools
   and its parameters what that tool's schema validates; the answer is message.tool_calls,
   finish_reason "tool_calls".
-- tool_choice "auto" (the default with tools): refused with a 400 that says why: this server has
-  no tool-call parser for a model's free text (vLLM's --tool-call-parser); "none": no tools.
+- tool_choice "auto" (the default with tools): free text, where the chat template renders
+  `tools` and asks for Hermes' tool-call format (its text has `<tool_call>`: Hermes, Qwen2.5,
+  Qwen3 templates), each `<tool_call>{"name": N, "arguments": {...}}</tool_call>` block of the
+  answer is a call (vLLM's hermes parser): message.tool_calls, the text before the first block
+  the content, finish_reason "tool_calls"; an answer without a block is content. With any other
+  template, a 400 that says why (no parser of the model's tool-call format). "none": no tools.
 
 Streamed, a call goes out as OpenAI streams it: a delta.tool_calls item with its index, id, type
 and function name (arguments ''), then its arguments in chunks as they are decoded (Calls).
 """
 import dataclasses
+import json
+import re
 import uuid
 
 from jax_pretrain.engine import grammar as grammar_lib
 
 _NAME = '{"name":"'
 _PARAMETERS = '","parameters":'
+HERMES_OPEN, HERMES_CLOSE = '<tool_call>', '</tool_call>'
+_HERMES = re.compile(r'<tool_call>(.*?)</tool_call>', re.DOTALL)
 
 
 class RequestError(ValueError):
@@ -38,8 +46,8 @@ class RequestError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What a chat asks of its choices: the grammar each keeps (None: free text), and how their
-  text reads back: 'content', 'named' (the arguments of the tool `name`) or 'required' (an array
-  of calls)."""
+  text reads back: 'content', 'named' (the arguments of the tool `name`), 'required' (an array
+  of calls) or 'auto' (free text, Hermes' <tool_call> blocks the calls)."""
   grammar: grammar_lib.Grammar | None = None
   kind: str = 'content'
   name: str = ''
@@ -49,8 +57,10 @@ CONTENT = Plan()  # free text (a plain chat)
 
 
 def plan(response_format: dict | None, tools: list[dict] | None, tool_choice,
-         parallel_tool_calls: bool | None, grammars: grammar_lib.Grammars) -> Plan:
-  """The Plan of a chat's fields (the module docstring); a RequestError naming the field."""
+         parallel_tool_calls: bool | None, grammars: grammar_lib.Grammars,
+         template: str = '') -> Plan:
+  """The Plan of a chat's fields (the module docstring), for a chat template of this source;
+  a RequestError naming the field."""
   schemas = _tool_schemas(tools or [])
   if tool_choice is None:
     tool_choice = 'auto' if schemas else 'none'
@@ -59,10 +69,14 @@ def plan(response_format: dict | None, tools: list[dict] | None, tool_choice,
   if response_format not in (None, {'type': 'text'}):
     raise RequestError('response_format cannot be combined with tool calls', 'response_format')
   if tool_choice == 'auto':
+    if 'tools' in template and HERMES_OPEN in template:
+      return Plan(None, 'auto')
     raise RequestError(
-        'tool_choice "auto" needs a parser of the model\'s own tool-call format, which this '
-        'server does not have: send tool_choice "required" or {"type": "function", "function": '
-        '{"name": ...}} (the call is then decoded by its grammar), or "none"', 'tool_choice')
+        'tool_choice "auto" needs a chat template that renders `tools` in a tool-call format '
+        'this server parses (Hermes\' <tool_call>{"name": ..., "arguments": ...}</tool_call>, '
+        "as Qwen's and Hermes' templates ask); this model's does not: send tool_choice "
+        '"required" or {"type": "function", "function": {"name": ...}} (the call is then '
+        'decoded by its grammar), or "none"', 'tool_choice')
   if tool_choice == 'required':
     calls = {'type': 'array', 'minItems': 1, 'items': {'anyOf': [
         {'type': 'object', 'additionalProperties': False, 'required': ['name', 'parameters'],
@@ -132,8 +146,21 @@ class Calls:
     self.ids: list[str] = []
     self.sent: list[int] = []  # arguments characters sent of each call
 
+  def content(self, text: str, final: bool) -> str | None:
+    """The text that is the message's content: 'auto', what comes before the first <tool_call>
+    (while decoding, without an ending that may begin one); the others, none."""
+    if self.plan.kind != 'auto':
+      return None
+    cut = text.find(HERMES_OPEN)
+    if cut < 0 and not final:
+      cut = next((len(text) - k for k in range(len(HERMES_OPEN) - 1, 0, -1)
+                  if text.endswith(HERMES_OPEN[:k])), -1)
+    return text if cut < 0 else text[:cut]
+
   def parse(self, text: str) -> list[tuple[str, str, bool]]:
     """(name, arguments so far, complete) of each call begun in the text."""
+    if self.plan.kind == 'auto':
+      return _hermes(text)
     if self.plan.kind == 'named':
       return [(self.plan.name, text, _value_end(text, 0) is not None)]
     calls, p = [], 1  # (after '[')
@@ -174,6 +201,24 @@ class Calls:
         out.append({'index': i, 'function': {'arguments': arguments[self.sent[i]:]}})
         self.sent[i] = len(arguments)
     return out
+
+
+def _hermes(text: str) -> list[tuple[str, str, bool]]:
+  """The calls of Hermes' <tool_call> blocks closed in the text, each (name, arguments as JSON,
+  True); none unless every block is a call ({"name": str, "arguments": an object}): such text is
+  content, as vLLM's hermes parser leaves it."""
+  calls = []
+  for block in _HERMES.findall(text):
+    try:
+      call = json.loads(block)
+    except json.JSONDecodeError:
+      return []
+    arguments = call.get('arguments', {}) if isinstance(call, dict) else None
+    if not isinstance(call, dict) or not isinstance(call.get('name'), str) or not isinstance(
+        arguments, dict):
+      return []
+    calls.append((call['name'], json.dumps(arguments, ensure_ascii=False), True))
+  return calls
 
 
 def _value_end(text: str, start: int) -> int | None:

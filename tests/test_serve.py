@@ -44,10 +44,12 @@ from jax_pretrain import hf
 from jax_pretrain import model as model_lib
 from jax_pretrain import openai_api
 from jax_pretrain import serve
+from jax_pretrain import structured
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import chat as chat_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.engine import client as client_lib
+from jax_pretrain.engine import grammar as grammar_lib
 from jax_pretrain.errors import UserError
 from tests import chat_templates
 from tests import tiny_run
@@ -1305,3 +1307,61 @@ def test_tool_calls_by_a_named_function_or_required_whole_and_streamed(local):
               temperature=0).choices[0]
   for call in many.message.tool_calls:  # (parallel calls allowed: those it completed)
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+# Qwen2.5's tool prompt, shortened: the tools as JSON lines, Hermes' <tool_call> format asked.
+HERMES = ("{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n"
+          "{{ t | tojson }}{% endfor %}\n</tools>\nFor each function call, return a json object "
+          "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+          "\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_choice_auto_reads_hermes_tool_calls_where_the_template_asks_for_them():
+  """tool_choice "auto" (the default with tools): a template that renders the tools and asks for
+  Hermes' <tool_call> blocks gets free text whose blocks are the calls (whole: tool_calls, the
+  text before them the content, finish_reason "tool_calls"; streamed: the content, then each
+  call's index, id and name, then its arguments), an answer without one is content; another
+  template is a 400 that says why."""
+  tok = tokenizer_lib.ByteTokenizer()
+  grammars = grammar_lib.Grammars(tok)
+  template = chat_lib.ChatTemplate(HERMES, {}, 'hermes')
+  rendered = template.render(SHORT, True, tools=[WEATHER])
+  assert '"name": "wx"' in rendered and '<tool_call>' in rendered  # (the tools, the format)
+  assert structured.plan(None, [WEATHER], None, None, grammars, HERMES) == structured.Plan(
+      None, 'auto')
+  with pytest.raises(structured.RequestError, match='Hermes') as e:
+    structured.plan(None, [WEATHER], 'auto', None, grammars, CHAT_TEMPLATE)
+  assert e.value.param == 'tool_choice'
+  plan = structured.Plan(None, 'auto')
+  text = ('Let me look. <tool_call>\n{"name": "wx", "arguments": {"city": "Oslo", "days": 2}}\n'
+          '</tool_call>\n<tool_call>{"name": "clock", "arguments": {"utc": true}}</tool_call>')
+  ids = [int(t) for t in tok.encode(text)]
+
+  def sequence(n, finish=None):
+    seq = engine.Sequence(prompt=[1], max_new_tokens=len(ids), tokens=ids[:n],
+                          logprobs=[-0.5] * n, finish_reason=finish)
+    seq.text = tok.decode(ids[:n])
+    return seq
+
+  whole = openai_api.ChatChoice(0, None, plan).final(sequence(len(ids), 'stop'), tok)
+  assert whole['finish_reason'] == 'tool_calls'
+  assert whole['message']['content'] == 'Let me look. '
+  assert [(c['function']['name'], json.loads(c['function']['arguments']))
+          for c in whole['message']['tool_calls']] == [('wx', {'city': 'Oslo', 'days': 2}),
+                                                       ('clock', {'utc': True})]
+  choice, deltas = openai_api.ChatChoice(0, None, plan), []
+  for n in [*range(5, len(ids), 5), len(ids)]:
+    seq = sequence(n, 'stop' if n == len(ids) else None)
+    deltas.append(choice.delta(client_lib.Update.of(0, seq), tok))
+  assert ''.join(d['delta'].get('content', '') for d in deltas) == 'Let me look. '
+  calls = [c for d in deltas for c in d['delta'].get('tool_calls', ())]
+  assert [(c['index'], c['function']['name']) for c in calls if 'id' in c] == [(0, 'wx'),
+                                                                               (1, 'clock')]
+  assert [''.join(c['function']['arguments'] for c in calls if c['index'] == i)
+          for i in (0, 1)] == [c['function']['arguments'] for c in whole['message']['tool_calls']]
+  assert deltas[-1]['finish_reason'] == 'tool_calls'
+  plain = openai_api.ChatChoice(0, None, plan).final(sequence(12, 'length'), tok)
+  assert plain['message'] == {'role': 'assistant', 'content': text[:12]}
+  assert plain['finish_reason'] == 'length'

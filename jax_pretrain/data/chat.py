@@ -112,13 +112,14 @@ class ChatTemplate:
     self.marks_generation = bool(_GENERATION_TAG.search(template))
 
   def _render(self, messages: list[dict], add_generation_prompt: bool,
-              spans: list[tuple[int, int]] | None = None) -> str:
-    """The text; the {% generation %} blocks' spans appended to spans if given."""
+              spans: list[tuple[int, int]] | None = None, tools: list[dict] | None = None) -> str:
+    """The text; the {% generation %} blocks' spans appended to spans if given; tools: a chat
+    request's (OpenAI's function tools, as transformers passes them)."""
     blocks: list[str] = []
     token = _TRACKING.set((blocks, spans) if spans is not None else None)
     try:
       blocks.extend(self._template.generate(
-          messages=_as_transformers_passes(messages), tools=None, documents=None,
+          messages=_as_transformers_passes(messages), tools=tools, documents=None,
           add_generation_prompt=add_generation_prompt, **self.specials))
       return ''.join(blocks)
     except self._error as e:
@@ -126,9 +127,10 @@ class ChatTemplate:
     finally:
       _TRACKING.reset(token)
 
-  def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-    """The conversation's text (ValueError: the template failed)."""
-    return self._render(messages, add_generation_prompt)
+  def render(self, messages: list[dict], add_generation_prompt: bool,
+             tools: list[dict] | None = None) -> str:
+    """The conversation's text (ValueError: the template failed), with the request's tools."""
+    return self._render(messages, add_generation_prompt, tools=tools)
 
   def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The conversation's text (no generation prompt) and the character span of each assistant
@@ -198,10 +200,12 @@ def template_file(path: str, specials: dict[str, str] | None = None) -> ChatTemp
   return ChatTemplate(tokenizer_lib.read_chat_template(path), specials or {}, path)
 
 
-def prompt_ids(template: ChatTemplate, messages: list[dict], tokenizer) -> np.ndarray:
-  """int32 [n]: a chat request's prompt: the conversation rendered once with the generation
-  prompt, encoded once as transformers encodes it. ValueError: the template failed."""
-  ids, _ = tokenizer.encode_rendered(template.render(messages, add_generation_prompt=True))
+def prompt_ids(template: ChatTemplate, messages: list[dict], tokenizer,
+               tools: list[dict] | None = None) -> np.ndarray:
+  """int32 [n]: a chat request's prompt: the conversation (and its tools) rendered once with the
+  generation prompt, encoded once as transformers encodes it. ValueError: the template failed."""
+  ids, _ = tokenizer.encode_rendered(template.render(messages, add_generation_prompt=True,
+                                                     tools=tools))
   return ids
 
 
