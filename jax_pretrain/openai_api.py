@@ -485,7 +485,7 @@ class ChatChoice(_Choice):
   def final(self, seq: engine_lib.Sequence, tokenizer) -> dict:
     message: dict = {'role': 'assistant', 'content': seq.text}
     calls = self.calls.whole(seq.text) if self.calls is not None else []
-    if calls or (self.calls is not None and self.calls.plan.kind != 'auto'):
+    if self.calls is not None and (calls or self.calls.plan.kind != 'auto'):
       message = {'role': 'assistant', 'content': self.calls.content(seq.text, True) or None,
                  'tool_calls': calls}
     return {'index': self.index, 'message': message,

@@ -102,7 +102,8 @@ def _tool_schemas(tools: list[dict]) -> dict[str, dict]:
   for i, tool in enumerate(tools):
     function = tool.get('function') if isinstance(tool, dict) else None
     name = function.get('name') if isinstance(function, dict) else None
-    if tool.get('type') != 'function' or not isinstance(name, str) or not name:
+    if (not isinstance(function, dict) or tool.get('type') != 'function'
+        or not isinstance(name, str) or not name):
       raise RequestError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
                          '"parameters": {...}}}}}', 'tools')
     schema = function.get('parameters')
@@ -118,13 +119,13 @@ def _response_grammar(response_format: dict | None,
   if kind == 'json_object':
     return _compile(grammars, {'type': 'object'}, 'response_format')
   if kind == 'json_schema':
-    spec = response_format.get('json_schema') if response_format else None
+    spec = (response_format or {}).get('json_schema')
     schema = spec.get('schema') if isinstance(spec, dict) else None
-    if not isinstance(schema, (dict, bool)):
+    if not isinstance(spec, dict) or not isinstance(schema, (dict, bool)):
       raise RequestError('response_format json_schema needs a "json_schema": {"name": ..., '
                          '"schema": {...}}', 'response_format')
-    return _compile(grammars, schema, f'the json_schema {spec.get("name", "")!r}'.replace(
-        " ''", ''))
+    name = spec.get('name')
+    return _compile(grammars, schema, 'the json_schema' + (f' {name!r}' if name else ''))
   raise RequestError(f'response_format type {kind!r} is not one of "text", "json_object", '
                      '"json_schema"', 'response_format')
 
