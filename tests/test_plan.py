@@ -657,8 +657,10 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   real = prefill.lower(eng.params, state, admitted, allowed, model=eng.model, mesh=eng.mesh)
   assert abstract.lower_prefill(2, 16).as_text() == real.as_text()
   steps, top = (jax.device_put(x, r._replicated) for x in (np.int32(3), np.bool_(True)))  # noqa: SLF001
-  real = decode.lower(eng.params, state, allowed, eos, steps, top, model=eng.model,
-                      mesh=eng.mesh, rows=4, chunk=eng.chunk, live=24)
+  call = scheduler_lib.Decode(scheduler_lib.DecodeShape(rows=4, live=24), steps=3, top_n=0,
+                              local_slots=r.local_slots, busy=())
+  real = decode.lower(eng.params, state, allowed, eos, steps, top, r.masks(call),
+                      model=eng.model, mesh=eng.mesh, rows=4, chunk=eng.chunk, live=24)
   assert abstract.lower_decode(4, 24).as_text() == real.as_text()
 
 
