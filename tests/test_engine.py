@@ -349,6 +349,14 @@ def test_penalized_is_the_numpy_reference():
     np.testing.assert_allclose(ours[b], _penalized_reference(
         logits[b], generated[b], presence[b], frequency[b], bias[b]), atol=1e-5)
   np.testing.assert_array_equal(ours[0], logits[0])  # (nothing asked: the logits as they are)
+  # A grammar's bitmask (bit i % 32 of word i // 32: id i allowed): -inf elsewhere; all set: none.
+  allowed_BxV = rng.random((B, V)) < 0.3
+  allowed_BxV[0] = True
+  mask_BxW = np.packbits(np.pad(allowed_BxV, ((0, 0), (0, 64 - V))), axis=1,
+                         bitorder='little').view(np.int32)
+  masked = np.asarray(engine.penalized(logits, counts, presence, frequency, bias_ids, bias_values,
+                                       mask_BxW))
+  np.testing.assert_array_equal(masked, np.where(allowed_BxV, ours, -np.inf))
 
 
 def test_greedy_rows_with_penalties_and_logit_bias_follow_the_numpy_reference(tiny):
