@@ -20,10 +20,12 @@ The parts, each changeable on its own:
              the scoring pass
   programs   the compiled program of each call shape, the warmup (the programs that cover
              every call first, the others in a background compiler) and which one runs a call
-  sampling   the next token of each row: logit_bias, presence and frequency penalties,
-             temperature, top-k, top-p, per-row random streams
+  sampling   the next token of each row: logit_bias, presence and frequency penalties, a
+             constrained row's grammar mask, temperature, top-k, top-p, per-row random streams
+  grammar    constrained decoding (llguidance): a JSON schema compiled for the tokenizer, each
+             constrained sequence's matcher (its mask before a token, advanced after it)
   output     the output processor: a call's tokens into each sequence (EOS, max_new_tokens, stop
-             strings, detokenization, logprobs), the callbacks
+             strings, a grammar's completion, detokenization, logprobs), the callbacks
   core       Engine: the loop (generate, run_forever, stop) and its failure policy
   client     EngineClient: the engine for an asyncio server (serve.py): its supervised thread,
              one request's life (submit, its updates, cancel), backpressure, health
