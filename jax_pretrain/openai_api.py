@@ -125,9 +125,9 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-  """A message of a chat: a system, developer or user message's content is required; an
-  assistant's may be null (its tool_calls said it); a tool's answers the call tool_call_id."""
-  role: Literal['system', 'developer', 'user', 'assistant', 'tool']
+  """A message of a chat: its content is required but for an assistant's, which may be null (its
+  tool_calls said it); a tool's answers the call tool_call_id."""
+  role: str  # (any, as vLLM takes it: the template decides what it renders)
   content: str | list[TextPart] | None = None
   name: str | None = None
   tool_calls: list[ToolCall] | None = None  # (an assistant's)
