@@ -330,12 +330,12 @@ class _Offsets:
   read: int = 0
   chars: int = 0
 
-  def added(self, tokenizer, before: list[int], token: int) -> str:
-    """The text token adds after the tokens `before` (whose text up to `read` is complete): ''
-    while it leaves a character unfinished, then with the token that completes it, the whole
-    character."""
-    new = tokenizer.decode([*before[self.prefix:], token])[
-        len(tokenizer.decode(before[self.prefix:self.read])):]
+  def added(self, tokenizer, ids: list[int], n: int, token: int) -> str:
+    """The text `token` adds after ids[:n - 1] (whose text up to `read` is complete), in place
+    of ids[n - 1]: '' while it leaves a character unfinished, then with the token that completes
+    it, the whole character."""
+    new = tokenizer.decode([*ids[self.prefix:n - 1], token])[
+        len(tokenizer.decode(ids[self.prefix:self.read])):]
     return '' if new.endswith('\ufffd') else new
 
   def then(self, n: int, added: str) -> '_Offsets':
@@ -354,7 +354,7 @@ def _tokens(tokenizer, ids: list[int], start: int, offsets: _Offsets) -> Iterato
   """Each token of ids[start:] with the text length through it, given the offsets after
   ids[:start]; a few tokens decoded for each, not all of ids[:n]."""
   for n in range(start + 1, len(ids) + 1):
-    after = offsets.then(n, offsets.added(tokenizer, ids[:n - 1], ids[n - 1]))
+    after = offsets.then(n, offsets.added(tokenizer, ids, n, ids[n - 1]))
     yield _Token(n, offsets, after, after.chars)
     offsets = after
 
@@ -417,7 +417,7 @@ class _Choice:
       top = None if not tops or tops[n - 1] is None else tops[n - 1][:self.top]
       offset = min(offset, len(text))
       yield (offset, text[offset:min(end, len(text))], logprobs[n - 1],
-             None if top is None else [(before.added(tokenizer, ids[:n - 1], t), lp)
+             None if top is None else [(before.added(tokenizer, ids, n, t), lp)
                                        for t, lp in top])
       offset = end
 
