@@ -84,8 +84,8 @@ class Sampling(_Body):
 
   def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """logit_bias as (token id, bias) pairs, each bias clamped to [-100, 100] as vLLM clamps it;
-    a key that is not a token id of this model is refused."""
-    out = []
+    a key that is not a token id of this model is refused ("1" and "01": one token, the last)."""
+    out: dict[int, float] = {}
     for key, value in (self.logit_bias or {}).items():
       try:
         token = int(key)
@@ -94,8 +94,8 @@ class Sampling(_Body):
       if not 0 <= token < vocab_size:
         raise APIError(f'logit_bias: {key!r} is not a token id of this model (0 .. '
                        f'{vocab_size - 1})', 'logit_bias')
-      out.append((token, min(100.0, max(-100.0, float(value)))))
-    return tuple(out)
+      out[token] = min(100.0, max(-100.0, float(value)))
+    return tuple(out.items())
 
 
 class CompletionRequest(Sampling):
