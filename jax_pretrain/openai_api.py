@@ -85,8 +85,8 @@ class Sampling(_Body):
 
   def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """logit_bias as (token id, bias) pairs, each bias clamped to [-100, 100] as vLLM clamps it;
-    a key that is not a token id of this model is refused."""
-    out = []
+    a key that is not a token id of this model is refused ("1" and "01": one token, the last)."""
+    out: dict[int, float] = {}
     for key, value in (self.logit_bias or {}).items():
       try:
         token = int(key)
@@ -95,8 +95,8 @@ class Sampling(_Body):
       if not 0 <= token < vocab_size:
         raise APIError(f'logit_bias: {key!r} is not a token id of this model (0 .. '
                        f'{vocab_size - 1})', 'logit_bias')
-      out.append((token, min(100.0, max(-100.0, float(value)))))
-    return tuple(out)
+      out[token] = min(100.0, max(-100.0, float(value)))
+    return tuple(out.items())
 
 
 class CompletionRequest(Sampling):
@@ -126,9 +126,9 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-  """A message of a chat: a system, developer or user message's content is required; an
-  assistant's may be null (its tool_calls said it); a tool's answers the call tool_call_id."""
-  role: Literal['system', 'developer', 'user', 'assistant', 'tool']
+  """A message of a chat: its content is required but for an assistant's, which may be null (its
+  tool_calls said it); a tool's answers the call tool_call_id."""
+  role: str  # (any, as vLLM takes it: the template decides what it renders)
   content: str | list[TextPart] | None = None
   name: str | None = None
   tool_calls: list[ToolCall] | None = None  # (an assistant's)
@@ -318,12 +318,12 @@ class _Offsets:
   read: int = 0
   chars: int = 0
 
-  def added(self, tokenizer, before: list[int], token: int) -> str:
-    """The text token adds after the tokens `before` (whose text up to `read` is complete): ''
-    while it leaves a character unfinished, then with the token that completes it, the whole
-    character."""
-    new = tokenizer.decode([*before[self.prefix:], token])[
-        len(tokenizer.decode(before[self.prefix:self.read])):]
+  def added(self, tokenizer, ids: list[int], n: int, token: int) -> str:
+    """The text `token` adds after ids[:n - 1] (whose text up to `read` is complete), in place
+    of ids[n - 1]: '' while it leaves a character unfinished, then with the token that completes
+    it, the whole character."""
+    new = tokenizer.decode([*ids[self.prefix:n - 1], token])[
+        len(tokenizer.decode(ids[self.prefix:self.read])):]
     return '' if new.endswith('\ufffd') else new
 
   def then(self, n: int, added: str) -> '_Offsets':
@@ -342,7 +342,7 @@ def _tokens(tokenizer, ids: list[int], start: int, offsets: _Offsets) -> Iterato
   """Each token of ids[start:] with the text length through it, given the offsets after
   ids[:start]; a few tokens decoded for each, not all of ids[:n]."""
   for n in range(start + 1, len(ids) + 1):
-    after = offsets.then(n, offsets.added(tokenizer, ids[:n - 1], ids[n - 1]))
+    after = offsets.then(n, offsets.added(tokenizer, ids, n, ids[n - 1]))
     yield _Token(n, offsets, after, after.chars)
     offsets = after
 
@@ -405,7 +405,7 @@ class _Choice:
       top = None if not tops or tops[n - 1] is None else tops[n - 1][:self.top]
       offset = min(offset, len(text))
       yield (offset, text[offset:min(end, len(text))], logprobs[n - 1],
-             None if top is None else [(before.added(tokenizer, ids[:n - 1], t), lp)
+             None if top is None else [(before.added(tokenizer, ids, n, t), lp)
                                        for t, lp in top])
       offset = end
 

@@ -11,7 +11,10 @@ and a shutdown that answers every request in flight by its deadline. Chat comple
 of the run given a chat template: the completion of the rendered messages, streamed, n, stop,
 logprobs, bad requests, a run without a template (400), and the template in the HF export; a
 Qwen3-style multi-turn chat served with transformers' ids by a run whose tokenizer/ has only
-chat_template.jinja, and serve --chat_template=FILE."""
+chat_template.jinja, and serve --chat_template=FILE. The fields as OpenAI's spec has them: null
+for a default, the no-op forms, an agent's history (tool calls, tool messages, content parts),
+logit_bias and penalties, 20 top_logprobs, logprob tokens that join into the content, [DONE]
+after an error event, no server path in an answer, and a run's generation_config.json."""
 import asyncio
 import concurrent.futures
 import contextlib
