@@ -1,23 +1,27 @@
 """FP8 matmuls for the dense projections (model.fp8): e4m3 operands, per-tensor scales.
 
 Each operand of a projection's matmuls is quantized to float8_e4m3fn with a per-tensor scale
-(x ≈ q · scale): the forward operands (activations and weights) and the gradient arriving at the
-matmul's output. The gradient is e4m3 too, not the customary e5m2: a per-tensor scale already
-gives it its range, and e4m3's extra mantissa bit matters more (BENCHMARKS.md: the embedded
-default's eval loss with e5m2 and e4m3 gradients). The three matmuls of a projection (forward,
-and the two of its backward pass) take the FP8 arrays themselves, accumulate in float32 and write
-the compute dtype, times the product of their scales (one multiply in that dtype, the form XLA's
-GEMM rewriter folds into the GEMM); the CPU runs the same FP8 arithmetic, so the numerics are
-checked without a GPU.
+(x ≈ q · scale): the forward operands (activations and weights); the gradient arriving at the
+matmul's output is quantized to model.fp8_gradients' format, e4m3 (448 its largest value, 3
+mantissa bits) or e5m2 (57344, 2 bits; Transformer Engine's HYBRID recipe), each scaled to its
+own largest value (BENCHMARKS.md compares them on the embedded default). The three matmuls of a
+projection (forward, and the two of its backward pass) take the FP8 arrays themselves, accumulate
+and write float32, multiply by the product of their float32 scales and cast to the compute dtype
+(cuBLASLt's and Transformer Engine's order, which XLA fuses into the GEMM; float16 overflowed
+when the GEMM wrote it before the scales); the CPU runs the same FP8 arithmetic, so the numerics
+are checked without a GPU.
 
 Two ways to scale, one arithmetic:
   delayed (the train step's, given each projection's amax history): the activation's and the
       gradient's scales come from the largest |value| each had over the last HISTORY steps
-      (Transformer Engine's and flax's delayed scaling), so quantizing needs no pass over the
-      tensor first and XLA fuses it into the kernel that produces it; the step records this
-      step's amax of each, which the train state's history (TrainState.fp8) takes in: the
-      maximum over micro-batches and data-parallel devices, never a sum (state.py). The
-      weights, read once per micro-batch, are scaled from their own amax (current scaling).
+      (Transformer Engine's and flax's delayed scaling); while a history holds no amax yet
+      (the first step) from the tensor's own, not 1. The step records this step's amax of
+      each, which the train state's history (TrainState.fp8) takes in: the maximum over
+      micro-batches and data-parallel devices, never a sum (state.py), and a non-finite one
+      (an infinite gradient, clipped to the format's largest value when quantized) makes the
+      step's gradient norm infinite, so that the guard skips the step and keeps the history.
+      The weights, read once per micro-batch, are scaled from their own amax (current
+      scaling).
   current (no history: evaluation, the engine): every operand scaled from its own amax.
 The history of a projection weight 'wq' is 'wq_fp8' beside it ([2, HISTORY]: row 0 the
 activation's, row 1 the gradient's), in a tree of the params' nesting (`histories`); the

@@ -220,6 +220,14 @@ def test_fp8_on_a_gpu_without_fp8_matmuls_is_one_config_error():
     config_lib.resolve(c, 1, device=a100)
 
 
+def test_an_unknown_fp8_gradient_format_is_one_config_error():
+  c = config_lib.preset('test')
+  c.model.fp8, c.model.fp8_gradients = True, 'e3m4'
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"^model\.fp8_gradients='e3m4': choose one of \('e4m3', 'e5m2'\)\.$"):
+    config_lib.resolve(c, 1, backend='cpu')
+
+
 @requires_plugin
 def test_xlarge_fp8_on_h100_runs_its_projections_as_fp8_matmuls():
   c = config_lib.preset('xlarge')
