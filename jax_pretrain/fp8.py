@@ -226,9 +226,10 @@ def combine(path, a: jax.Array, b: jax.Array) -> jax.Array:
 
 def all_finite(amaxes) -> jax.Array:
   """Whether every amax a step recorded (`split`'s; None without FP8) is finite: an infinite
-  gradient quantizes to e4m3's largest value, and only its amax shows it (state.py's guard)."""
-  leaves = jax.tree.leaves(amaxes)
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in leaves])) if leaves else True
+  gradient quantizes to its format's largest value, and only its amax shows it (state.py's
+  guard)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(amaxes)] or
+                           [jnp.bool_(True)]))
 
 
 def updated(fp8_histories, amaxes, keep: jax.Array):
