@@ -64,14 +64,18 @@ RETIRED = {('model', 'scan_layers'): "model.layers='scan'|'unroll'|'auto' replac
 # model.remat's policies: what the backward pass keeps of each block (the rest is recomputed).
 # 'dots' and 'dots_no_batch' keep the fused attention kernel's output and softmax statistics too
 # (attention.forward_saveable): without them the backward ran the attention forward again.
+# With model.fp8 a projection's matmul output is float32, scaled and cast after it (fp8.py): they
+# keep that cast output (fp8.OUTPUT), and the float32 one is then not kept.
 _policies = jax.checkpoint_policies
-_DOTS = _policies.save_from_both_policies(_policies.dots_saveable, attention.forward_saveable)
+_WITH_FP8 = _policies.save_from_both_policies(attention.forward_saveable,
+                                              _policies.save_only_these_names(fp8.OUTPUT))
+_DOTS = _policies.save_from_both_policies(_policies.dots_saveable, _WITH_FP8)
 REMAT_POLICIES = {
     'none': None,  # keep every activation
     'full': _policies.nothing_saveable,  # recompute the whole block in backward
     'dots': _DOTS,  # keep matmul outputs (and fused attention's), recompute the rest
     'dots_no_batch': _policies.save_from_both_policies(  # projections only (and fused attention)
-        _policies.dots_with_no_batch_dims_saveable, attention.forward_saveable),
+        _policies.dots_with_no_batch_dims_saveable, _WITH_FP8),
     'minimal': _policies.save_only_these_names('attn_out', 'mlp_hidden'),
 }
 # What 'dots' keeps besides, with the layers unrolled: the values whose recomputation in the
@@ -87,6 +91,7 @@ _DOTS_UNROLLED = {
 }
 ROPE_SCALINGS = ('none', 'linear', 'llama3')  # model.rope_scaling (model.rope_frequencies)
 _DTYPES = ('float32', 'bfloat16', 'float16')
+_FP8_GRADIENTS = fp8.GRADIENT_FORMAT  # (in ModelConfig, `fp8` names its field)
 
 Resume = str | Callable[[Any, Any], str]
 
@@ -176,6 +181,9 @@ class ModelConfig:
   param_dtype: str = field('float32', SHAPE, 'master parameter dtype')
   fp8: bool = field(False, _fp8_toggled, 'attention and MLP projections in FP8 (Hopper/Ada GPUs; '
       'simulated on the CPU): per-tensor delayed scaling, jax_pretrain/fp8.py')
+  fp8_gradients: str = field(_FP8_GRADIENTS, SAFE, "with model.fp8, the gradients' format: "
+      "'e4m3' (3 mantissa bits, up to 448) | 'e5m2' (2 bits, up to 57344); BENCHMARKS.md compares "
+      'them')
 
   @property
   def compute_dtype(self) -> np.dtype:
@@ -596,6 +604,7 @@ def _resolve_model(m: ModelConfig, backend: str | None, tokenizer_vocab_size: in
           f'model.fp8=True needs FP8 matmuls (an NVIDIA GPU of compute capability >= 8.9: '
           f'Hopper, Ada); this {getattr(device, "device_kind", "GPU")} has '
           f'{attention.capability_text(capability)}. Leave model.fp8 off.')
+  choice(m, 'model', 'fp8_gradients', tuple(fp8.GRADIENT_DTYPES))
   choice(m, 'model', 'rope_scaling', ROPE_SCALINGS)
   if m.rope_scaling != 'none':
     check(m.rope_factor > 0, f'model.rope_factor={m.rope_factor} must be positive.')

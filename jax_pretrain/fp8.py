@@ -1,23 +1,27 @@
 """FP8 matmuls for the dense projections (model.fp8): e4m3 operands, per-tensor scales.
 
 Each operand of a projection's matmuls is quantized to float8_e4m3fn with a per-tensor scale
-(x ≈ q · scale): the forward operands (activations and weights) and the gradient arriving at the
-matmul's output. The gradient is e4m3 too, not the customary e5m2: a per-tensor scale already
-gives it its range, and e4m3's extra mantissa bit matters more (BENCHMARKS.md: the embedded
-default's eval loss with e5m2 and e4m3 gradients). The three matmuls of a projection (forward,
-and the two of its backward pass) take the FP8 arrays themselves, accumulate in float32 and write
-the compute dtype, times the product of their scales (one multiply in that dtype, the form XLA's
-GEMM rewriter folds into the GEMM); the CPU runs the same FP8 arithmetic, so the numerics are
-checked without a GPU.
+(x ≈ q · scale): the forward operands (activations and weights); the gradient arriving at the
+matmul's output is quantized to model.fp8_gradients' format, e4m3 (448 its largest value, 3
+mantissa bits) or e5m2 (57344, 2 bits; Transformer Engine's HYBRID recipe), each scaled to its
+own largest value (BENCHMARKS.md compares them on the embedded default). The three matmuls of a
+projection (forward, and the two of its backward pass) take the FP8 arrays themselves, accumulate
+and write float32, multiply by the product of their float32 scales and cast to the compute dtype
+(cuBLASLt's and Transformer Engine's order, which XLA fuses into the GEMM; float16 overflowed
+when the GEMM wrote it before the scales); the CPU runs the same FP8 arithmetic, so the numerics
+are checked without a GPU.
 
 Two ways to scale, one arithmetic:
   delayed (the train step's, given each projection's amax history): the activation's and the
       gradient's scales come from the largest |value| each had over the last HISTORY steps
-      (Transformer Engine's and flax's delayed scaling), so quantizing needs no pass over the
-      tensor first and XLA fuses it into the kernel that produces it; the step records this
-      step's amax of each, which the train state's history (TrainState.fp8) takes in: the
-      maximum over micro-batches and data-parallel devices, never a sum (state.py). The
-      weights, read once per micro-batch, are scaled from their own amax (current scaling).
+      (Transformer Engine's and flax's delayed scaling); while a history holds no amax yet
+      (the first step) from the tensor's own, not 1. The step records this step's amax of
+      each, which the train state's history (TrainState.fp8) takes in: the maximum over
+      micro-batches and data-parallel devices, never a sum (state.py), and a non-finite one
+      (an infinite gradient, clipped to the format's largest value when quantized) makes the
+      step's gradient norm infinite, so that the guard skips the step and keeps the history.
+      The weights, read once per micro-batch, are scaled from their own amax (current
+      scaling).
   current (no history: evaluation, the engine): every operand scaled from its own amax.
 The history of a projection weight 'wq' is 'wq_fp8' beside it ([2, HISTORY]: row 0 the
 activation's, row 1 the gradient's), in a tree of the params' nesting (`histories`); the
@@ -25,6 +29,7 @@ train step gives it to the model with the params (`merge`) and takes this step's
 its gradient (`split`: column 0 of each, the rest zero). Quantizing is flax's
 (flax.linen.fp8_ops.quantize: scale, clip, round).
 """
+import functools
 import math
 
 from flax.linen import fp8_ops
@@ -33,10 +38,14 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 FORWARD_DTYPE = jnp.float8_e4m3fn
-GRADIENT_DTYPE = jnp.float8_e4m3fn  # (e5m2: see above)
+# model.fp8_gradients: the format of the gradient at a projection's output (e4m3: largest 448,
+# 3 mantissa bits; e5m2: largest 57344, 2 mantissa bits), each scaled to its own largest value.
+GRADIENT_DTYPES = {'e4m3': jnp.float8_e4m3fn, 'e5m2': jnp.float8_e5m2}
+GRADIENT_FORMAT = 'e4m3'  # model.fp8_gradients' default (BENCHMARKS.md)
 HISTORY = 16  # steps of amax history a delayed scale looks back over (Transformer Engine: 1-1024)
 SUFFIX = '_fp8'  # the history of projection weight 'wq' is 'wq_fp8'
 QUANTIZED = 'fp8_quantized'  # the name (jax.ad_checkpoint) of a projection's quantized operands
+OUTPUT = 'fp8_output'  # the name of an FP8 matmul's output (scaled, in the compute dtype)
 
 
 def _quantize(x: jax.Array, q_dtype) -> tuple[jax.Array, jax.Array]:
@@ -56,26 +65,31 @@ def largest(q_dtype) -> float:
 
 
 def scale_of(amax: jax.Array, q_dtype) -> jax.Array:
-  """The scale that maps amax to q_dtype's largest finite value (1 for an amax of 0); elementwise,
-  so per tensor here and per head and position in the engine's 8-bit KV cache (model.quantize)."""
-  return jnp.where(amax > 0, amax / largest(q_dtype), 1.0)
+  """The scale that maps amax to q_dtype's largest finite value (1 for an amax of 0; NaN for a
+  NaN amax, so that a NaN survives even an integer type, in its scale); elementwise, so per
+  tensor here and per head and position in the engine's 8-bit KV cache (model.quantize)."""
+  return jnp.where(amax == 0, 1.0, amax / largest(q_dtype))
 
 
 def _scaled_dot(a, b, dims, scale, dtype):
-  """dot_general of two FP8 arrays (accumulated in float32 by the GEMM, written in the compute
-  dtype: remat policies that keep matmul outputs keep them at that size), times the product of
-  their scales: in that dtype, no conversion between the GEMM and its scale."""
-  out = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=dtype)
-  return out * scale.astype(dtype)
+  """dot_general of two FP8 arrays, accumulated and written in float32, times the product of
+  their float32 scales, then cast to the compute dtype: cuBLASLt's and Transformer Engine's
+  order (XLA's GEMM rewriter folds the scale and the cast into the FP8 GEMM). Written in the
+  compute dtype before scaling, float16's sums of operands scaled up to ±448 overflow."""
+  out = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+  # (named: remat policies that keep matmul outputs keep this one, in the compute dtype, and not
+  # the float32 GEMM output before it)
+  return checkpoint_name((out * scale).astype(dtype), OUTPUT)
 
 
-@jax.custom_vjp
-def _matmul(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x_MxK: jax.Array, w_KxN: jax.Array, gradient_dtype) -> jax.Array:
   """x @ w in FP8; x and w in the same (compute) dtype, which the output keeps."""
-  return _matmul_fwd(x_MxK, w_KxN)[0]
+  return _matmul_fwd(x_MxK, w_KxN, gradient_dtype)[0]
 
 
-def _matmul_fwd(x_MxK, w_KxN):
+def _matmul_fwd(x_MxK, w_KxN, gradient_dtype):
+  del gradient_dtype
   qx_MxK, sx = _quantize(x_MxK, FORWARD_DTYPE)
   qw_KxN, sw = _quantize(w_KxN, FORWARD_DTYPE)
   y_MxN = _scaled_dot(qx_MxK, qw_KxN, ((1,), (0,)), sx * sw, x_MxK.dtype)
@@ -90,55 +104,69 @@ def _backward_dots(qx_MxK, sx, qw_KxN, sw, qg_MxN, sg, dtype):
   return dx_MxK, dw_KxN
 
 
-def _matmul_bwd(residuals, g_MxN):
+def _matmul_bwd(gradient_dtype, residuals, g_MxN):
   qx_MxK, sx, qw_KxN, sw = residuals
-  qg_MxN, sg = _quantize(g_MxN, GRADIENT_DTYPE)
+  qg_MxN, sg = _quantize(g_MxN, gradient_dtype)
   return _backward_dots(qx_MxK, sx, qw_KxN, sw, qg_MxN, sg, g_MxN.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-@jax.custom_vjp
-def _delayed_matmul(x_MxK: jax.Array, w_KxN: jax.Array, history_2xH: jax.Array) -> jax.Array:
+def _delayed_scale(history_amax: jax.Array, amax: jax.Array, q_dtype) -> jax.Array:
+  """The delayed scale of a history's largest amax; while the history holds none yet (the first
+  step), the tensor's own amax: current scaling, so no tensor is quantized with scale 1."""
+  return scale_of(jnp.where(history_amax > 0, history_amax, amax), q_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _delayed_matmul(x_MxK: jax.Array, w_KxN: jax.Array, history_2xH: jax.Array,
+                    gradient_dtype) -> jax.Array:
   """x @ w in FP8, x's and the gradient's scales from history_2xH (the module docstring); the
   gradient of history_2xH is [[amax(|x|), 0, ...], [amax(|gradient|), 0, ...]]."""
-  return _delayed_matmul_fwd(x_MxK, w_KxN, history_2xH)[0]
+  return _delayed_matmul_fwd(x_MxK, w_KxN, history_2xH, gradient_dtype)[0]
 
 
-def _delayed_matmul_fwd(x_MxK, w_KxN, history_2xH):
-  scale_x, scale_g = scale_of(jnp.max(history_2xH, axis=1), FORWARD_DTYPE)
+def _delayed_matmul_fwd(x_MxK, w_KxN, history_2xH, gradient_dtype):
+  del gradient_dtype
+  history_x, history_g = jnp.max(history_2xH, axis=1)
+  amax_x = _amax(x_MxK)
+  scale_x = _delayed_scale(history_x, amax_x, FORWARD_DTYPE)
   qx_MxK = fp8_ops.quantize(x_MxK, FORWARD_DTYPE, scale_x, jnp.float32)
   qw_KxN, sw = _quantize(w_KxN, FORWARD_DTYPE)
   # (named: a remat policy keeps them, so that the backward quantizes nothing twice)
-  qx_MxK, qw_KxN, sw, amax_x = checkpoint_name((qx_MxK, qw_KxN, sw, _amax(x_MxK)), QUANTIZED)
+  qx_MxK, qw_KxN, sw, amax_x = checkpoint_name((qx_MxK, qw_KxN, sw, amax_x), QUANTIZED)
   y_MxN = _scaled_dot(qx_MxK, qw_KxN, ((1,), (0,)), scale_x * sw, x_MxK.dtype)
-  return y_MxN, (qx_MxK, scale_x, qw_KxN, sw, scale_g, amax_x, history_2xH.shape)
+  return y_MxN, (qx_MxK, scale_x, qw_KxN, sw, history_g, amax_x, history_2xH.shape)
 
 
-def _delayed_matmul_bwd(residuals, g_MxN):
-  qx_MxK, scale_x, qw_KxN, sw, scale_g, amax_x, history_shape = residuals
-  qg_MxN = fp8_ops.quantize(g_MxN, GRADIENT_DTYPE, scale_g, jnp.float32)
+def _delayed_matmul_bwd(gradient_dtype, residuals, g_MxN):
+  qx_MxK, scale_x, qw_KxN, sw, history_g, amax_x, history_shape = residuals
+  amax_g = _amax(g_MxN)
+  scale_g = _delayed_scale(history_g, amax_g, gradient_dtype)
+  qg_MxN = fp8_ops.quantize(g_MxN, gradient_dtype, scale_g, jnp.float32)
   dx_MxK, dw_KxN = _backward_dots(qx_MxK, scale_x, qw_KxN, sw, qg_MxN, scale_g, g_MxN.dtype)
-  amax_2xH = jnp.zeros(history_shape, jnp.float32).at[:, 0].set(
-      jnp.stack([amax_x, _amax(g_MxN)]))
+  amax_2xH = jnp.zeros(history_shape, jnp.float32).at[:, 0].set(jnp.stack([amax_x, amax_g]))
   return dx_MxK, dw_KxN, amax_2xH
 
 
 _delayed_matmul.defvjp(_delayed_matmul_fwd, _delayed_matmul_bwd)
 
 
-def dense(x: jax.Array, w: jax.Array, contract: int = 1,
-          history: jax.Array | None = None) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, contract: int = 1, history: jax.Array | None = None,
+          gradients: str = GRADIENT_FORMAT) -> jax.Array:
   """x's last `contract` dims times w's first `contract` dims (a dense projection), in FP8:
-  delayed scaling with w's amax history [2, HISTORY], current scaling without one.
+  delayed scaling with w's amax history [2, HISTORY], current scaling without one; the gradient
+  at its output quantized to `gradients` (a key of GRADIENT_DTYPES).
 
   E.g. dense(x_BxTxD, w_DxNxH) -> BxTxNxH; dense(o_BxTxNxH, w_NxHxD, contract=2) -> BxTxD.
   """
   lead, out = x.shape[:-contract], w.shape[contract:]
   k = math.prod(w.shape[:contract])
   x_MxK, w_KxN = x.reshape(-1, k), w.reshape(k, -1)
-  y = _matmul(x_MxK, w_KxN) if history is None else _delayed_matmul(x_MxK, w_KxN, history)
+  g_dtype = GRADIENT_DTYPES[gradients]
+  y = (_matmul(x_MxK, w_KxN, g_dtype) if history is None
+       else _delayed_matmul(x_MxK, w_KxN, history, g_dtype))
   return y.reshape(*lead, *out)
 
 
@@ -196,10 +224,18 @@ def combine(path, a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.maximum(a, b) if is_history(path) else a + b
 
 
+def all_finite(amaxes) -> jax.Array:
+  """Whether every amax a step recorded (`split`'s; None without FP8) is finite: an infinite
+  gradient quantizes to its format's largest value, and only its amax shows it (state.py's
+  guard)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(amaxes)] or
+                           [jnp.bool_(True)]))
+
+
 def updated(fp8_histories, amaxes, keep: jax.Array):
   """Each history with this step's amax (column 0 of `amaxes`, `split`'s) first and its oldest
-  dropped; unchanged where `keep` (a step dropped as non-finite) or the amax is not finite."""
+  dropped; unchanged where `keep` (a step dropped as non-finite, a non-finite amax among them)."""
   def update(history, amax):
     new = jnp.concatenate([amax[..., :1], history[..., :-1]], axis=-1)
-    return jnp.where(keep | ~jnp.all(jnp.isfinite(amax[..., :1])), history, new)
+    return jnp.where(keep, history, new)
   return jax.tree.map(update, fp8_histories, amaxes)

@@ -193,7 +193,8 @@ def _dense_einsum(module: nn.Module):
     inputs = equation.split('->')[0].split(',')
     key = name + fp8.SUFFIX
     history = module.get_variable('params', key) if module.has_variable('params', key) else None
-    return fp8.dense(x, w, contract=len(set(inputs[0]) & set(inputs[1])), history=history)
+    return fp8.dense(x, w, contract=len(set(inputs[0]) & set(inputs[1])), history=history,
+                     gradients=c.fp8_gradients)
   return fp8_einsum
 
 
@@ -277,7 +278,7 @@ def cached_attention(q_BxTxNxH, kv: LayerKV, positions_BxT):
   (no 16-bit copy of the window is made), accumulate in float32 (preferred_element_type), the
   softmax in float32 and its probabilities in the compute dtype for the second product, as flash
   attention does. A quantized cache's scales multiply the scores (keys) and the probabilities
-  (values): per position, so the products never see them.
+  (values) in float32: per position, so the products never see them.
   """
   B, T, N, H = q_BxTxNxH.shape
   k_BxSxKxH, v_BxSxKxH = kv.k_BxSxKxH, kv.v_BxSxKxH
@@ -292,10 +293,18 @@ def cached_attention(q_BxTxNxH, kv: LayerKV, positions_BxT):
   visible_BxTxS = jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None]
   scores_BxKxGxTxS = jnp.where(visible_BxTxS[:, None, None], scores_BxKxGxTxS, -jnp.inf)
   probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
+  top_BxKxGxTx1 = None
   if kv.v_scale_BxSxK is not None:
+    # The probabilities times the values' scales, divided by their largest (in (0, 1], as flash
+    # attention's unnormalized probabilities), which multiplies the float32 output instead: a
+    # long, spread row's products (~1/S × scale) would fall below float16's normal range.
     probs_BxKxGxTxS = probs_BxKxGxTxS * kv.v_scale_BxSxK.transpose(0, 2, 1)[:, :, None, None]
+    top_BxKxGxTx1 = jnp.max(probs_BxKxGxTxS, axis=-1, keepdims=True)
+    probs_BxKxGxTxS = probs_BxKxGxTxS / top_BxKxGxTx1
   o_BxTxKxGxH = jnp.einsum('bkgts,bskh->btkgh', probs_BxKxGxTxS.astype(dt), v_BxSxKxH.astype(dt),
                            preferred_element_type=jnp.float32)
+  if top_BxKxGxTx1 is not None:
+    o_BxTxKxGxH = o_BxTxKxGxH * top_BxKxGxTx1.transpose(0, 3, 1, 2, 4)
   return o_BxTxKxGxH.reshape(B, T, N, H)
 
 

@@ -141,6 +141,9 @@ def make_train_step(model, optimizer, schedule, *, grad_accum_steps: int, pad_id
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
     loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
+    # FP8 clips an infinite gradient to its format's largest value: only the amax it recorded
+    # tells, and the norm is then infinite, so the guard skips the step as without FP8.
+    grad_norm = jnp.where(fp8.all_finite(amaxes), grad_norm, jnp.inf)
     new_state = _guarded_update(optimizer, state, grads, loss, grad_norm, amaxes, old_scale)
     # The rate this step's update used (dropped with it on a skip), from the optimizer's count.
     lr = optim.applied_learning_rate(schedule, state.opt_state)
@@ -260,9 +263,9 @@ def _aux_zeros(loss_with_sums, params, micro) -> tuple:
 
 def _guarded_update(optimizer, state: TrainState, grads, loss, grad_norm, amaxes,
                     old_scale: LossScale | None) -> TrainState:
-  """The state after the optimizer's update, or with its params and moments as they were where
-  the loss or gradient norm is not finite (counted; with a loss scale, an overflow is the
-  scaler's to skip and halve)."""
+  """The state after the optimizer's update, or with its params, moments and FP8 histories as
+  they were where the loss or gradient norm is not finite (counted; with a loss scale, an
+  overflow is the scaler's to skip and halve)."""
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   # An elementwise select, not lax.cond: XLA fuses it into the update and writes in place,

@@ -1,6 +1,9 @@
 """model.fp8: the dense projections in FP8 (delayed scaling in the train step, current scaling
-elsewhere), checked on the CPU against float64 and against the bfloat16 model, its amax histories
-through accumulation, meshes and a resume, and in the compiled H100 program (deviceless)."""
+elsewhere), checked on the CPU against float64 (bfloat16 and float16 compute, e4m3 and e5m2
+gradients, the first step's scales) and against the bfloat16 and float16 models, its amax
+histories through accumulation, meshes, a non-finite gradient and a resume, and in the compiled
+H100 program (deviceless)."""
+import dataclasses
 import types
 
 import jax
@@ -54,13 +57,78 @@ def test_a_delayed_scale_rounds_like_e4m3_and_records_the_amaxes_as_its_gradient
   assert not np.asarray(amaxes)[:, 1:].any()
 
 
+def test_an_empty_history_scales_from_the_tensors_themselves():
+  """The first step (no amax recorded yet): each operand and the gradient scaled from its own amax,
+  exactly as current scaling does, not with scale 1, which keeps a gradient of amax ~1e-3 in a few
+  subnormal e4m3 levels."""
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((64, 128))
+  w = rng.standard_normal((128, 96)) * 0.05
+  g = rng.standard_normal((64, 96)) * 1e-3
+  args = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+  empty = jnp.zeros((2, fp8.HISTORY), jnp.float32)
+  y, vjp = jax.vjp(lambda x, w: fp8.dense(x, w, history=empty), *args)
+  dx, dw = vjp(jnp.asarray(g, jnp.float32))
+  for got, want in ((y, x @ w), (dx, g @ w.T), (dw, x.T @ g)):
+    assert 2e-3 < _relative_error(got, want) < 2**-4
+  y_current, vjp_current = jax.vjp(fp8.dense, *args)
+  for got, want in zip((y, dx, dw), (y_current, *vjp_current(jnp.asarray(g, jnp.float32)))):
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize('gradients, top', [('e4m3', 448.0), ('e5m2', 57344.0)])
+def test_the_gradient_is_rounded_to_its_format_scaled_to_that_format_s_largest_value(gradients,
+                                                                                     top):
+  """model.fp8_gradients: with x the identity, dw is the gradient as quantized, which must be the
+  gradient scaled so that its amax is the format's largest value (448 or 57344), rounded to that
+  format (ml_dtypes), and scaled back. (The gradient spans 11 decades: the two maxima differ by
+  2^7, which a floating-point format tells apart only at the bottom of its range.)"""
+  rng = np.random.default_rng(3)
+  g = rng.choice([-1.0, 1.0], (32, 48)) * 10.0 ** rng.uniform(-11, 0, (32, 48))
+  history = np.zeros((2, fp8.HISTORY), np.float32)
+  history[1, 0] = np.abs(g).max() * 2  # a delayed scale: last step's amax twice this one's
+  _, vjp = jax.vjp(lambda x, w: fp8.dense(x, w, history=jnp.asarray(history),
+                                          gradients=gradients),
+                   jnp.eye(32, dtype=jnp.float32), jnp.zeros((32, 48), jnp.float32))
+  _, dw = vjp(jnp.asarray(g, jnp.float32))
+  scale = np.float32(history[1, 0]) / np.float32(top)
+  q = (g.astype(np.float32) / scale).astype(fp8.GRADIENT_DTYPES[gradients])
+  # (to float32's rounding of the identity's scale, 1/448, times the gradient's)
+  np.testing.assert_allclose(dw, q.astype(np.float32) * scale, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize('history', [False, True])
+def test_fp8_with_float16_compute_matches_float64(history):
+  """float16 activations, weights and gradients: the GEMM's output is float32 and scaled there
+  before the cast (as cuBLASLt), so that sums of operands scaled up to ±448 do not overflow
+  float16 (written in float16 first, on main: 27,765 of these 32,768 outputs were inf)."""
+  rng = np.random.default_rng(4)
+  x = rng.standard_normal((64, 1024))
+  w = rng.standard_normal((1024, 512)) * 0.02
+  g = rng.standard_normal((64, 512))
+  h = None
+  if history:
+    h = np.zeros((2, fp8.HISTORY), np.float32)
+    h[:, 5] = np.abs(x).max(), np.abs(g).max()
+  y, vjp = jax.vjp(lambda x, w: fp8.dense(x, w, history=None if h is None else jnp.asarray(h)),
+                   jnp.asarray(x, jnp.float16), jnp.asarray(w, jnp.float16))
+  dx, dw = vjp(jnp.asarray(g, jnp.float16))
+  for got, want in ((y, x @ w), (dx, g @ w.T), (dw, x.T @ g)):
+    assert got.dtype == jnp.float16 and np.isfinite(np.asarray(got)).all()
+    assert 2e-3 < _relative_error(got, want) < 2**-4
+
+
 def _fp8_step(micro_batch_size: int, devices, mesh_data: int = 1):
-  """The test preset with FP8, one step on a fixed batch: the state after it."""
+  """The test preset with FP8, one step on a fixed batch: the state after it. The histories
+  hold an amax already (4 for the activations, 0.01 for the gradients), so that every
+  micro-batch is scaled alike (an empty history scales each from its own tensors)."""
   c = config_lib.preset('test')
   c.model.fp8, c.model.attention = True, 'xla'
   c.train.micro_batch_size, c.mesh.data = micro_batch_size, mesh_data
   s = build_setup(c, devices)
   state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
+  state = dataclasses.replace(state, fp8=jax.tree.map(
+      lambda h: h.at[..., 0, 0].set(4.0).at[..., 1, 0].set(0.01), state.fp8))
   tokens = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
   return step(state, {'tokens': jax.device_put(tokens, s.batch_sharding)})[0]
 
@@ -73,12 +141,14 @@ def test_the_amax_histories_take_the_maximum_over_micro_batches_and_devices_neve
     split = _fp8_step(micro_batch_size, devices, data)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a)[..., 0], b, rtol=1e-5),
                  split.fp8, recorded)
-    jax.tree.map(lambda h: np.testing.assert_array_equal(np.asarray(h)[..., 1:], 0), split.fp8)
+    jax.tree.map(lambda h: np.testing.assert_array_equal(np.asarray(h)[..., 2:], 0), split.fp8)
+    jax.tree.map(lambda h: np.testing.assert_allclose(
+        np.asarray(h)[..., 1], np.broadcast_to([4.0, 0.01], h.shape[:-1]), rtol=1e-6), split.fp8)
 
 
-def _losses(fp8_on: bool, steps: int = 10) -> np.ndarray:
+def _losses(fp8_on: bool, steps: int = 10, dtype: str = 'bfloat16') -> np.ndarray:
   c = config_lib.preset('test')
-  c.model.fp8, c.model.dtype, c.model.attention = fp8_on, 'bfloat16', 'xla'
+  c.model.fp8, c.model.dtype, c.model.attention = fp8_on, dtype, 'xla'
   c.train.steps = steps
   s = build_setup(c, jax.devices()[:1])
   state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
@@ -96,6 +166,51 @@ def test_fp8_training_follows_the_bfloat16_run():
   np.testing.assert_allclose(with_fp8, bf16, rtol=0.01)
 
 
+def test_fp8_with_float16_compute_trains_as_float16_does():
+  """float16 with loss scaling and FP8 (failed by step 6 with non-finite losses when the FP8
+  GEMMs wrote float16 before their scales)."""
+  f16, with_fp8 = _losses(False, dtype='float16'), _losses(True, dtype='float16')
+  assert np.isfinite(with_fp8).all() and not np.array_equal(f16, with_fp8)
+  np.testing.assert_allclose(with_fp8, f16, rtol=0.01)
+
+
+def _poisoned_dense(dense):
+  """fp8.dense with +inf put into the gradient arriving at its output (one element)."""
+  @jax.custom_vjp
+  def poison(y):
+    return y
+
+  def backward(_, g):
+    return (g.at[(0,) * g.ndim].set(jnp.inf),)
+  poison.defvjp(lambda y: (y, None), backward)
+  return lambda *args, **kwargs: poison(dense(*args, **kwargs))
+
+
+def test_an_infinite_gradient_under_fp8_skips_the_step(monkeypatch):
+  """With the amax histories filled (a step taken), the gradient's delayed scale is finite and
+  quantizing clips +inf to the format's largest value, so the step's gradients come out finite;
+  the amax recorded is inf, and the guard skips the step as without FP8: params, moments and
+  histories as they were, the step counted non-finite."""
+  c = config_lib.preset('test')
+  c.model.fp8, c.model.attention, c.train.on_nonfinite = True, 'xla', 'skip'
+  s = build_setup(c, jax.devices()[:1])
+  tokens = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
+  batch = {'tokens': jax.device_put(tokens, s.batch_sharding)}
+  step = state_lib.jit_train_step(s, pad_id=258)
+  before = jax.device_get(step(state_lib.init_state(s), batch)[0])
+  clean, clean_metrics = step(jax.device_put(before, s.state_shardings), batch)
+  assert int(clean_metrics['nonfinite_count']) == 0  # (and the step changes the state:)
+  for new, old in ((clean.params, before.params), (clean.fp8, before.fp8)):
+    assert not any(map(np.array_equal, jax.tree.leaves(new), jax.tree.leaves(old)))
+  monkeypatch.setattr(fp8, 'dense', _poisoned_dense(fp8.dense))
+  after, metrics = state_lib.jit_train_step(s, pad_id=258)(
+      jax.device_put(before, s.state_shardings), batch)
+  assert np.isfinite(float(metrics['loss'])) and not np.isfinite(float(metrics['grad_norm']))
+  assert int(metrics['nonfinite_count']) == 1 and int(after.step) == 2
+  jax.tree.map(np.testing.assert_array_equal, (after.params, after.opt_state, after.fp8),
+               (before.params, before.opt_state, before.fp8))
+
+
 def test_fp8_on_a_gpu_without_fp8_matmuls_is_one_config_error():
   a100 = types.SimpleNamespace(platform='gpu', device_kind='NVIDIA A100-SXM4-80GB',
                                compute_capability='8.0')
@@ -103,6 +218,14 @@ def test_fp8_on_a_gpu_without_fp8_matmuls_is_one_config_error():
   c.model.fp8, c.model.attention = True, 'xla'
   with pytest.raises(config_lib.ConfigError, match=r'model\.fp8=True needs .* 8\.0'):
     config_lib.resolve(c, 1, device=a100)
+
+
+def test_an_unknown_fp8_gradient_format_is_one_config_error():
+  c = config_lib.preset('test')
+  c.model.fp8, c.model.fp8_gradients = True, 'e3m4'
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"^model\.fp8_gradients='e3m4': choose one of \('e4m3', 'e5m2'\)\.$"):
+    config_lib.resolve(c, 1, backend='cpu')
 
 
 @requires_plugin

@@ -106,6 +106,51 @@ def test_quantized_cache_rounds_each_vector_and_decode_attention_reads_it_exactl
   assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize('kv_cache_dtype', ['int8', 'fp8'])
+def test_a_quantized_cache_under_float16_is_as_accurate_as_dequantizing_first(kv_cache_dtype):
+  """float16 compute, one query over 32k positions of spread attention: the values' scales
+  applied in float32 (the probabilities times them fall below float16's normal range, ~1/S ×
+  scale), so the 8-bit cache is within 1.2× the error of its values dequantized to a float16
+  cache first, both against float64 attention over the unquantized keys and values."""
+  B, T, S, K, G, H = 1, 1, 32768, 1, 2, 64
+  rng = np.random.default_rng(0)
+  k_BxSxKxH = rng.normal(size=(B, S, K, H))
+  v_BxSxKxH = rng.normal(size=(B, S, K, H)) * rng.uniform(0.1, 2, (B, S, K, 1))
+  q_BxTxNxH = rng.normal(size=(B, T, K * G, H))
+  scores = np.einsum('btkgh,bskh->bkgts', q_BxTxNxH.reshape(B, T, K, G, H), k_BxSxKxH) / H**0.5
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  want = np.einsum('bkgts,bskh->btkgh', probs / probs.sum(-1, keepdims=True),
+                   v_BxSxKxH).reshape(B, T, K * G, H)
+  dtype = model_lib.KV_CACHE_DTYPES[kv_cache_dtype]
+  (k, k_scale), (v, v_scale) = (model_lib.quantize(jnp.asarray(x, jnp.float32), dtype)
+                                for x in (k_BxSxKxH, v_BxSxKxH))
+  dequantized = lambda x, scale: (x.astype(jnp.float32) * scale[..., None]).astype(jnp.float16)
+  q, positions = jnp.asarray(q_BxTxNxH, jnp.float16), jnp.full((B, T), S - 1)
+  got = model_lib.cached_attention(q, model_lib.LayerKV(k, v, k_scale, v_scale), positions)
+  first = model_lib.cached_attention(
+      q, model_lib.LayerKV(dequantized(k, k_scale), dequantized(v, v_scale)), positions)
+  assert rel_err(got, want) < 1.2 * rel_err(first, want)
+
+
+@pytest.mark.parametrize('kv_cache_dtype', ['auto', 'int8', 'fp8'])
+def test_a_nan_written_to_the_cache_reaches_the_queries_that_attend_to_it(kv_cache_dtype):
+  """A NaN key or value is kept by every cache (int8 has no NaN: its vector's scale is NaN), so
+  that decode attention over it is NaN, and a row that never wrote one is not."""
+  cfg, _, _ = model_and_params()
+  B, S, K, H = 2, 4, 1, 16
+  c = dataclasses.replace(cfg, num_layers=1, num_kv_heads=K, num_heads=K, d_model=K * H,
+                          dtype='float32')
+  for name in 'kv':
+    x = {n: np.random.default_rng(0).normal(size=(B, S, K, H)) for n in 'kv'}
+    x[name][0, 2, 0, 5] = np.nan  # row 0, position 2
+    kv = model_lib.KVCache.zeros(c, B, S, kv_cache_dtype).layers[0].write(
+        jnp.arange(B), jnp.broadcast_to(jnp.arange(S), (B, S)),
+        *(jnp.asarray(x[n], jnp.float32) for n in 'kv'))
+    out = np.asarray(model_lib.cached_attention(jnp.ones((B, 1, K, H), jnp.float32), kv,
+                                                jnp.full((B, 1), S - 1)))
+    assert np.isnan(out[0]).any() and np.isfinite(out[1]).all(), (name, out)
+
+
 def full_forward_greedy(forward, prompt, max_new_tokens, eos_id):
   """The reference: re-run the whole sequence through the model for every new token."""
   tokens = np.zeros((1, 20), np.int32)  # one shape for all prompts: one compile
