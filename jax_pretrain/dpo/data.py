@@ -68,6 +68,8 @@ def _fields(obj: dict) -> tuple[Any, Any, Any] | str:
   if not isinstance(obj, dict) or 'chosen' not in obj or 'rejected' not in obj:
     return 'no "chosen" and "rejected" fields: ' + _FORMS
   chosen, rejected = obj['chosen'], obj['rejected']
+  if chosen == rejected:
+    return '"chosen" and "rejected" are the same (a pair that prefers nothing)'
   if 'prompt' not in obj or (isinstance(obj['prompt'], str) and _is_messages(chosen)):
     if not (isinstance(chosen, str) and isinstance(rejected, str)
             or _is_messages(chosen) and _is_messages(rejected)):
