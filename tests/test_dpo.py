@@ -386,3 +386,23 @@ def test_dpo_fields_declare_their_resume_policy():
     else:
       assert config_lib.resume_changes(saved, config_lib.typed(c)) == {
           f'dpo.{f.name}': (f.default, after)}
+
+
+def test_plan_shows_a_dpo_step_with_the_reference_beside_it():
+  """python -m jax_pretrain.plan --dpo (compiled here for the CPU): the update on pairs of
+  data.seq_len + 1 tokens, the held reference's params (the policy's, float32) among what stays
+  on the device beside it; with dpo.precompute_ref_logps none."""
+  from jax_pretrain import memory  # noqa: PLC0415
+  from jax_pretrain.dpo import plan as dpo_plan  # noqa: PLC0415
+  c = config_lib.load_file(f'{ROOT}/configs/dpo.py')
+  config_lib.fine_tune(c, 'test', 'configs/dpo.py:test')  # (a preset's model, no params)
+  c.train.batch_size = 8
+  r = dpo_plan.plan(c, 'cpu', 1)
+  params = r['update']['params']
+  assert r['dpo']['sequence_tokens'] == c.data.seq_len + 1 and r['dpo']['reference'] == 'held'
+  assert r['update']['alongside_gib'] == {'reference params': params * 4 / memory.GIB}
+  assert r['update']['tokens_per_step'] == 8 * 2 * (c.data.seq_len + 1)
+  assert 'reference held' in dpo_plan.format_report(r)
+  c.dpo.precompute_ref_logps = True
+  r = dpo_plan.plan(c, 'cpu', 1)
+  assert r['update']['alongside_gib'] == {} and r['dpo']['reference_gib'] == 0

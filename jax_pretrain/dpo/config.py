@@ -15,7 +15,8 @@ from jax_pretrain.config import STREAM
 from jax_pretrain.config import check
 from jax_pretrain.config import choice
 from jax_pretrain.config import field
-from jax_pretrain.dpo import objective
+
+LOSS_TYPES = ('sigmoid', 'hinge', 'ipo', 'robust')  # TRL 1.16's loss_type values DPO has
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,7 @@ FIELDS = config_lib.fields(DpoConfig)
 
 def _resolve(d: DpoConfig) -> None:
   """The dpo group's values on their own (TRL's checks of the same DPOConfig fields)."""
-  choice(d, 'dpo', 'loss_type', objective.LOSS_TYPES)
+  choice(d, 'dpo', 'loss_type', LOSS_TYPES)
   check(d.beta > 0, f'dpo.beta={d.beta} must be positive.')
   if d.loss_type == 'robust':
     check(0 <= d.label_smoothing < 0.5, f'dpo.label_smoothing={d.label_smoothing} must lie in '

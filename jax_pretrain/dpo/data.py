@@ -199,7 +199,8 @@ def rows(pairs: list, length: int, pad_id: int, ref_logps: np.ndarray | None = N
   if ref_logps is not None:
     batch['ref_logps'][:len(pairs)] = ref_logps
   if rpo:  # (the batch's pairs over its chosen completion tokens, on every row)
-    batch['rpo_scale'] = np.full((B, 1), len(pairs) / max(float(mask[:, 0].sum()), 1.0), np.float32)
+    chosen_tokens = max(float(mask[:, 0].sum()), 1.0)
+    batch['rpo_scale'] = np.full((B, 1), len(pairs) / chosen_tokens, np.float32)
   return batch
 
 

@@ -46,9 +46,10 @@ The update's batch, B pairs a step (train.batch_size counts pairs):
 import jax
 import jax.numpy as jnp
 
+from jax_pretrain import model as model_lib
 from jax_pretrain import state as state_lib
+from jax_pretrain.dpo import config as dpo_config
 
-LOSS_TYPES = ('sigmoid', 'hinge', 'ipo', 'robust')
 # The metrics a step and the eval report (TRL's names), the means over the pairs.
 METRICS = ('rewards/chosen', 'rewards/rejected', 'rewards/accuracies', 'rewards/margins',
            'logps/chosen', 'logps/rejected')
@@ -71,7 +72,7 @@ def pair_losses(logps_Bx2: jax.Array, ref_logps_Bx2: jax.Array, lengths_Bx2: jax
     ls = label_smoothing
     return ((-(1.0 - ls) * jax.nn.log_sigmoid(beta * delta_B)
              + ls * jax.nn.log_sigmoid(-beta * delta_B)) / (1.0 - 2.0 * ls))
-  raise ValueError(f'unknown loss_type {loss_type!r}; one of {LOSS_TYPES}')
+  raise ValueError(f'unknown loss_type {loss_type!r}; one of {dpo_config.LOSS_TYPES}')
 
 
 def pair_metrics(logps_Bx2: jax.Array, ref_logps_Bx2: jax.Array, beta: float) -> dict:
@@ -116,6 +117,13 @@ def make_loss_fn(model, *, loss_type: str = 'sigmoid', beta: float = 0.1,
   return loss_fn
 
 
+def update_loss_fn(s: state_lib.Setup):
+  """The update's loss for the resolved config (make_loss_fn with its dpo group's values)."""
+  d = dpo_config.of(s.config).dpo
+  return make_loss_fn(s.model, loss_type=d.loss_type, beta=d.beta,
+                      label_smoothing=d.label_smoothing, rpo_alpha=d.rpo_alpha)
+
+
 def scorer(s: state_lib.Setup):
   """score(params, batch) -> float32 [B, 2]: the (chosen, rejected) completion log-probabilities
   of a batch's pairs (its tokens and mask), jitted for params in the policy's shardings,
@@ -158,3 +166,13 @@ def evaluator(s: state_lib.Setup, loss_fn):
                                             jax.tree.map(split, batch))
     return jnp.sum(loss_A), jnp.sum(pairs_A), jax.tree.map(jnp.sum, sums_A)
   return jax.jit(evaluate, in_shardings=(s.state_shardings.params, s.batch_sharding))
+
+
+def reference_bytes(c: dpo_config.DpoTrainConfig) -> float:
+  """Bytes of the held reference params, whole (at most what a device holds of them: a mesh
+  shards them as the policy's); 0 with dpo.precompute_ref_logps (none is held)."""
+  if c.dpo.precompute_ref_logps:
+    return 0.0
+  model = model_lib.Transformer(c.model)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+  return float(model_lib.count_params(shapes['params']) * c.model.master_dtype.itemsize)

@@ -22,7 +22,6 @@ from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import hooks as hooks_lib
 from jax_pretrain import loop as loop_lib
-from jax_pretrain import model as model_lib
 from jax_pretrain import multihost
 from jax_pretrain import state as state_lib
 from jax_pretrain import train as train_lib
@@ -77,17 +76,12 @@ class DPO(train_lib.Program[data_lib.PairSources, data_lib.PairData, 'Step']):
     return objective.update_batch(s, c.train.batch_size, sources.length, c.dpo.rpo_alpha > 0)
 
   def loss_fn(self, s: state_lib.Setup):
-    return _loss_fn(s)
+    return objective.update_loss_fn(s)
 
   def alongside(self, resolved: config_lib.Config, sources: data_lib.PairSources,
                 num_devices: int) -> float:
     """The held reference params, at most whole on each device (none with precompute)."""
-    if dpo_config.of(resolved).dpo.precompute_ref_logps:
-      return 0.0
-    model = model_lib.Transformer(resolved.model)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 8), np.int32)))
-    return float(model_lib.count_params(shapes['params'])
-                 * resolved.model.master_dtype.itemsize)
+    return objective.reference_bytes(dpo_config.of(resolved))
 
   def open_data(self, resolved: config_lib.Config, sources: data_lib.PairSources,
                 step: int) -> data_lib.PairData:
@@ -127,12 +121,6 @@ class DPO(train_lib.Program[data_lib.PairSources, data_lib.PairData, 'Step']):
     if ctx.data.sources.eval:
       hooks.append(eval_hook(ctx))
     return hooks + hooks_lib.checkpoint_hooks(ctx)
-
-
-def _loss_fn(s: state_lib.Setup):
-  d = dpo_config.of(s.config).dpo
-  return objective.make_loss_fn(s.model, loss_type=d.loss_type, beta=d.beta,
-                                label_smoothing=d.label_smoothing, rpo_alpha=d.rpo_alpha)
 
 
 def _reference_params(s: state_lib.Setup, run: str):
@@ -189,7 +177,7 @@ def eval_hook(ctx: hooks_lib.Context[data_lib.PairData, Step]) -> loop_lib.Hook:
   """eval/loss and TRL's metrics over the held-out pairs, every train.eval_every steps and at
   the end."""
   step, s = ctx.step, ctx.setup
-  evaluate = objective.evaluator(s, _loss_fn(s))
+  evaluate = objective.evaluator(s, objective.update_loss_fn(s))
   pairs = ctx.data.sources.eval
 
   def run(info: loop_lib.StepInfo) -> dict:
