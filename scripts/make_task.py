@@ -16,6 +16,7 @@ Files in --output-dir:
   prefs.jsonl    the train items as DPO's preference pairs {"prompt", "chosen", "rejected"}: the
                  answer chosen over a wrong one (reverse: the letters as given; copy: reversed;
                  add: off by 1 or 10), each with its newline (python -m jax_pretrain.dpo)
+  heldout_prefs.jsonl  the heldout items as such pairs (DPO's --config.data.val)
 
 Tasks (prompt -> answer):
   add      two numbers of two digits: '47+85=' -> '132'
@@ -93,7 +94,8 @@ def _write(path: str, records: list[dict]) -> None:
 
 
 def write_task(output_dir: str, task: str, train: int, heldout: int, seed: int) -> None:
-  """train.jsonl, sft.jsonl, heldout.jsonl and prefs.jsonl (module docstring) into output_dir."""
+  """train.jsonl, sft.jsonl, heldout.jsonl, prefs.jsonl and heldout_prefs.jsonl (module
+  docstring) into output_dir."""
   if train < 1 or heldout < 1:
     raise UserError(f'--train and --heldout must be at least 1 (got {train} and {heldout}).')
   items = make_items(task, train + heldout, seed)
@@ -105,9 +107,10 @@ def write_task(output_dir: str, task: str, train: int, heldout: int, seed: int) 
   _write(os.path.join(output_dir, 'heldout.jsonl'),
          [{'prompt': p, 'answer': a} for p, a in items[train:]])
   rng = random.Random(f'{task}:{seed}:wrong')
-  _write(os.path.join(output_dir, 'prefs.jsonl'),
-         [{'prompt': p, 'chosen': a + '\n', 'rejected': wrong_answer(task, p, a, rng) + '\n'}
-          for p, a in items[:train]])
+  pairs = [{'prompt': p, 'chosen': a + '\n', 'rejected': wrong_answer(task, p, a, rng) + '\n'}
+           for p, a in items]
+  _write(os.path.join(output_dir, 'prefs.jsonl'), pairs[:train])
+  _write(os.path.join(output_dir, 'heldout_prefs.jsonl'), pairs[train:])
 
 
 def main() -> None:
@@ -121,8 +124,9 @@ def main() -> None:
   a = p.parse_args()
   with cli.user_errors():
     write_task(a.output_dir, a.task, a.train, a.heldout, a.seed)
-  print(f'wrote {a.output_dir}/train.jsonl, sft.jsonl, prefs.jsonl ({a.train} items) and '
-        f'heldout.jsonl ({a.heldout} items) of task {a.task!r}, seed {a.seed}')
+  print(f'wrote {a.output_dir}/train.jsonl, sft.jsonl, prefs.jsonl ({a.train} items), '
+        f'heldout.jsonl and heldout_prefs.jsonl ({a.heldout} items) of task {a.task!r}, seed '
+        f'{a.seed}')
 
 
 if __name__ == '__main__':
