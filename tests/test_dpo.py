@@ -302,8 +302,10 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit_and_learns(prefs
   train_lib.train(_config(prefs, 4), str(tmp_path / 'split'), program.DPO(), one)
   train_lib.train(_config(prefs, 8), str(tmp_path / 'split'), program.DPO(), one)
   whole, split = _records(tmp_path / 'whole'), _records(tmp_path / 'split')
-  assert sorted(whole) == list(range(1, 9))
-  for step in range(1, 9):
+  assert sorted(whole) == list(range(9))  # (step 0: the eval before training)
+  assert whole[0]['eval/rewards/margins'] == 0 and whole[0]['eval/loss'] == pytest.approx(
+      np.log(2), abs=1e-6)  # (the policy is the reference)
+  for step in range(9):
     got = {k: v for k, v in split[step].items() if not k.startswith('perf/')}
     want = {k: v for k, v in whole[step].items() if not k.startswith('perf/')}
     assert got == want, step

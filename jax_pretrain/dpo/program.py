@@ -119,7 +119,7 @@ class DPO(train_lib.Program[data_lib.PairSources, data_lib.PairData, 'Step']):
   def hooks(self, ctx: hooks_lib.Context[data_lib.PairData, 'Step']) -> list[loop_lib.Hook]:
     hooks = [*hooks_lib.profile_hooks(ctx)]
     if ctx.data.sources.eval:
-      hooks.append(eval_hook(ctx))
+      hooks += eval_hooks(ctx)
     return hooks + hooks_lib.checkpoint_hooks(ctx)
 
 
@@ -173,30 +173,37 @@ class Step:
     return self.update(state, batch)
 
 
-def eval_hook(ctx: hooks_lib.Context[data_lib.PairData, Step]) -> loop_lib.Hook:
-  """eval/loss and TRL's metrics over the held-out pairs, every train.eval_every steps and at
-  the end."""
+def eval_hooks(ctx: hooks_lib.Context[data_lib.PairData, Step]) -> list[loop_lib.Hook]:
+  """eval/loss and TRL's metrics over the held-out pairs: before the first step of a new run
+  (logged as step 0: the init's log-probabilities; its rewards are 0, the policy being the
+  reference), every train.eval_every steps and at the end."""
   step, s = ctx.step, ctx.setup
   evaluate = objective.evaluator(s, objective.update_loss_fn(s))
   pairs = ctx.data.sources.eval
 
-  def run(info: loop_lib.StepInfo) -> dict:
+  def run(step_number: int, params) -> dict:
     t0 = time.perf_counter()
     table = step.table.get('eval')
     totals = None
     for i, chunk in step.chunks(pairs):
-      sums = evaluate(info.state.params,
+      sums = evaluate(params,
                       step.batch(chunk, table[i:i + len(chunk)] if table is not None else None))
       totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
     loss, count, metrics = jax.device_get(totals)
     scalars = {'eval/loss': float(loss / count),
                **{f'eval/{k}': float(v / count) for k, v in metrics.items()}}
-    ctx.logger.write(info.step, scalars)
-    multihost.log(f'eval at step {info.step} | loss {scalars["eval/loss"]:.4f} | accuracy '
+    ctx.logger.write(step_number, scalars)
+    multihost.log(f'eval at step {step_number} | loss {scalars["eval/loss"]:.4f} | accuracy '
                   f'{scalars["eval/rewards/accuracies"]:.4f} | margin '
                   f'{scalars["eval/rewards/margins"]:.4f} ({len(pairs)} pairs, '
                   f'{time.perf_counter() - t0:.1f}s)')
     ctx.logger.pause()
     return scalars
-  return loop_lib.Hook(run, every=ctx.config.train.eval_every, phase=loop_lib.EVAL, at_last=True,
-                       name='eval')
+  def at_start(info: loop_lib.StepInfo) -> None:
+    if info.step == 1 and ctx.start_step == 0:
+      run(0, info.state.params)
+
+  return [loop_lib.Hook(at_start, every=1, phase=loop_lib.BEFORE_STEP, name='eval_at_start'),
+          loop_lib.Hook(lambda info: run(info.step, info.state.params),
+                        every=ctx.config.train.eval_every, phase=loop_lib.EVAL, at_last=True,
+                        name='eval')]
