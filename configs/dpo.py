@@ -26,5 +26,4 @@ def get_config(run: str = ''):
   c.optim.warmup_steps = 0
   c.optim.weight_decay = 0.0
   c.checkpoint.every_steps = 50
-  c.checkpoint.keep_best = 0   # no eval loss to rank by
   return c
