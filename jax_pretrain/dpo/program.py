@@ -195,10 +195,13 @@ def eval_hooks(ctx: hooks_lib.Context[data_lib.PairData, Step]) -> list[loop_lib
     ctx.logger.write(step_number, scalars)
     multihost.log(f'eval at step {step_number} | loss {scalars["eval/loss"]:.4f} | accuracy '
                   f'{scalars["eval/rewards/accuracies"]:.4f} | margin '
-                  f'{scalars["eval/rewards/margins"]:.4f} ({len(pairs)} pairs, '
+                  f'{scalars["eval/rewards/margins"]:.4f} | logps chosen '
+                  f'{scalars["eval/logps/chosen"]:.3f} rejected '
+                  f'{scalars["eval/logps/rejected"]:.3f} ({len(pairs)} pairs, '
                   f'{time.perf_counter() - t0:.1f}s)')
     ctx.logger.pause()
     return scalars
+
   def at_start(info: loop_lib.StepInfo) -> None:
     if info.step == 1 and ctx.start_step == 0:
       run(0, info.state.params)
