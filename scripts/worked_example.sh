@@ -29,7 +29,7 @@ task=$runs/task
     --config.optim.learning_rate=5e-4 --config.train.steps=150
 "${py[@]}" -m jax_pretrain.dpo --workdir="$runs/dpo" --init="$runs/sft" \
     --config.data.train="$task/prefs.jsonl" --config.data.val="$task/heldout_prefs.jsonl" \
-    --config.optim.learning_rate=1e-4 --config.train.steps=60 \
+    --config.dpo.rpo_alpha=1.0 --config.optim.learning_rate=1e-4 --config.train.steps=60 \
     --config.train.eval_every=20 --config.train.log_every=5
 "${py[@]}" -m jax_pretrain.grpo --workdir="$runs/grpo" --init="$runs/dpo" \
     --task="$task/train.jsonl" --eval_task="$task/heldout.jsonl" \
