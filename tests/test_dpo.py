@@ -201,8 +201,10 @@ def test_every_form_of_pair_tokenizes_as_trls(tmp_path):
   assert tokenizer_json.write(str(tmp_path / 'hf'), tok) == []
   theirs_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / 'hf'))
   (tmp_path / 'pairs.jsonl').write_text(''.join(json.dumps(p) + '\n' for p in CHAT_PAIRS))
-  ours = data_lib.open_pairs(str(tmp_path / 'pairs.jsonl'), '', 0.0, tok, (0, 0), 64)
-  args = trl.DPOConfig(output_dir=str(tmp_path / 'out'), report_to='none', max_length=None)
+  ours = data_lib.open_pairs(str(tmp_path / 'pairs.jsonl'), '', 0.0, tok, (0, 0), 512)
+  assert len(ours.train) == len(CHAT_PAIRS) and ours.dropped == 0
+  args = trl.DPOConfig(output_dir=str(tmp_path / 'out'), report_to='none', max_length=None,
+                       use_cpu=True, bf16=False)
   prepare = trl.DPOTrainer._prepare_dataset  # noqa: SLF001  (TRL's preparation, alone)
   for pair, row in zip(ours.train, CHAT_PAIRS):  # (one form a dataset, as TRL reads them)
     theirs = prepare(types.SimpleNamespace(_tokenizer=theirs_tok), datasets.Dataset.from_list(
