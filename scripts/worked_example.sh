@@ -4,7 +4,7 @@
 #   2. write a verifiable task: reversing 3-6 letters, 2000 train items and 200 held out
 #   3. SFT on the train items (configs/sft.py)                         ~3 min
 #   4. DPO on the train items' preference pairs (the answer chosen over a wrong one) from the
-#      SFT run (configs/dpo.py; the held-out items' pairs are its eval)  ~2 min
+#      SFT run (configs/dpo.py; the held-out items' pairs are its eval)  5-9 min loaded
 #   5. GRPO on the same items from the DPO run (configs/grpo.py)       ~3-4 min
 # and the greedy held-out accuracy (python -m jax_pretrain.evaluate --task) after 1, 3, 4 and 5.
 #
