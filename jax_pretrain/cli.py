@@ -174,3 +174,30 @@ def define_process_flags():
     from jax_pretrain import multihost  # noqa: PLC0415  (imports jax: after runtime.configure)
     return multihost.processes(coordinator.value, count.value, index.value, heartbeat.value)
   return processes
+
+
+def init_into_config(argv: list[str], config_file: str) -> list[str]:
+  """A fine-tuning program's --init=RUN as --config=FILE:RUN (FILE: --config's, else
+  configs/config_file; the config file takes the run's model and seq_len): the --config value is
+  rewritten before flags are parsed (python -m jax_pretrain.grpo, jax_pretrain.dpo). The last
+  --init counts, as absl's; `--init RUN` and `--config FILE` are read as `--init=RUN` and
+  `--config=FILE`."""
+  joined: list[str] = []
+  for a in argv:
+    if joined and joined[-1] in ('--init', '--config'):
+      joined[-1] = f'{joined[-1]}={a}'
+    else:
+      joined.append(a)
+  argv = joined
+  init = next((a.split('=', 1)[1] for a in reversed(argv) if a.startswith('--init=')), '')
+  if not init:
+    return argv
+  given = [i for i, a in enumerate(argv) if a.startswith('--config=')]
+  out = list(argv)
+  if given:
+    value = out[given[0]].split('=', 1)[1]
+    if ':' not in value:
+      out[given[0]] = f'--config={value}:{init}'
+  else:
+    out.insert(1, f'--config={PRESETS_DIR}/{config_file}:{init}')
+  return out

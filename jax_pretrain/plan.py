@@ -2,7 +2,7 @@
 
   python -m jax_pretrain.plan --config=configs/xlarge.py [--config.x=y ...] \\
       --target=h100|a100-80|a100-40|v100|rtx-a6000|cpu [--num_devices=8] [--json] \\
-      [--memory_gib=24] [--grpo [--grpo_prompt_tokens=N]]
+      [--memory_gib=24] [--grpo [--grpo_prompt_tokens=N] | --dpo]
 
 For a GPU target, XLA's GPU compiler (in jax's CUDA plugin: pip install -r requirements-gpu.txt;
 no GPU needed) compiles the trainer's own step (memory.compile_step: state.build,
@@ -23,7 +23,9 @@ Targets: gpu_targets.TARGETS. 'cpu' compiles for this machine's CPU devices (no 
 
 With --grpo and a config with the grpo group (--config=configs/grpo.py:xlarge, or :RUN), the
 programs of a GRPO step instead (its update, rollout and scoring): jax_pretrain/grpo/plan.py, which
-registers its plan here (register) as grpo/config.py registers its config group.
+registers its plan here (register) as grpo/config.py registers its config group. With --dpo and
+a config with the dpo group (--config=configs/dpo.py:xlarge), a DPO step's update with the
+reference params beside it: jax_pretrain/dpo/plan.py, registered the same way.
 """
 from collections.abc import Callable
 import dataclasses
@@ -344,6 +346,10 @@ if __name__ == '__main__':
       'grpo', False, "A GRPO step's programs instead (jax_pretrain/grpo/; a config with the grpo "
       "group, e.g. --config=configs/grpo.py:xlarge): the update and the engine's rollout calls "
       "(--hlo: the update's).")
+  _DPO = flags.DEFINE_bool(
+      'dpo', False, "A DPO step instead (jax_pretrain/dpo/; a config with the dpo group, e.g. "
+      '--config=configs/dpo.py:xlarge): the update on pairs of data.seq_len + 1 tokens, the '
+      'reference params beside it.')
   _GRPO_PROMPT_TOKENS = flags.DEFINE_integer(
       'grpo_prompt_tokens', 0, 'With --grpo: tokens of the longest prompt (0: data.seq_len - '
       'grpo.max_new_tokens).')
@@ -354,7 +360,7 @@ if __name__ == '__main__':
   def _main() -> None:
     grpo = _GRPO.value
     plan_lib.main(cli.config_value(_CONFIG), _TARGET.value, _NUM_DEVICES.value,
-                  program='grpo' if grpo else '',
+                  program='grpo' if grpo else 'dpo' if _DPO.value else '',
                   options={'prompt_tokens': _GRPO_PROMPT_TOKENS.value} if grpo else None,
                   as_json=_JSON.value, hlo_path=_HLO.value, memory_gib=_MEMORY_GIB.value)
   cli.run(_main)

@@ -13,6 +13,10 @@ Files in --output-dir:
                  newline (the `exact` reward reads the first line, so the model learns to stop)
   heldout.jsonl  {"prompt", "answer"}, no prompt of train.jsonl: `evaluate --task`, GRPO's
                  --eval_task
+  prefs.jsonl    the train items as DPO's preference pairs {"prompt", "chosen", "rejected"}: the
+                 answer chosen over a wrong one (reverse: the letters as given; copy: reversed;
+                 add: off by 1 or 10), each with its newline (python -m jax_pretrain.dpo)
+  heldout_prefs.jsonl  the heldout items as such pairs (DPO's --config.data.val)
 
 Tasks (prompt -> answer):
   add      two numbers of two digits: '47+85=' -> '132'
@@ -54,6 +58,19 @@ def _copy(rng: random.Random) -> tuple[str, str]:
 TASKS = {'add': _add, 'reverse': _reverse, 'copy': _copy}
 
 
+def wrong_answer(task: str, prompt: str, answer: str, rng: random.Random) -> str:
+  """A wrong answer to the item, the kind of mistake a model makes on it: reverse's letters as
+  given, copy's reversed, add's sum off by 1 or 10; where that is the answer (a palindrome), the
+  answer rotated by a letter, else cut by one."""
+  if task == 'add':
+    return str(int(answer) + rng.choice((-10, -1, 1, 10)))
+  letters = prompt.split(' ', 1)[1][:-1]
+  for wrong in (letters if task == 'reverse' else letters[::-1], answer[1:] + answer[0]):
+    if wrong != answer:
+      return wrong
+  return answer[:-1]
+
+
 def make_items(task: str, count: int, seed: int) -> list[tuple[str, str]]:
   """count (prompt, answer) pairs of the task with distinct prompts, in a seeded order."""
   draw, rng, items = TASKS[task], random.Random(f'{task}:{seed}'), {}
@@ -77,7 +94,8 @@ def _write(path: str, records: list[dict]) -> None:
 
 
 def write_task(output_dir: str, task: str, train: int, heldout: int, seed: int) -> None:
-  """train.jsonl, sft.jsonl and heldout.jsonl (module docstring) into output_dir."""
+  """train.jsonl, sft.jsonl, heldout.jsonl, prefs.jsonl and heldout_prefs.jsonl (module
+  docstring) into output_dir."""
   if train < 1 or heldout < 1:
     raise UserError(f'--train and --heldout must be at least 1 (got {train} and {heldout}).')
   items = make_items(task, train + heldout, seed)
@@ -88,6 +106,11 @@ def write_task(output_dir: str, task: str, train: int, heldout: int, seed: int) 
          [{'prompt': p, 'completion': a + '\n'} for p, a in items[:train]])
   _write(os.path.join(output_dir, 'heldout.jsonl'),
          [{'prompt': p, 'answer': a} for p, a in items[train:]])
+  rng = random.Random(f'{task}:{seed}:wrong')
+  pairs = [{'prompt': p, 'chosen': a + '\n', 'rejected': wrong_answer(task, p, a, rng) + '\n'}
+           for p, a in items]
+  _write(os.path.join(output_dir, 'prefs.jsonl'), pairs[:train])
+  _write(os.path.join(output_dir, 'heldout_prefs.jsonl'), pairs[train:])
 
 
 def main() -> None:
@@ -101,8 +124,9 @@ def main() -> None:
   a = p.parse_args()
   with cli.user_errors():
     write_task(a.output_dir, a.task, a.train, a.heldout, a.seed)
-  print(f'wrote {a.output_dir}/train.jsonl, sft.jsonl ({a.train} items) and heldout.jsonl '
-        f'({a.heldout} items) of task {a.task!r}, seed {a.seed}')
+  print(f'wrote {a.output_dir}/train.jsonl, sft.jsonl, prefs.jsonl ({a.train} items), '
+        f'heldout.jsonl and heldout_prefs.jsonl ({a.heldout} items) of task {a.task!r}, seed '
+        f'{a.seed}')
 
 
 if __name__ == '__main__':

@@ -98,20 +98,21 @@ def test_presets_load_by_path_and_start_from_the_defaults():
   from jax_pretrain import config as config_lib  # noqa: PLC0415
   for name in os.listdir(os.path.join(ROOT, 'configs')):
     c = config_lib.load_file(os.path.join(ROOT, 'configs', name))
-    program = {'grpo'} if name == 'grpo.py' else set()  # GRPO's own group, beside the trainer's
+    # GRPO's and DPO's own groups, beside the trainer's
+    program = {name[:-3]} if name in ('grpo.py', 'dpo.py') else set()
     assert set(c) == set(config_lib.defaults()) | program, name
 
 
 def test_pretraining_resolves_without_any_programs_group_or_their_modules():
-  """The trainer's config has no grpo group, and resolving it imports neither GRPO's modules nor
-  the task and Hugging Face modules they read (a fresh interpreter)."""
+  """The trainer's config has no grpo or dpo group, and resolving it imports neither GRPO's or
+  DPO's modules nor the task and Hugging Face modules they read (a fresh interpreter)."""
   code = ('import sys; from jax_pretrain import config as c; '
           'r, _ = c.resolve(c.preset("default"), 1, backend="cpu"); '
-          'print(hasattr(r, "grpo"), sorted(m for m in sys.modules if '
-          'm.startswith("jax_pretrain.") and m.split(".")[1] in ("grpo", "tasks") or '
+          'print(hasattr(r, "grpo"), hasattr(r, "dpo"), sorted(m for m in sys.modules if '
+          'm.startswith("jax_pretrain.") and m.split(".")[1] in ("grpo", "dpo", "tasks") or '
           'm == "jax_pretrain.data.hub"))')
   out = run_cli('-c', code)
-  assert out.split() == ['False', '[]'], out
+  assert out.split() == ['False', 'False', '[]'], out
 
 
 def reachable(graph, start: str) -> set[str]:

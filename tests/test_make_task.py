@@ -1,6 +1,7 @@
 """scripts/make_task.py: the same files for the same seed, train and heldout disjoint, answers
 correct (recomputed from the prompts), sft.jsonl the train items with a newline-ended completion,
-and heldout.jsonl scored as a task file under the exact reward."""
+prefs.jsonl the same answers chosen over wrong ones, and heldout.jsonl scored as a task file under
+the exact reward."""
 import json
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from tests.conftest import ROOT
 from tests.conftest import run_cli
 from tests.conftest import subprocess_env
 
-FILES = ('train.jsonl', 'sft.jsonl', 'heldout.jsonl')
+FILES = ('train.jsonl', 'sft.jsonl', 'heldout.jsonl', 'prefs.jsonl', 'heldout_prefs.jsonl')
 
 
 def _make(out, task, seed, train=300, heldout=50) -> dict[str, bytes]:
@@ -42,7 +43,7 @@ def test_make_task_files(tmp_path, task):
   files = _make(tmp_path / 'a', task, seed=1)
   assert _make(tmp_path / 'b', task, seed=1) == files  # deterministic
   assert _make(tmp_path / 'c', task, seed=2) != files  # the seed matters
-  train, sft, heldout = (_read(files[name]) for name in FILES)
+  train, sft, heldout, prefs, heldout_prefs = (_read(files[name]) for name in FILES)
   assert len(train) == len(sft) == 300 and len(heldout) == 50
   train_prompts = [r['prompt'] for r in train]
   assert len(set(train_prompts)) == len(train_prompts)
@@ -50,6 +51,12 @@ def test_make_task_files(tmp_path, task):
   for r in train + heldout:
     assert set(r) == {'prompt', 'answer'} and r['answer'] == _answer(task, r['prompt'])
   assert sft == [{'prompt': r['prompt'], 'completion': r['answer'] + '\n'} for r in train]
+  for split, pairs in (('train', prefs), ('heldout', heldout_prefs)):
+    items = tasks.load(str(tmp_path / 'a' / f'{split}.jsonl'))
+    assert [(p['prompt'], p['chosen']) for p in pairs] == [(i.prompt, i.answer + '\n')
+                                                           for i in items]
+    for p, item in zip(pairs, items):
+      assert p['rejected'].endswith('\n') and tasks.exact(p['rejected'], item) == 0.0
   items = tasks.load(str(tmp_path / 'a' / 'heldout.jsonl'))
   assert all(tasks.exact(r['answer'] + '\n', item) == 1.0 for r, item in zip(heldout, items))
 

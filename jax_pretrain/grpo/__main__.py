@@ -7,33 +7,7 @@ trainer takes them (--coordinator_address, --num_processes, --process_id).
 import os
 import sys
 
-from jax_pretrain import PRESETS_DIR
 from jax_pretrain.errors import UserError
-
-
-def _init_into_config(argv: list[str]) -> list[str]:
-  """--init=RUN is --config=FILE:RUN (the config file takes the run's model and seq_len): the
-  --config value is rewritten before flags are parsed. The last --init counts, as absl's; `--init
-  RUN` and `--config FILE` are read as `--init=RUN` and `--config=FILE`."""
-  joined: list[str] = []
-  for a in argv:
-    if joined and joined[-1] in ('--init', '--config'):
-      joined[-1] = f'{joined[-1]}={a}'
-    else:
-      joined.append(a)
-  argv = joined
-  init = next((a.split('=', 1)[1] for a in reversed(argv) if a.startswith('--init=')), '')
-  if not init:
-    return argv
-  given = [i for i, a in enumerate(argv) if a.startswith('--config=')]
-  out = list(argv)
-  if given:
-    value = out[given[0]].split('=', 1)[1]
-    if ':' not in value:
-      out[given[0]] = f'--config={value}:{init}'
-  else:
-    out.insert(1, f'--config={PRESETS_DIR}/grpo.py:{init}')
-  return out
 
 
 def main(workdir: str, config_holder, flag_values, processes) -> None:
@@ -55,9 +29,9 @@ def main(workdir: str, config_holder, flag_values, processes) -> None:
 
 
 if __name__ == '__main__':
-  sys.argv = _init_into_config(sys.argv)
   from absl import flags  # noqa: I001
   from jax_pretrain import cli
+  sys.argv = cli.init_into_config(sys.argv, 'grpo.py')
   _CONFIG = cli.define_config('grpo.py', 'Config file (configs/grpo.py); its model and seq_len '
                              'are the --init run\'s. Fields: --config.grpo.FIELD=VALUE, ...')
   _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory of this GRPO run (config, logs, '
