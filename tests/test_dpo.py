@@ -23,10 +23,14 @@ from jax_pretrain.dpo import data as data_lib
 from jax_pretrain.dpo import objective
 from tests.conftest import ROOT
 from tests.conftest import subprocess_env
-from tests.test_chat_template import CHATML
-from tests.test_chat_template import TEXTS
 from tests.test_hf import preset_config
 from tests.test_hf import random_params
+
+# A ChatML template, and the texts the test tokenizers are trained on.
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TEXTS = ['user assistant system hello 2 + 3 = 5, and 4 + 3 = 7. Be brief.'] * 20
 
 
 def _log_sigmoid(x):
