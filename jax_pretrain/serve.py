@@ -51,9 +51,10 @@ the engine for everyone else; --max_queued_sequences must hold one such request)
 request needs `Authorization: Bearer KEY` (401 without it, as vLLM's --api-key; the OpenAI client
 sends its api_key so); /health stays open.
 
-A client that goes away cancels its sequences, which leave the engine at its next chunk (or when
-they would have been admitted): a stream's when Starlette sees the disconnect, a whole response's
-when the ASGI receive channel says http.disconnect (watched while the request waits).
+A client that goes away cancels its sequences (a stream's when Starlette sees the disconnect, a
+whole response's when the ASGI receive channel says http.disconnect, watched while the request
+waits): those still waiting leave the queue at once (their places go to the next requests), those
+decoding leave the engine at its next chunk.
 
 Failures: nothing that goes wrong reaches a client as exception text; it gets OpenAI's error JSON
 with a generic message (500, server_error) and the traceback goes to the server's log (absl). The
@@ -83,7 +84,9 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import secrets
+import signal
 import sys
 import time
 from typing import TypeVar
@@ -116,6 +119,7 @@ FORCE_AFTER_S = client_lib.JOIN_S  # then uvicorn cancels what is left (answered
 # the openai client's: 5 s, uvicorn's own default), so that the server never closes one as a
 # client sends on it (a POST lost to "connection closed": 596 of 22,440 at 10 x load with 5 s).
 KEEP_ALIVE_S = 75
+CLOSE_TIMEOUT_S = 10.0  # the way out waits this long at most for a compile in the background
 API_KEY_ENV = 'JAX_PRETRAIN_API_KEY'  # the key when --api_key is not given
 T = TypeVar('T')
 
@@ -375,7 +379,7 @@ def create_app(server: Server) -> fastapi.FastAPI:
   async def lifespan(_):
     client.start()
     yield
-    client.stop()
+    await asyncio.to_thread(client.stop)  # (it waits for the engine's thread: not on the loop)
 
   app = fastapi.FastAPI(title='jax_pretrain', lifespan=lifespan)
   app.add_middleware(_Guard, server=server)
@@ -439,6 +443,19 @@ class _Uvicorn(uvicorn.Server):
   def __init__(self, config: uvicorn.Config, server: Server):
     super().__init__(config)
     self.server = server
+    self.signals: list[int] = []  # the signals that stopped it, for main to re-raise
+
+  @contextlib.contextmanager
+  def capture_signals(self):
+    """uvicorn's, but the signals that stopped the server are kept for main to re-raise after the
+    engine's close (uvicorn re-raises them on its way out: a SIGTERM would end the process before
+    main's cleanup)."""
+    with super().capture_signals():
+      try:
+        yield
+      finally:
+        self.signals += self._captured_signals
+        self._captured_signals.clear()
 
   async def shutdown(self, sockets=None) -> None:
     async def give_up():
@@ -473,15 +490,42 @@ def main():
                              slots=f.slots, context=context, chunk=f.chunk,
                              kv_cache_dtype=f.kv_cache_dtype)
   run = dataclasses.replace(run, params=None)  # the engine holds its own copy: free the float32 one
+  signals: list[int] = []
   try:
-    _serve(f, engine, run, context)
-  finally:
-    engine.close()  # (its background compiler, on every way out)
+    _serve(f, engine, run, context, signals)
+  except BaseException as e:
+    _close(engine, signals, e)
+    raise
+  _close(engine, signals)
 
 
-def _serve(f, engine: engine_lib.Engine, run, context: int) -> None:
-  """Warms up (--warmup), serves until a shutdown, and exits 1 if the engine gave up."""
-  import os  # noqa: PLC0415
+def _close(engine: engine_lib.Engine, signals: list[int], error: BaseException | None = None):
+  """The engine's close (its background compiler), on every way out, CLOSE_TIMEOUT_S at most;
+  then the signals that stopped the server are raised again, as uvicorn would: the process ends
+  by the first (SIGTERM: exit status 143, Ctrl-C: 130). A compile still running then is not
+  waited for: the process ends at once (os._exit), as the interpreter's own exit would abort it
+  while a thread is inside XLA."""
+  closed = engine.close(timeout=CLOSE_TIMEOUT_S)
+  if not closed:
+    print(f'the background compiler is still compiling after {CLOSE_TIMEOUT_S:g} s: exiting '
+          'without it', file=sys.stderr, flush=True)
+  if signals:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signals[0], signal.SIG_DFL)
+    signal.raise_signal(signals[0])
+  if not closed:
+    if isinstance(error, UserError):
+      print(f'error: {error}', file=sys.stderr)
+    code = error.code if isinstance(error, SystemExit) else 0 if error is None else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)
+
+
+def _serve(f, engine: engine_lib.Engine, run, context: int, signals: list[int]) -> None:
+  """Warms up (--warmup), serves until a shutdown (the signals that stopped it: into signals),
+  and exits 1 if the engine gave up."""
   name = f.model_name or os.path.basename(os.path.normpath(f.workdir))
   if f.warmup:
     t0 = time.perf_counter()
@@ -503,6 +547,8 @@ def _serve(f, engine: engine_lib.Engine, run, context: int) -> None:
     if uv.started:
       raise
     raise UserError(f'could not serve on {f.host}:{f.port} (the line above says why)') from None
+  finally:
+    signals += uv.signals
   failure = server.client.failure
   if failure is not None:
     cause = failure.__cause__ or failure

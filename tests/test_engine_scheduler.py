@@ -319,3 +319,51 @@ def test_calls_fitted_while_the_background_compiler_adds_programs_never_fail():
     sys.setswitchinterval(switch)
     p.stop()
   assert all(f.covers(call) for f, call in zip(fitted, calls))
+
+
+def _warm(compile) -> programs.Programs:
+  """Programs after a warmup of one covering decode (nothing left in the background)."""
+  p = programs.Programs(compile)
+  p.warmup([DecodeShape(8, 64)], [], background=True, report=lambda line: None)
+  return p
+
+
+def test_a_shape_that_cannot_compile_is_tried_once_and_its_calls_run_as_a_cover():
+  tried = []
+
+  def compile(shape):
+    tried.append(shape)
+    if shape == DecodeShape(2, 16):
+      raise RuntimeError('cannot compile')
+    return shape
+
+  p = _warm(compile)
+  for _ in range(50):
+    assert p.fit(DecodeShape(2, 16)) == DecodeShape(8, 64)
+    p.join()
+  assert tried == [DecodeShape(8, 64), DecodeShape(2, 16)] and p.pending() == 0
+
+
+def test_a_shape_queued_as_the_background_compiler_ends_starts_it_again(monkeypatch):
+  """The compiler's thread has looked at its queue for the last time but not ended yet when a
+  call queues a new shape: that shape is compiled all the same (the window held open)."""
+  looked, go = threading.Event(), threading.Event()
+  run = programs.Programs._run  # noqa: SLF001
+
+  def ending(self):
+    run(self)
+    if threading.current_thread().name == 'engine-compiler' and not looked.is_set():
+      looked.set()  # past its last look at the queue, still alive
+      go.wait(60)
+
+  monkeypatch.setattr(programs.Programs, '_run', ending)
+  p = _warm(lambda shape: shape)
+  assert p.fit(DecodeShape(2, 16)) == DecodeShape(8, 64)  # starts the compiler
+  assert looked.wait(60)
+  assert p.fit(DecodeShape(4, 16)) == DecodeShape(8, 64)  # queued in the window
+  go.set()
+  deadline = time.monotonic() + 60
+  while DecodeShape(4, 16) not in p.ready:
+    assert time.monotonic() < deadline, 'the shape queued in the window was never compiled'
+    time.sleep(0.01)
+  assert p.pending() == 0

@@ -13,7 +13,9 @@ for first); once compiled, calls of that shape run as themselves. Padding change
 only by float rounding (other shapes sum in other orders).
 
 The background compiler is one thread: it lowers and compiles one shape at a time (XLA compiles
-outside the GIL) and reports its progress with an ETA.
+outside the GIL) and reports its progress with an ETA. A shape that fails to compile is logged
+once and never tried again (its calls keep running as a cover); a shape queued while the thread
+is ending starts a new one (`_running` says whether one will still look at the queue).
 
 Over several processes (a mesh whose devices belong to more than one) every process must run the
 same program at each call, and what a background compiler has finished differs between them: there
@@ -46,7 +48,9 @@ class Programs:
     self._queue: list[Shape] = []  # shapes the background compiler is to compile, next first
     self._lock = threading.Condition()
     self._thread: threading.Thread | None = None
+    self._running = False  # a background thread will look at the queue again (set under the lock)
     self._stopping = False
+    self.failed: set[Shape] = set()  # shapes whose compile raised: not tried again
     self._report: Callable[[str], None] = lambda line: None
     self._done, self._total, self._t0 = 0, 0, 0.0
     self._compiling: Shape | None = None  # what the background compiler compiles now
@@ -72,7 +76,7 @@ class Programs:
       return shape
     with self._lock:
       ready = [s for s in self.ready if isinstance(s, type(shape)) and s.covers(shape)]
-      if shape != self._compiling:
+      if shape != self._compiling and shape not in self.failed:
         if shape in self._queue:
           self._queue.remove(shape)
         else:
@@ -109,13 +113,15 @@ class Programs:
     """Shapes queued for the background compiler (the one it is compiling included)."""
     return len(self._queue) + (self._compiling is not None)
 
-  def stop(self, wait: bool = True) -> None:
-    """Stops the background compiler after the program it is compiling (`wait`: for it)."""
+  def stop(self, wait: bool = True, timeout: float | None = None) -> bool:
+    """Stops the background compiler after the program it is compiling (`wait`: for it, timeout
+    seconds at most); returns whether it has ended (False: still inside a compile)."""
     with self._lock:
       self._stopping = True
       self._queue.clear()
     if wait and self._thread is not None:
-      self._thread.join()
+      self._thread.join(timeout)
+    return self._thread is None or not self._thread.is_alive()
 
   def join(self) -> None:
     """Waits until the background compiler has compiled every queued shape."""
@@ -123,8 +129,10 @@ class Programs:
       self._thread.join()
 
   def _start(self) -> None:
-    """Starts the background compiler unless it runs (the caller holds the lock)."""
-    if (self._thread is None or not self._thread.is_alive()) and not self._stopping:
+    """Starts the background compiler unless one runs that will look at the queue again (the
+    caller holds the lock): not is_alive(), which a thread past its last look still is."""
+    if not self._running and not self._stopping:
+      self._running = True
       self._thread = threading.Thread(target=self._run, name='engine-compiler', daemon=True)
       self._thread.start()
 
@@ -132,14 +140,16 @@ class Programs:
     while True:
       with self._lock:
         if self._stopping or not self._queue:
-          self._compiling = None
+          self._compiling, self._running = None, False
           return
         shape = self._compiling = self._queue.pop(0)
       if shape not in self.ready:
         try:
           self._add(shape, self._compile(shape))
         except Exception:  # noqa: BLE001 (its calls keep running as a cover)
-          logging.exception('the engine could not compile %s', shape)
+          logging.exception('the engine could not compile %s: its calls run as a cover', shape)
+          with self._lock:
+            self.failed.add(shape)
           continue
         self._progress(shape)
 

@@ -127,7 +127,7 @@ class Decode:
 
 class Scheduler:
   """Slots, the waiting queue, admission and the calls' shapes (the module docstring). submit,
-  stop and wait are thread-safe; the rest runs in the engine's thread."""
+  withdraw, stop and wait are thread-safe; the rest runs in the engine's thread."""
 
   def __init__(self, *, local_slots: int, devices: int, context: int, chunk: int,
                prefill_tokens: int):
@@ -176,6 +176,16 @@ class Scheduler:
       self.waiting.clear()
       self._wakeup.notify()
     return waiting
+
+  def withdraw(self, sequences: list[Sequence]) -> list[Sequence]:
+    """Takes those of these sequences that still wait out of the queue (their requests were
+    cancelled: the places are free for others now, not when admit would reach them); returns
+    them, for the caller to end."""
+    with self._wakeup:
+      gone = [seq for seq in sequences if seq in self.waiting]
+      for seq in gone:
+        self.waiting.remove(seq)
+    return gone
 
   def release(self, waiting: bool = False) -> list[Sequence]:
     """Frees every slot (and with `waiting` empties the queue); returns the sequences they held
