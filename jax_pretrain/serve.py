@@ -82,6 +82,7 @@ from collections.abc import Awaitable
 from collections.abc import Callable
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -541,6 +542,11 @@ def _serve(f, engine: engine_lib.Engine, run, context: int, signals: list[int]) 
         f'KV cache {f.kv_cache_dtype}{", API key required" if server.api_key else ""})',
         flush=True)
   uv = listen(server, f.host, f.port)
+  # What the load and the warmup made lives as long as the server (the params, the programs,
+  # the tokenizer, the libraries): kept out of the garbage collector's full collections, which
+  # would walk all of it under traffic (half a second each, the event loop stalled meanwhile).
+  gc.collect()
+  gc.freeze()
   try:
     uv.run()
   except SystemExit:  # uvicorn's own exit when it cannot start (a port in use, say)
