@@ -286,11 +286,11 @@ def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
   eng = make(4)
   lines = []
   eng.warmup(report=lines.append)
-  # Prompts pad to 16 or 32 tokens, 1, 2 or 4 of them per prefill (and the covers: 4 of them
-  # with 4 copies); decodes cover 1, 2 or 4 slots over 16, 24 or 32 positions (the top-k/top-p
-  # cut and the top-5 alternatives: runtime branches, not programs).
-  assert len(eng.shapes) == 2 * 3 + 2 + 3 * 3
-  assert len(lines) == len(eng.shapes) and lines[-1].startswith('warmup: 17/17 programs compiled')
+  # Prompts pad to 16 or 32 tokens, 1, 2 or 4 of them per prefill, each with no copy or 4 (the
+  # covers: 4 of them with 4 copies); decodes cover 1, 2 or 4 slots over 16, 24 or 32 positions
+  # (the top-k/top-p cut and the top-5 alternatives: runtime branches, not programs).
+  assert len(eng.shapes) == 2 * 3 * 2 + 3 * 3
+  assert len(lines) == len(eng.shapes) and lines[-1].startswith('warmup: 21/21 programs compiled')
   warm = set(eng.shapes)
   rng = random.Random(0)
   sequences = lambda: [engine.Sequence([rng.randrange(256) for _ in range(rng.randrange(1, 22))],

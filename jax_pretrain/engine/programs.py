@@ -9,7 +9,10 @@ rows write nothing, pad positions are overwritten before they are read, masked p
 nothing); then the others, in the background or before it returns. From then on no call waits for
 a compile: a call whose own shape is not ready runs as the smallest ready program that covers it
 (`fit`), and its shape goes to the front of the background compiler's queue (what traffic asks
-for first); once compiled, calls of that shape run as themselves. Padding changes the numbers
+for first); once compiled, calls of that shape run as themselves. A prefill with copies runs as
+the warmed-up one of its rows and length with a copy into every slot (the padding copies write
+nothing; the prompts' run is the same): its own shape is not compiled, as lowering a program holds
+the GIL for a while (the server's event loop waits meanwhile). Padding changes the numbers
 only by float rounding (other shapes sum in other orders).
 
 The background compiler is one thread: it lowers and compiles one shape at a time (XLA compiles
@@ -71,19 +74,24 @@ class Programs:
 
   def fit(self, shape: ShapeT) -> ShapeT:
     """The shape a call of `shape` runs as: itself once ready (or when not warm: compiled at the
-    call); else the smallest ready shape that covers it, and it goes first in the queue."""
+    call); else the smallest ready shape that covers it, and unless that one computes as much (a
+    prefill padded in copies alone), it goes first in the queue."""
     if not self.warm or shape in self.ready or self._processes > 1:
       return shape
     with self._lock:
       ready = [s for s in self.ready if isinstance(s, type(shape)) and s.covers(shape)]
-      if shape != self._compiling and shape not in self.failed:
+      cover = min(ready, key=lambda s: s.cost()) if ready else shape
+      # A cover that computes as much (a prefill's rows and length: only copies padded, which
+      # write nothing) is as good as the shape's own: not compiled, nothing lowered under traffic.
+      if (shape != self._compiling and shape not in self.failed
+          and (not ready or cover.cost()[0] > shape.cost()[0])):
         if shape in self._queue:
           self._queue.remove(shape)
         else:
           self._total += 1
         self._queue.insert(0, shape)
         self._start()
-    return min(ready, key=lambda s: s.cost()) if ready else shape
+    return cover
 
   def warmup(self, covering: list[Shape], rest: list[Shape], background: bool,
              report: Callable[[str], None]) -> None:
