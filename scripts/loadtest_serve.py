@@ -90,7 +90,8 @@ async def saturate(url: str, name: str, a: argparse.Namespace, context: int
                    ) -> dict[str, list[float]]:
   """--saturate's clients (the module docstring): the latencies of their requests by status
   ('error': no answer)."""
-  text = ' '.join(benchmark_serve.prompts(2000))
+  text = ' '.join(benchmark_serve.prompts(2000)).encode('ascii', 'ignore').decode()  # (a byte a
+  # character: a prompt of k characters is k tokens of the byte tokenizer)
   latencies: dict[str, list[float]] = collections.defaultdict(list)
   loop = asyncio.get_running_loop()
   end = loop.time() + a.saturate
