@@ -727,9 +727,10 @@ def test_clients_that_go_away_while_queued_give_their_places_back(queued):
 
 def test_a_step_that_outlives_the_shutdown_reports_to_no_closed_event_loop(trained, monkeypatch,
                                                                            caplog):
-  """The shutdown gives up on two decoding requests (503) and on the engine's thread, whose step
-  hangs; the event loop closes; then the step returns and the engine fails its sequences: nothing
-  is reported to the closed loop (before: 'Event loop is closed', logged twice a sequence)."""
+  """The shutdown gives up on two requests (503) and on the engine's thread, whose step hangs;
+  the event loop closes; then the step returns and the engine fails the sequences it decodes:
+  nothing is reported to the closed loop (before: 'Event loop is closed', logged twice a
+  sequence)."""
   with _serving(trained, shutdown_timeout=0) as (url, srv, shut_down):
     decode, entered, gate = srv.engine.runner.decode, threading.Event(), threading.Event()
 
@@ -743,7 +744,8 @@ def test_a_step_that_outlives_the_shutdown_reports_to_no_closed_event_loop(train
     with concurrent.futures.ThreadPoolExecutor(2) as pool, contextlib.ExitStack() as opened:
       opened.callback(gate.set)  # (should an assertion fail first)
       asked = [pool.submit(greedy, c, f'The {i}', max_tokens=40) for i in range(2)]
-      _until(lambda: entered.is_set() and srv.engine.stats()['busy'] == 2, 'both decode')
+      _until(lambda: entered.is_set() and sum(srv.engine.stats()[k] for k in ('busy', 'waiting'))
+             == 2, 'one decodes (held), the other decodes or waits', 300)
       assert shut_down()  # uvicorn's thread ended, its event loop closed; the step still hangs
       for future in asked:
         with pytest.raises(openai.InternalServerError, match='stopped before this request'):
