@@ -470,7 +470,7 @@ class _Uvicorn(uvicorn.Server):
       deadline.cancel()
 
 
-def listen(server: Server, host: str, port: int) -> uvicorn.Server:
+def listen(server: Server, host: str, port: int) -> _Uvicorn:
   """A uvicorn server of the app on host:port (its run() serves until a signal), told to exit
   should the engine's thread end on its own (server.client.failure says why)."""
   uv = _Uvicorn(uvicorn.Config(
