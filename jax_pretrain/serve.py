@@ -74,7 +74,9 @@ with 503 ("the server stopped before this request finished"; the openai client r
 whether or not the engine's step ever returns, and uvicorn cancels what is left a moment later
 (timeout_graceful_shutdown); the engine's thread gets a few seconds to end. A second Ctrl-C quits
 at once. Once stopped, the engine fails whatever is still waiting or decoding with 503 and new
-requests are refused with 503, so that no request is left hanging.
+requests are refused with 503, so that no request is left hanging. Then, on every way out, the
+engine is closed (its background compiler waited for CLOSE_TIMEOUT_S at most) and the process ends
+by the signal that stopped it (uvicorn would re-raise it before that close).
 """
 import asyncio
 from collections.abc import AsyncIterator
