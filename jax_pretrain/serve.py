@@ -63,9 +63,10 @@ the engine for everyone else; --max_queued_sequences must hold one such request)
 request needs `Authorization: Bearer KEY` (401 without it, as vLLM's --api-key; the OpenAI client
 sends its api_key so); /health stays open.
 
-A client that goes away cancels its sequences, which leave the engine at its next chunk (or when
-they would have been admitted): a stream's when Starlette sees the disconnect, a whole response's
-when the ASGI receive channel says http.disconnect (watched while the request waits).
+A client that goes away cancels its sequences (a stream's when Starlette sees the disconnect, a
+whole response's when the ASGI receive channel says http.disconnect, watched while the request
+waits): those still waiting leave the queue at once (their places go to the next requests), those
+decoding leave the engine at its next chunk.
 
 Failures: nothing that goes wrong reaches a client as exception text; it gets OpenAI's error JSON
 with a generic message (500, server_error) and the traceback goes to the server's log (absl). The
@@ -85,7 +86,9 @@ with 503 ("the server stopped before this request finished"; the openai client r
 whether or not the engine's step ever returns, and uvicorn cancels what is left a moment later
 (timeout_graceful_shutdown); the engine's thread gets a few seconds to end. A second Ctrl-C quits
 at once. Once stopped, the engine fails whatever is still waiting or decoding with 503 and new
-requests are refused with 503, so that no request is left hanging.
+requests are refused with 503, so that no request is left hanging. Then, on every way out, the
+engine is closed (its background compiler waited for CLOSE_TIMEOUT_S at most) and the process ends
+by the signal that stopped it (uvicorn would re-raise it before that close).
 """
 import asyncio
 from collections.abc import AsyncIterator
@@ -93,10 +96,12 @@ from collections.abc import Awaitable
 from collections.abc import Callable
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
 import secrets
+import signal
 import sys
 import time
 from typing import TypeVar
@@ -131,6 +136,7 @@ FORCE_AFTER_S = client_lib.JOIN_S  # then uvicorn cancels what is left (answered
 # the openai client's: 5 s, uvicorn's own default), so that the server never closes one as a
 # client sends on it (a POST lost to "connection closed": 596 of 22,440 at 10 x load with 5 s).
 KEEP_ALIVE_S = 75
+CLOSE_TIMEOUT_S = 10.0  # the way out waits this long at most for a compile in the background
 API_KEY_ENV = 'JAX_PRETRAIN_API_KEY'  # the key when --api_key is not given
 T = TypeVar('T')
 
@@ -415,7 +421,7 @@ def create_app(server: Server) -> fastapi.FastAPI:
   async def lifespan(_):
     client.start()
     yield
-    client.stop()
+    await asyncio.to_thread(client.stop)  # (it waits for the engine's thread: not on the loop)
 
   app = fastapi.FastAPI(title='jax_pretrain', lifespan=lifespan)
   app.add_middleware(_Guard, server=server)
@@ -479,6 +485,19 @@ class _Uvicorn(uvicorn.Server):
   def __init__(self, config: uvicorn.Config, server: Server):
     super().__init__(config)
     self.server = server
+    self.signals: list[int] = []  # the signals that stopped it, for main to re-raise
+
+  @contextlib.contextmanager
+  def capture_signals(self):
+    """uvicorn's, but the signals that stopped the server are kept for main to re-raise after the
+    engine's close (uvicorn re-raises them on its way out: a SIGTERM would end the process before
+    main's cleanup)."""
+    with super().capture_signals():
+      try:
+        yield
+      finally:
+        self.signals += self._captured_signals
+        self._captured_signals.clear()
 
   async def shutdown(self, sockets=None) -> None:
     async def give_up():
@@ -492,7 +511,7 @@ class _Uvicorn(uvicorn.Server):
       deadline.cancel()
 
 
-def listen(server: Server, host: str, port: int) -> uvicorn.Server:
+def listen(server: Server, host: str, port: int) -> _Uvicorn:
   """A uvicorn server of the app on host:port (its run() serves until a signal), told to exit
   should the engine's thread end on its own (server.client.failure says why)."""
   uv = _Uvicorn(uvicorn.Config(
@@ -516,10 +535,13 @@ def main():
                              slots=f.slots, context=context, chunk=f.chunk,
                              kv_cache_dtype=f.kv_cache_dtype, eos_ids=generation.eos_ids)
   run = dataclasses.replace(run, params=None)  # the engine holds its own copy: free the float32 one
+  signals: list[int] = []
   try:
-    _serve(f, engine, run, context, defaults(generation))
-  finally:
-    engine.close()  # (its background compiler, on every way out)
+    _serve(f, engine, run, context, defaults(generation), signals)
+  except BaseException as e:
+    _close(engine, signals, e)
+    raise
+  _close(engine, signals)
 
 
 def defaults(generation: workdir_lib.GenerationConfig) -> api.Defaults:
@@ -532,12 +554,46 @@ def defaults(generation: workdir_lib.GenerationConfig) -> api.Defaults:
                       max_tokens=generation.max_new_tokens)
 
 
-def _serve(f, engine: engine_lib.Engine, run, context: int, defaults: api.Defaults) -> None:
-  """Warms up (--warmup), serves until a shutdown, and exits 1 if the engine gave up."""
+def _close(engine: engine_lib.Engine, signals: list[int], error: BaseException | None = None):
+  """The engine's close (its background compiler), on every way out, CLOSE_TIMEOUT_S at most;
+  then the signals that stopped the server are raised again, as uvicorn would: the process ends
+  by the first (SIGTERM: exit status 143, Ctrl-C: 130). A compile still running then is not
+  waited for: the process ends at once (os._exit), as the interpreter's own exit would abort it
+  while a thread is inside XLA."""
+  closed = engine.close(timeout=CLOSE_TIMEOUT_S)
+  if not closed:
+    print(f'the background compiler is still compiling after {CLOSE_TIMEOUT_S:g} s: exiting '
+          'without it', file=sys.stderr, flush=True)
+  if signals:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signals[0], signal.SIG_DFL)
+    signal.raise_signal(signals[0])
+  if not closed:
+    if isinstance(error, UserError):
+      print(f'error: {error}', file=sys.stderr)
+    code = error.code if isinstance(error, SystemExit) else 0 if error is None else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)
+
+
+def _compiled(line: str) -> None:
+  """The warmup's progress line, after each program (the background compiler's thread too): what
+  its compile kept (jaxprs, caches) lives as long as the server, so it is frozen out of the
+  garbage collector's full collections (one walked it for 0.6 s under load, /health waiting)."""
+  print(line, flush=True)
+  gc.freeze()
+
+
+def _serve(f, engine: engine_lib.Engine, run, context: int, defaults: api.Defaults,
+           signals: list[int]) -> None:
+  """Warms up (--warmup), serves until a shutdown (the signals that stopped it: into signals),
+  and exits 1 if the engine gave up."""
   name = f.model_name or os.path.basename(os.path.normpath(f.workdir))
   if f.warmup:
     t0 = time.perf_counter()
-    engine.warmup(background=True, report=lambda line: print(line, flush=True))
+    engine.warmup(background=True, report=_compiled)
     print(f'compiled {len(engine.shapes)} programs in {time.perf_counter() - t0:.1f}s '
           f'({engine.stats()["compiling_shapes"]} more in the background)', flush=True)
   server = Server(engine, name,
@@ -551,12 +607,19 @@ def _serve(f, engine: engine_lib.Engine, run, context: int, defaults: api.Defaul
         f'KV cache {f.kv_cache_dtype}{", API key required" if server.api_key else ""})',
         flush=True)
   uv = listen(server, f.host, f.port)
+  # What the load and the warmup made lives as long as the server (the params, the programs,
+  # the tokenizer, the libraries): kept out of the garbage collector's full collections, which
+  # would walk all of it under traffic (half a second each, the event loop stalled meanwhile).
+  gc.collect()
+  gc.freeze()
   try:
     uv.run()
   except SystemExit:  # uvicorn's own exit when it cannot start (a port in use, say)
     if uv.started:
       raise
     raise UserError(f'could not serve on {f.host}:{f.port} (the line above says why)') from None
+  finally:
+    signals += uv.signals
   failure = server.client.failure
   if failure is not None:
     cause = failure.__cause__ or failure

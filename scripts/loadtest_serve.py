@@ -16,11 +16,25 @@ every --health_every seconds (a new connection each time, 10 s timeout) and samp
 resident memory (/proc/PID/status). After locust (its users finish the request in flight:
 --stop-timeout) the server is stopped with SIGTERM and the seconds until it exits are measured.
 Prints a summary and exits 1 when a check fails.
+
+--saturate=SECONDS: instead of locust, --clients asyncio clients (httpx, loopback) send requests
+one after the other for that long, no pause between (a 429 waits its Retry-After): random prompt
+lengths (1 to what the context leaves after max_tokens), a third of them the prompt of the moment
+(the same for every client within SHARED_S: several clients send it at once, as n > 1 and repeated
+system prompts do), n 1 or 2, max_tokens 8 to --max_tokens, half of them streamed; /health is asked
+every --health_every seconds as above. Checks: every request answered 200 or 429, /health's p99
+and max within --health_p99 and --health_max seconds. E.g. issue 43's:
+
+  python scripts/loadtest_serve.py --workdir=RUN --saturate=45 --clients=48 --health_every=0.05 \
+      --serve_args='--slots=16 --context=256'
 """
 import argparse
+import asyncio
+import collections
 import json
 import math
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -31,8 +45,10 @@ import time
 import urllib.request
 
 import benchmark_serve
+import httpx
 
 HEALTH_LIMIT_S = 0.5
+SHARED_S = 0.5  # --saturate: the prompt of the moment changes this often
 RAMP_S = 5  # locust starts its users over this many seconds, before the --seconds of full load
 
 
@@ -70,6 +86,48 @@ def percentile(xs: list[float], q: float) -> float:
   return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float('nan')
 
 
+async def saturate(url: str, name: str, a: argparse.Namespace, context: int
+                   ) -> dict[str, list[float]]:
+  """--saturate's clients (the module docstring): the latencies of their requests by status
+  ('error': no answer)."""
+  text = ' '.join(benchmark_serve.prompts(2000)).encode('ascii', 'ignore').decode()  # (a byte a
+  # character: a prompt of k characters is k tokens of the byte tokenizer)
+  latencies: dict[str, list[float]] = collections.defaultdict(list)
+  loop = asyncio.get_running_loop()
+  end = loop.time() + a.saturate
+
+  async def client(http: httpx.AsyncClient, k: int):
+    r = random.Random(k)
+    while loop.time() < end:
+      max_tokens = r.randint(8, a.max_tokens)
+      room = context - max_tokens - 2  # (the byte tokenizer: a token a character, and BOS)
+      if r.random() < 1 / 3:
+        moment = int(time.time() / SHARED_S)
+        start = random.Random(moment).randrange(len(text) - room)
+        prompt = text[start:start + random.Random(moment).randint(1, room)]
+      else:
+        start = r.randrange(len(text) - room)
+        prompt = text[start:start + r.randint(1, room)]
+      stream = r.random() < 0.5
+      body = {'model': name, 'prompt': prompt, 'max_tokens': max_tokens, 'n': r.randint(1, 2),
+              'temperature': 0.8, 'seed': r.randrange(1 << 30), 'stream': stream}
+      t0 = time.perf_counter()
+      try:
+        async with http.stream('POST', f'{url}/completions', json=body) as response:
+          async for _ in response.aiter_bytes():
+            pass
+        status = str(response.status_code)
+      except httpx.HTTPError as e:
+        status = f'error ({type(e).__name__})'
+      latencies[status].append(time.perf_counter() - t0)
+      if status == '429':
+        await asyncio.sleep(float(response.headers.get('Retry-After', 1)))
+
+  async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=a.clients)) as http:
+    await asyncio.gather(*(client(http, k) for k in range(a.clients)))
+  return latencies
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--workdir', default='runs/default', help='Run to serve.')
@@ -90,7 +148,14 @@ def main():
                  "server's cores, it yields them to the server, as a generator on a machine of its "
                  'own would.')
   p.add_argument('--health_every', type=float, default=0.2, help='Seconds between /health asks.')
+  p.add_argument('--saturate', type=float, default=0,
+                 help='Seconds of --clients asyncio clients instead of locust (the module '
+                 'docstring); 0: locust.')
+  p.add_argument('--health_p99', type=float, default=0.1, help='--saturate: /health p99 limit.')
+  p.add_argument('--health_max', type=float, default=0.3, help='--saturate: /health max limit.')
   a = p.parse_args()
+  if a.saturate:
+    return main_saturate(a)
 
   server, url = benchmark_serve.start(a.workdir, a.serve_args)
   health_url = url.replace('/v1', '/health')
@@ -162,6 +227,51 @@ def main():
       (f'/health took over {HEALTH_LIMIT_S} s or failed',
        max(watch.latencies) > HEALTH_LIMIT_S or watch.not_ok),
       ('the queue did not drain', health['busy'] or health['waiting'])] if bad]
+  for what in failed:
+    print(f'FAILED: {what}')
+  sys.exit(1 if failed else 0)
+
+
+def main_saturate(a: argparse.Namespace):
+  """--saturate: the server, the clients for that long, /health asked meanwhile; the summary."""
+  server, url = benchmark_serve.start(a.workdir, a.serve_args)
+  health_url = url.replace('/v1', '/health')
+  try:
+    name = benchmark_serve.model_name(url)
+    limits = json.load(urllib.request.urlopen(health_url, timeout=10))
+    print(f'{a.clients} clients for {a.saturate:g} s; /health every {a.health_every:g} s; '
+          f'{limits["compiled_shapes"]} programs compiled; load average {os.getloadavg()}',
+          flush=True)
+    watch = Watch(health_url, server.pid, a.health_every)
+    watch.start()
+    t0 = time.perf_counter()
+    latencies = asyncio.run(saturate(url, name, a, limits['context']))
+    elapsed = time.perf_counter() - t0
+    watch.stop.set()
+    watch.join()
+    health = json.load(urllib.request.urlopen(health_url, timeout=10))
+  finally:
+    server.send_signal(signal.SIGTERM)
+    try:
+      server.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+      server.kill()
+  sent = sum(len(v) for v in latencies.values())
+  print(f'{sent} requests in {elapsed:.0f} s; load average after {os.getloadavg()}')
+  for status, xs in sorted(latencies.items()):
+    print(f'  {status}: {len(xs)}, latency median {statistics.median(xs):.3f} s, p99 '
+          f'{percentile(xs, 0.99):.3f} s, max {max(xs):.3f} s')
+  h = watch.latencies
+  print(f'/health: {len(h)} asks, median {statistics.median(h):.4f} s, p99 '
+        f'{percentile(h, 0.99):.4f} s, max {max(h):.4f} s; {len(watch.not_ok)} not answered 200 '
+        f'{watch.not_ok[:3]}')
+  print(f'compiled programs: {limits["compiled_shapes"]} before, {health["compiled_shapes"]} '
+        f'after; server RSS max {max(watch.rss):.0f} MiB')
+  failed = [what for what, bad in [
+      ('a request was not answered 200 or 429', set(latencies) - {'200', '429'}),
+      (f'/health p99 over {a.health_p99} s', percentile(h, 0.99) > a.health_p99),
+      (f'/health max over {a.health_max} s or not 200', max(h) > a.health_max or watch.not_ok),
+  ] if bad]
   for what in failed:
     print(f'FAILED: {what}')
   sys.exit(1 if failed else 0)

@@ -185,14 +185,16 @@ def test_release_frees_every_slot():
 
 
 def test_a_warmup_compiles_few_programs_and_the_first_ones_cover_every_call():
-  """128 slots × 256 tokens: 116 programs (327 when sampling's variants were programs of their
-  own), of which the first 6 can run any call that admission and decoding make."""
+  """128 slots × 256 tokens: 150 programs (327 when sampling's variants were programs of their
+  own; 116 before the prefills with a copy into every slot), of which the first 6 can run any
+  call that admission and decoding make; a prefill with copies, the one of its rows and length
+  with a copy into every slot."""
   s = _scheduler(local_slots=128, devices=1, context=256, prefill_tokens=16384)
   covering, rest = s.programs()
   assert covering == [PrefillShape(128, 16, 128), PrefillShape(128, 32, 128),
                       PrefillShape(128, 64, 128), PrefillShape(128, 128, 128),
                       PrefillShape(64, 256, 128), DecodeShape(128, 256)]
-  assert len(rest) == 8 * 4 + 7 + 8 * 9 - 1 and not set(covering) & set(rest)
+  assert len(rest) == 2 * (8 * 4 + 7) - 5 + 8 * 9 - 1 and not set(covering) & set(rest)
   calls = []
   for n in (1, 3, 40, 100, 200):
     for k in range(300):  # some of them sharing the prompt of the one before (n choices)
@@ -211,7 +213,8 @@ def test_a_warmup_compiles_few_programs_and_the_first_ones_cover_every_call():
       s.copies for s in shapes if isinstance(s, PrefillShape))
   for shape in shapes:
     assert any(c.covers(shape) for c in covering), shape
-    assert shape in rest or shape in covering or isinstance(shape, PrefillShape) and shape.copies
+    assert shape in rest or shape in covering or isinstance(shape, PrefillShape) and (
+        PrefillShape(shape.rows, shape.length, s.local_slots) in rest + covering), shape
 
 
 def test_a_shape_covers_the_shapes_of_its_kind_no_larger_in_any_field_and_costs_rows_x_tokens():
@@ -319,3 +322,68 @@ def test_calls_fitted_while_the_background_compiler_adds_programs_never_fail():
     sys.setswitchinterval(switch)
     p.stop()
   assert all(f.covers(call) for f, call in zip(fitted, calls))
+
+
+def _warm(compile) -> programs.Programs:
+  """Programs after a warmup of one covering decode (nothing left in the background)."""
+  p = programs.Programs(compile)
+  p.warmup([DecodeShape(8, 64)], [], background=True, report=lambda line: None)
+  return p
+
+
+def test_a_shape_that_cannot_compile_is_tried_once_and_its_calls_run_as_a_cover():
+  tried = []
+
+  def compile(shape):
+    tried.append(shape)
+    if shape == DecodeShape(2, 16):
+      raise RuntimeError('cannot compile')
+    return shape
+
+  p = _warm(compile)
+  for _ in range(50):
+    assert p.fit(DecodeShape(2, 16)) == DecodeShape(8, 64)
+    p.join()
+  assert tried == [DecodeShape(8, 64), DecodeShape(2, 16)] and p.pending() == 0
+
+
+def test_a_shape_queued_as_the_background_compiler_ends_starts_it_again(monkeypatch):
+  """The compiler's thread has looked at its queue for the last time but not ended yet when a
+  call queues a new shape: that shape is compiled all the same (the window held open)."""
+  looked, go = threading.Event(), threading.Event()
+  run = programs.Programs._run  # noqa: SLF001
+
+  def ending(self):
+    run(self)
+    if threading.current_thread().name == 'engine-compiler' and not looked.is_set():
+      looked.set()  # past its last look at the queue, still alive
+      go.wait(60)
+
+  monkeypatch.setattr(programs.Programs, '_run', ending)
+  p = _warm(lambda shape: shape)
+  assert p.fit(DecodeShape(2, 16)) == DecodeShape(8, 64)  # starts the compiler
+  assert looked.wait(60)
+  assert p.fit(DecodeShape(4, 16)) == DecodeShape(8, 64)  # queued in the window
+  go.set()
+  deadline = time.monotonic() + 60
+  while DecodeShape(4, 16) not in p.ready:
+    assert time.monotonic() < deadline, 'the shape queued in the window was never compiled'
+    time.sleep(0.01)
+  assert p.pending() == 0
+
+
+def test_a_prefill_with_copies_runs_as_the_warm_one_of_its_rows_and_length_and_compiles_nothing():
+  """Its own program would be lowered under traffic (holding the GIL); padded copies write
+  nothing, so the warmup's prefill of the same rows and length with a copy into every slot runs
+  it as well."""
+  s = _scheduler(local_slots=4, devices=1, context=64, prefill_tokens=64)
+  covering, rest = s.programs()
+  assert PrefillShape(1, 16, 4) in rest and PrefillShape(1, 32, 4) in rest
+  p = programs.Programs(lambda shape: shape)
+  p.warmup(covering, rest, background=False, report=lambda line: None)
+  first = _seq(20)
+  for seq in (first, _seq(0, like=first), _seq(0, like=first)):
+    s.submit(seq)
+  [call] = s.admit()[0]
+  assert call.shape == PrefillShape(1, 32, 2)
+  assert p.fit(call.shape) == PrefillShape(1, 32, 4) and p.pending() == 0

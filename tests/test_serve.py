@@ -23,6 +23,7 @@ import http.client
 import json
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -301,11 +302,11 @@ def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
   eng = make(4)
   lines = []
   eng.warmup(report=lines.append)
-  # Prompts pad to 16 or 32 tokens, 1, 2 or 4 of them per prefill (and the covers: 4 of them
-  # with 4 copies); decodes cover 1, 2 or 4 slots over 16, 24 or 32 positions (the top-k/top-p
-  # cut and the top-5 alternatives: runtime branches, not programs).
-  assert len(eng.shapes) == 2 * 3 + 2 + 3 * 3
-  assert len(lines) == len(eng.shapes) and lines[-1].startswith('warmup: 17/17 programs compiled')
+  # Prompts pad to 16 or 32 tokens, 1, 2 or 4 of them per prefill, each with no copy or 4 (the
+  # covers: 4 of them with 4 copies); decodes cover 1, 2 or 4 slots over 16, 24 or 32 positions
+  # (the top-k/top-p cut and the top-5 alternatives: runtime branches, not programs).
+  assert len(eng.shapes) == 2 * 3 * 2 + 3 * 3
+  assert len(lines) == len(eng.shapes) and lines[-1].startswith('warmup: 21/21 programs compiled')
   warm = set(eng.shapes)
   rng = random.Random(0)
   sequences = lambda: [engine.Sequence([rng.randrange(256) for _ in range(rng.randrange(1, 22))],
@@ -711,6 +712,98 @@ def test_a_client_that_disconnects_cancels_its_sequences(local, monkeypatch):
   # The chunk in flight when it was cancelled is dropped: nothing more for it.
   assert seq.finish_reason == 'cancelled' and len(seq.tokens) == 4
   assert srv.engine.stats()['tokens_generated'] == generated
+
+
+def _send(url: str, body: bytes) -> socket.socket:
+  """A completion sent on a raw connection (closing it: the client goes away)."""
+  sock = socket.create_connection(_address(url))
+  sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer %s\r\n'
+               b'Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s' % (
+                   KEY.encode(), len(body), body))
+  return sock
+
+
+def test_clients_that_go_away_while_queued_give_their_places_back(queued):
+  """Every slot busy, the queue full of requests whose clients have gone: a new request is
+  queued and answered, not refused (the places of the gone were held until a slot freed)."""
+  url, srv = queued
+  with _stepping(srv.engine) as permits:
+    gone = [_send(url, _completion(f'{i} ', max_tokens=8)) for i in range(4)]
+    _until(lambda: srv.engine.stats()['waiting'] == 4, 'the queue is full')
+    for sock in gone:
+      sock.close()
+    _until(lambda: srv.engine.stats()['waiting'] == 0, 'the places of the gone are free', 20)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      asked = pool.submit(_answer, url, _completion('The '), key=KEY)
+      _until(lambda: srv.engine.stats()['waiting'] == 1, 'the new request is queued')
+      permits.release(100)
+      status, answer, _ = asked.result(timeout=120)
+  assert status == 200 and answer['choices'][0]['text'], answer
+
+
+def test_a_step_that_outlives_the_shutdown_reports_to_no_closed_event_loop(trained, monkeypatch,
+                                                                           caplog):
+  """The shutdown gives up on two requests (503) and on the engine's thread, whose step hangs;
+  the event loop closes; then the step returns and the engine fails the sequences it decodes:
+  nothing is reported to the closed loop (before: 'Event loop is closed', logged twice a
+  sequence)."""
+  with _serving(trained, shutdown_timeout=0) as (url, srv, shut_down):
+    decode, entered, gate = srv.engine.runner.decode, threading.Event(), threading.Event()
+
+    def held(*args):
+      entered.set()
+      gate.wait(60)
+      return decode(*args)
+
+    monkeypatch.setattr(srv.engine.runner, 'decode', held)
+    c = _client(url)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool, contextlib.ExitStack() as opened:
+      opened.callback(gate.set)  # (should an assertion fail first)
+      asked = [pool.submit(greedy, c, f'The {i}', max_tokens=40) for i in range(2)]
+      _until(lambda: entered.is_set() and sum(srv.engine.stats()[k] for k in ('busy', 'waiting'))
+             == 2, 'one decodes (held), the other decodes or waits', 300)
+      assert shut_down()  # uvicorn's thread ended, its event loop closed; the step still hangs
+      for future in asked:
+        with pytest.raises(openai.InternalServerError, match='stopped before this request'):
+          future.result(timeout=60)
+      engine_thread = srv.client._thread  # noqa: SLF001
+      assert engine_thread.is_alive()
+      gate.set()
+      engine_thread.join(60)
+  assert not engine_thread.is_alive()
+  assert 'Event loop is closed' not in caplog.text and 'raised' not in caplog.text, caplog.text
+
+
+HUNG = """import signal, sys, threading, time
+from jax_pretrain import cli, serve
+from jax_pretrain.engine import runner
+compile = runner.ModelRunner.compile
+def hung(self, shape):
+  if threading.current_thread().name == 'engine-compiler':
+    time.sleep(3600)  # a compile in the background that does not end
+  return compile(self, shape)
+runner.ModelRunner.compile = hung
+serve.CLOSE_TIMEOUT_S = 1
+cli.define_run_flags()
+serve.define_flags()
+cli.run(serve.main)
+"""
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_closes_the_engine_without_waiting_for_a_compile_that_hangs(run, sig):
+  """SIGTERM ran no cleanup (uvicorn re-raises it: the process ended before the engine's close);
+  Ctrl-C waited for the compile in progress without end. Both now close the engine, waiting for
+  that compile CLOSE_TIMEOUT_S at most, and end by the signal."""
+  proc, url = _start(run, '--warmup', '--slots=2', code=('-c', HUNG))
+  try:
+    _until(lambda: _get(f'{url}/health')['compiling_shapes'] > 0, 'a compile in the background')
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert proc.returncode == -sig, stderr[-3000:]
+  assert 'the background compiler is still compiling after 1 s: exiting without it' in stderr
 
 
 def test_health_answers_503_while_the_engine_has_work_and_makes_no_progress(local, monkeypatch):

@@ -9,12 +9,15 @@ request's life on it, for the OpenAI layer (serve.py) to render.
   client.give_up()                                   # the shutdown's deadline
   client.stop()
 
-A request's life is one Request: its sequences; the queue of their Updates, which the engine's
-thread fills (a snapshot of a sequence when reported: the engine goes on appending to it); and
-its end: every sequence ended (updates() returns), one failed (Failed: the engine logged why, and
-its text is no client's), the engine stopped before it finished or the shutdown's deadline passed
-(Stopped), or the request was cancelled (its unfinished sequences leave the engine at its next
-chunk, or when they would have been admitted).
+A request's life is one Request: its sequences; their Updates, which the engine's thread reports
+(a snapshot of a sequence when reported: the engine goes on appending to it), the latest of each
+sequence kept until the reader takes it (a slow reader's pending updates are merged: memory stays
+bounded however far it falls behind); and its end: every sequence ended (updates() returns), one
+failed (Failed: the engine logged why, and its text is no client's), the engine stopped before it
+finished or the shutdown's deadline passed (Stopped), or the request was cancelled (its client
+went away, or got its answer: its sequences still waiting leave the queue at once, giving their
+places back; those decoding leave the engine at its next chunk). A report that comes after the
+event loop closed (a step that outlived the shutdown) goes nowhere.
 
 Backpressure: the sequences waiting for a slot, over all requests, are max_queued at most; a
 request whose sequences would pass it is refused whole (QueueFull). submit checks and queues with
@@ -77,46 +80,75 @@ class Update:
 
 class Request:
   """One request's sequences on the engine, from submit to their ends (the module docstring).
-  stream: every update is reported, else only each sequence's end."""
+  stream: every update is reported, else only each sequence's end. withdraw: the engine's
+  cancel (Engine.cancel)."""
 
-  def __init__(self, sequences: list[Sequence], stream: bool):
-    self.sequences, self.stream = sequences, stream
+  def __init__(self, sequences: list[Sequence], stream: bool,
+               withdraw: Callable[[list[Sequence]], None] = lambda sequences: None):
+    self.sequences, self.stream, self._withdraw = sequences, stream, withdraw
     self._loop = asyncio.get_running_loop()
-    self._events: asyncio.Queue[Update | Stopped] = asyncio.Queue()
+    # Each sequence's latest update not yet taken by updates(), in the order of their first
+    # arrival: a reader that falls behind finds one update per sequence (its whole state then),
+    # never a queue of them each carrying the whole text so far.
+    self._pending: dict[int, Update] = {}
+    self._arrived = asyncio.Event()
+    self._stopped = False
     for i, seq in enumerate(sequences):
       seq.on_update = functools.partial(self._reported, i)
 
   def _reported(self, index: int, seq: Sequence) -> None:
     """The sequences' callback, in the engine's thread."""
     if self.stream or seq.done:
-      self._loop.call_soon_threadsafe(self._events.put_nowait, Update.of(index, seq))
+      try:
+        self._loop.call_soon_threadsafe(self._arrive, Update.of(index, seq))
+      except RuntimeError:  # the event loop has closed (a step held past the shutdown): nobody
+        pass  # waits for this request any more
+
+  def _arrive(self, update: Update) -> None:
+    self._pending[update.index] = update  # (a later update of a sequence replaces its last one)
+    self._arrived.set()
 
   def give_up(self) -> None:
     """The shutdown's deadline (on the event loop): the request raises Stopped now."""
-    self._events.put_nowait(Stopped())
+    self._stopped = True
+    self._arrived.set()
 
   def cancel(self) -> None:
+    """The request is over for its client (it went away, or it has its answer): its sequences
+    report nothing more (which also frees the request without a garbage collection: no cycle
+    through their callbacks is left), those still waiting leave the queue now (their places are
+    free for the next request) and those decoding at their next chunk."""
     for seq in self.sequences:
-      if not seq.done:
-        seq.cancelled = True
+      seq.on_update = None
+    self._withdraw([seq for seq in self.sequences if not seq.done])
+
+  async def _next(self) -> Update | None:
+    """The next pending update (None: POLL_S passed without one). Raises Stopped after
+    give_up."""
+    if not self._pending and not self._stopped:
+      self._arrived.clear()
+      try:
+        await asyncio.wait_for(self._arrived.wait(), POLL_S)
+      except TimeoutError:
+        pass
+    if self._stopped:
+      raise Stopped()
+    if not self._pending:
+      return None
+    return self._pending.pop(next(iter(self._pending)))
 
   async def updates(self) -> AsyncIterator[Update]:
-    """The updates, in order, until every sequence has ended (an end: its update has finish).
-    Raises Stopped when the engine stopped before a sequence ended or at give_up, Failed when
-    one failed."""
+    """The updates, in order for each sequence (a reader that falls behind gets the latest
+    state of each, the ones between merged), until every sequence has ended (an end: its update
+    has finish). Raises Stopped when the engine stopped before a sequence ended or at give_up,
+    Failed when one failed."""
     ended: set[int] = set()
     while len(ended) < len(self.sequences):
-      event: Update | Stopped | None
-      try:
-        event = await asyncio.wait_for(self._events.get(), POLL_S)
-      except TimeoutError:  # no word: a sequence may have ended without one (its callback failed)
+      event = await self._next()
+      if event is None:  # no word: a sequence may have ended without one (its callback failed)
         event = next((Update.of(i, seq) for i, seq in enumerate(self.sequences)
                       if seq.done and i not in ended), None)
-      if event is None:
-        continue
-      if isinstance(event, Stopped):
-        raise event
-      if event.index in ended:
+      if event is None or event.index in ended:
         continue
       if event.finish == 'error':
         raise Stopped() if event.seq.error == STOPPED else Failed(event.seq.error)
@@ -175,7 +207,7 @@ class EngineClient:
     self.stalled_for()  # an engine that was idle starts its stall clock now
     if len(sequences) > self.queue_room():
       raise QueueFull()
-    request = Request(sequences, stream)
+    request = Request(sequences, stream, self.engine.cancel)
     try:
       for seq in sequences:
         self.engine.submit(seq)

@@ -116,6 +116,14 @@ class Engine:
     if not self.scheduler.submit(seq):
       output_lib.finish(seq, 'length')
 
+  def cancel(self, sequences: list[Sequence]) -> None:
+    """Cancels sequences (thread-safe): those still waiting leave the queue and end now
+    ('cancelled'), those decoding at the engine's next chunk."""
+    for seq in sequences:
+      seq.cancelled = True
+    for seq in self.scheduler.withdraw(sequences):
+      output_lib.finish(seq, 'cancelled')
+
   @property
   def queued(self) -> int:
     """Sequences waiting for a slot (read from any thread: the server's backpressure)."""
@@ -174,11 +182,12 @@ class Engine:
       for seq in [*self.scheduler.stop(), *self._abandon()]:
         output_lib.fail(seq, STOPPED)
 
-  def close(self) -> None:
+  def close(self, timeout: float | None = None) -> bool:
     """Ends the engine's own thread: the background compiler stops after the program it is
-    compiling, and is joined (a process must not exit while it is inside XLA). The engine still
-    runs calls after it, compiling each at its first use."""
-    self.runner.programs.stop(wait=True)
+    compiling, and is joined, `timeout` seconds at most. Returns whether it ended: False while it
+    is still inside XLA, where the interpreter's exit would abort the process (serve exits at
+    once, without it). The engine still runs calls after it, compiling each at its first use."""
+    return self.runner.programs.stop(wait=True, timeout=timeout)
 
   def stop(self) -> None:
     """Ends run_forever after its current step (thread-safe): the sequences still waiting fail

@@ -9,11 +9,16 @@ rows write nothing, pad positions are overwritten before they are read, masked p
 nothing); then the others, in the background or before it returns. From then on no call waits for
 a compile: a call whose own shape is not ready runs as the smallest ready program that covers it
 (`fit`), and its shape goes to the front of the background compiler's queue (what traffic asks
-for first); once compiled, calls of that shape run as themselves. Padding changes the numbers
+for first); once compiled, calls of that shape run as themselves. A prefill with copies runs as
+the warmed-up one of its rows and length with a copy into every slot (the padding copies write
+nothing; the prompts' run is the same): its own shape is not compiled, as lowering a program holds
+the GIL for a while (the server's event loop waits meanwhile). Padding changes the numbers
 only by float rounding (other shapes sum in other orders).
 
 The background compiler is one thread: it lowers and compiles one shape at a time (XLA compiles
-outside the GIL) and reports its progress with an ETA.
+outside the GIL) and reports its progress with an ETA. A shape that fails to compile is logged
+once and never tried again (its calls keep running as a cover); a shape queued while the thread
+is ending starts a new one (`_running` says whether one will still look at the queue).
 
 Over several processes (a mesh whose devices belong to more than one) every process must run the
 same program at each call, and what a background compiler has finished differs between them: there
@@ -46,7 +51,9 @@ class Programs:
     self._queue: list[Shape] = []  # shapes the background compiler is to compile, next first
     self._lock = threading.Condition()
     self._thread: threading.Thread | None = None
+    self._running = False  # a background thread will look at the queue again (set under the lock)
     self._stopping = False
+    self.failed: set[Shape] = set()  # shapes whose compile raised: not tried again
     self._report: Callable[[str], None] = lambda line: None
     self._done, self._total, self._t0 = 0, 0, 0.0
     self._compiling: Shape | None = None  # what the background compiler compiles now
@@ -67,19 +74,24 @@ class Programs:
 
   def fit(self, shape: ShapeT) -> ShapeT:
     """The shape a call of `shape` runs as: itself once ready (or when not warm: compiled at the
-    call); else the smallest ready shape that covers it, and it goes first in the queue."""
+    call); else the smallest ready shape that covers it, and unless that one computes as much (a
+    prefill padded in copies alone), it goes first in the queue."""
     if not self.warm or shape in self.ready or self._processes > 1:
       return shape
     with self._lock:
       ready = [s for s in self.ready if isinstance(s, type(shape)) and s.covers(shape)]
-      if shape != self._compiling:
+      cover = min(ready, key=lambda s: s.cost()) if ready else shape
+      # A cover that computes as much (a prefill's rows and length: only copies padded, which
+      # write nothing) is as good as the shape's own: not compiled, nothing lowered under traffic.
+      if (shape != self._compiling and shape not in self.failed
+          and (not ready or cover.cost()[0] > shape.cost()[0])):
         if shape in self._queue:
           self._queue.remove(shape)
         else:
           self._total += 1
         self._queue.insert(0, shape)
         self._start()
-    return min(ready, key=lambda s: s.cost()) if ready else shape
+    return cover
 
   def warmup(self, covering: list[Shape], rest: list[Shape], background: bool,
              report: Callable[[str], None]) -> None:
@@ -109,13 +121,15 @@ class Programs:
     """Shapes queued for the background compiler (the one it is compiling included)."""
     return len(self._queue) + (self._compiling is not None)
 
-  def stop(self, wait: bool = True) -> None:
-    """Stops the background compiler after the program it is compiling (`wait`: for it)."""
+  def stop(self, wait: bool = True, timeout: float | None = None) -> bool:
+    """Stops the background compiler after the program it is compiling (`wait`: for it, timeout
+    seconds at most); returns whether it has ended (False: still inside a compile)."""
     with self._lock:
       self._stopping = True
       self._queue.clear()
     if wait and self._thread is not None:
-      self._thread.join()
+      self._thread.join(timeout)
+    return self._thread is None or not self._thread.is_alive()
 
   def join(self) -> None:
     """Waits until the background compiler has compiled every queued shape."""
@@ -123,8 +137,10 @@ class Programs:
       self._thread.join()
 
   def _start(self) -> None:
-    """Starts the background compiler unless it runs (the caller holds the lock)."""
-    if (self._thread is None or not self._thread.is_alive()) and not self._stopping:
+    """Starts the background compiler unless one runs that will look at the queue again (the
+    caller holds the lock): not is_alive(), which a thread past its last look still is."""
+    if not self._running and not self._stopping:
+      self._running = True
       self._thread = threading.Thread(target=self._run, name='engine-compiler', daemon=True)
       self._thread.start()
 
@@ -132,14 +148,16 @@ class Programs:
     while True:
       with self._lock:
         if self._stopping or not self._queue:
-          self._compiling = None
+          self._compiling, self._running = None, False
           return
         shape = self._compiling = self._queue.pop(0)
       if shape not in self.ready:
         try:
           self._add(shape, self._compile(shape))
         except Exception:  # noqa: BLE001 (its calls keep running as a cover)
-          logging.exception('the engine could not compile %s', shape)
+          logging.exception('the engine could not compile %s: its calls run as a cover', shape)
+          with self._lock:
+            self.failed.add(shape)
           continue
         self._progress(shape)
 

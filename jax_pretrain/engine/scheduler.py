@@ -128,7 +128,7 @@ class Decode:
 
 class Scheduler:
   """Slots, the waiting queue, admission and the calls' shapes (the module docstring). submit,
-  stop and wait are thread-safe; the rest runs in the engine's thread."""
+  withdraw, stop and wait are thread-safe; the rest runs in the engine's thread."""
 
   def __init__(self, *, local_slots: int, devices: int, context: int, chunk: int,
                prefill_tokens: int):
@@ -177,6 +177,16 @@ class Scheduler:
       self.waiting.clear()
       self._wakeup.notify()
     return waiting
+
+  def withdraw(self, sequences: list[Sequence]) -> list[Sequence]:
+    """Takes those of these sequences that still wait out of the queue (their requests were
+    cancelled: the places are free for others now, not when admit would reach them); returns
+    them, for the caller to end."""
+    with self._wakeup:
+      gone = [seq for seq in sequences if seq in self.waiting]
+      for seq in gone:
+        self.waiting.remove(seq)
+    return gone
 
   def release(self, waiting: bool = False) -> list[Sequence]:
     """Frees every slot (and with `waiting` empties the queue); returns the sequences they held
@@ -287,16 +297,17 @@ class Scheduler:
     """The programs a warmup compiles (engine/programs.py's shapes): those that cover every call
     (per prompt length, its largest prefill with a copy into every other slot; the decode of
     every slot over the whole context), then every other shape that traffic asks for without
-    copies (a prefill's rows × length, a decode's rows × live), smallest first (decodes first
-    among those that compute as much). A prefill with copies (several sequences of one prompt)
-    runs as a cover until its own is compiled."""
+    copies (a prefill's rows × length, a decode's rows × live) and each prefill's with a copy
+    into every slot, smallest first (decodes first among those that compute as much). A prefill
+    with copies (several sequences of one prompt) runs as the one of its rows and length with a
+    copy into every slot (engine/programs.py: its own is never compiled under traffic)."""
     lengths = sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)})
     covering: list[Shape] = [PrefillShape(self.most_rows(P_), P_, self.local_slots)
                              for P_ in lengths]
     covering.append(DecodeShape(self.local_slots, self.context))
     rows = lambda most: sorted({bucket(n, most) for n in range(1, most + 1)})
-    prefills: list[Shape] = [PrefillShape(N, P_, 0)
-                             for P_ in lengths for N in rows(self.most_rows(P_))]
+    prefills: list[Shape] = [PrefillShape(N, P_, copies) for P_ in lengths
+                             for N in rows(self.most_rows(P_)) for copies in (0, self.local_slots)]
     lives = sorted({live_bucket(n, self.context) for n in range(1, self.context + 1)})
     decodes: list[Shape] = [DecodeShape(R, live) for R in rows(self.local_slots) for live in lives]
     rest = sorted(prefills + decodes, key=lambda s: (s.cost()[0], s.kind, s.cost()[1]))
