@@ -176,6 +176,14 @@ def define_process_flags():
   return processes
 
 
+def check_init(init: str, restore_from: str) -> None:
+  """A fine-tuning program's --init=RUN against its config's checkpoint.restore_from (the run it
+  starts from, which the config file took from --init): one of them, not two runs."""
+  if init and os.path.normpath(restore_from) != os.path.normpath(init):
+    raise UserError(f'--init={init} but the config restores from {restore_from!r}: give one of '
+                    'them.')
+
+
 def init_into_config(argv: list[str], config_file: str) -> list[str]:
   """A fine-tuning program's --init=RUN as --config=FILE:RUN (FILE: --config's, else
   configs/config_file; the config file takes the run's model and seq_len): the --config value is

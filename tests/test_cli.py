@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from jax_pretrain import cli
+from jax_pretrain.errors import UserError
 from tests.conftest import ROOT
 from tests.conftest import subprocess_env
 
@@ -85,3 +87,13 @@ def test_sample_evaluate_and_export_on_a_directory_that_is_not_a_run(tmp_path):
                ('scripts/export_hf.py', f'--workdir={tmp_path}', f'--out={tmp_path / "hf"}')):
     assert one_error_line(run(*args)) == (f'error: {tmp_path}/config.json not found: is '
                                           f"'{tmp_path}' the workdir of a training run?")
+
+
+def test_a_fine_tuning_programs_init_must_be_the_run_its_config_restores():
+  """python -m jax_pretrain.grpo / .dpo: --init=RUN and the config's checkpoint.restore_from name
+  one run (paths compared normalized), else one error naming both."""
+  cli.check_init('runs/sft', 'runs/sft/')
+  cli.check_init('', 'runs/other')  # no --init: the config's restore_from stands
+  with pytest.raises(UserError, match=r"^--init=runs/sft but the config restores from "
+                     r"'runs/other': give one of them\.$"):
+    cli.check_init('runs/sft', 'runs/other')

@@ -4,10 +4,7 @@
 GRPO fine-tuning of a trained run (jax_pretrain/grpo/program.py); several processes as the
 trainer takes them (--coordinator_address, --num_processes, --process_id).
 """
-import os
 import sys
-
-from jax_pretrain.errors import UserError
 
 
 def main(workdir: str, config_holder, flag_values, processes) -> None:
@@ -20,9 +17,7 @@ def main(workdir: str, config_holder, flag_values, processes) -> None:
       if flag_values[field]:
         config.grpo[field] = flag_values[field]
     init = flag_values['init']
-    if init and os.path.normpath(config.checkpoint.restore_from) != os.path.normpath(init):
-      raise UserError(f'--init={init} but the config restores from '
-                      f'{config.checkpoint.restore_from!r}: give one of them.')
+    cli.check_init(init, config.checkpoint.restore_from)
     from jax_pretrain import train as train_lib  # noqa: PLC0415  (after jax.distributed starts)
     from jax_pretrain.grpo import program  # noqa: PLC0415
     train_lib.train(config, workdir, program.GRPO())
