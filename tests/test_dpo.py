@@ -1,6 +1,7 @@
 """DPO (python -m jax_pretrain.dpo): each loss against a float64 NumPy reference of TRL 1.16's
 formula; the loss, every logged metric and every gradient against TRL's DPOTrainer itself on an
 exported model; the pairs as TRL tokenizes them; the program: resume, a mesh, bad input."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -252,6 +253,34 @@ def test_a_bad_pair_is_one_error_naming_its_file_and_line(tmp_path, line, messag
     data_lib.open_pairs(str(tmp_path / 'pairs.jsonl'), '', 0.0, tokenizer_lib.ByteTokenizer(),
                         (0, 0), 64)
   assert f'{tmp_path}/pairs.jsonl:3: ' in str(e.value)
+
+
+def test_pairs_from_parquet_and_a_hugging_face_dataset_equal_the_jsonl_ones(tmp_path):
+  """The same pairs (text, messages with the prompt given and implicit) as JSONL, as a Parquet
+  file and as a saved Hugging Face dataset (hf:DIR) tokenize to the same ids; a bad row is named
+  by its row."""
+  import pyarrow  # noqa: PLC0415
+  import pyarrow.parquet as pq  # noqa: PLC0415
+  datasets = pytest.importorskip('datasets')
+  tok = tokenizer_lib.train_bytelevel_bpe(TEXTS, str(tmp_path / 'tok' / 'tokenizer.json'), 300)
+  path = tmp_path / 'tok' / tokenizer_lib.HF_CONFIG_FILE
+  path.write_text(json.dumps({**json.loads(path.read_text()), 'chat_template': CHATML}))
+  tok = tokenizer_lib.load(str(tmp_path / 'tok' / 'tokenizer.json'))
+  rows = [p for p in CHAT_PAIRS if isinstance(p['chosen'], list)]  # one form a file (a column type)
+  (tmp_path / 'pairs.jsonl').write_text(''.join(json.dumps(p) + '\n' for p in rows))
+  pq.write_table(pyarrow.Table.from_pylist(rows), tmp_path / 'pairs.parquet')
+  datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / 'saved'))
+  read = lambda source: data_lib.open_pairs(source, '', 0.0, tok, (0, 0), 512).train
+  want = read(str(tmp_path / 'pairs.jsonl'))
+  assert len(want) == len(rows)
+  for source in (str(tmp_path / 'pairs.parquet'), f'hf:{tmp_path / "saved"}'):
+    got = read(source)
+    assert [[x.tolist() for x in dataclasses.astuple(p)] for p in got] == [
+        [x.tolist() for x in dataclasses.astuple(p)] for p in want], source
+  pq.write_table(pyarrow.Table.from_pylist([TEXT_PAIRS[0], {**TEXT_PAIRS[0], 'rejected': ' 4'}]),
+                 tmp_path / 'bad.parquet')
+  with pytest.raises(DataError, match=r'bad\.parquet:row 2: "chosen" and "rejected" are the same'):
+    read(str(tmp_path / 'bad.parquet'))
 
 
 # The program.

@@ -2,7 +2,9 @@
 DPOTrainer prepares them (1.16: trl/trainer/dpo_trainer.py, _prepare_dataset and
 DataCollatorForPreference), and the batches of each step.
 
-A source is JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), one pair a line, in one of TRL's forms:
+A source is JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), one pair a line, Parquet files, one pair
+a row, or a Hugging Face dataset (hf:NAME_OR_PATH[@SPLIT], opened as the trainer's data sources
+open one: data/hub.py), one pair a row, in one of TRL's forms:
   {"prompt": "...", "chosen": "...", "rejected": "..."}      text: the prompt tokenized as a
       document starts (the tokenizer's specials, e.g. Llama 3's BOS), prompt + completion + EOS
       tokenized whole, the completion where the two diverge (TRL's common_prefix_length)
@@ -13,10 +15,13 @@ A source is JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), one pair a line, in one
 Truncation: a prompt keeps its last dpo.max_prompt_tokens, a completion its first
 dpo.max_completion_tokens (0: all; TRL's max_prompt_length and max_completion_length before 1.0),
 then each sequence its first data.seq_len + 1 tokens (TRL 1.16's max_length, keep_start); a pair
-whose prompt alone fills them is dropped, as TRL drops it, and counted. A bad line is one error
-naming its file and line.
+whose prompt alone fills them is dropped, as TRL drops it, and counted. A bad line or row is one
+error naming its file and line (FILE:row N, hf:NAME@SPLIT:ROW).
 """
+from collections.abc import Iterable
+from collections.abc import Iterator
 import dataclasses
+import itertools
 import json
 import os
 from typing import Any
@@ -26,6 +31,7 @@ import numpy as np
 
 from jax_pretrain.data import chat
 from jax_pretrain.data import formats
+from jax_pretrain.data import hub
 from jax_pretrain.data import sources as sources_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.data.errors import DataError
@@ -70,7 +76,8 @@ def _fields(obj: dict) -> tuple[Any, Any, Any] | str:
   chosen, rejected = obj['chosen'], obj['rejected']
   if chosen == rejected:
     return '"chosen" and "rejected" are the same (a pair that prefers nothing)'
-  if 'prompt' not in obj or (isinstance(obj['prompt'], str) and _is_messages(chosen)):
+  if obj.get('prompt') is None or (isinstance(obj['prompt'], str) and _is_messages(chosen)):
+    # (a table's row without a prompt has it null: the implicit form too)
     if not (isinstance(chosen, str) and isinstance(rejected, str)
             or _is_messages(chosen) and _is_messages(rejected)):
       return '"chosen" and "rejected" must both be strings or both lists of messages: ' + _FORMS
@@ -141,36 +148,58 @@ def truncate(pair: Pair, max_prompt: int, max_completion: int, max_length: int) 
   return Pair(prompt, pair.chosen[:keep], pair.rejected[:keep])
 
 
-def read_pairs(files: list[tuple[str, Any]], tokenizer, template, limits: tuple[int, int, int]
-               ) -> tuple[list[Pair], int]:
-  """(the files' pairs in order, truncated; how many were dropped for a prompt that fills
-  max_length). limits: (max prompt, max completion, max sequence tokens). A bad line raises a
-  DataError naming it."""
+def _file_records(path: str, fmt) -> Iterator[tuple[str, Any, str | None]]:
+  """(FILE:LINE or FILE:row N, the record, what is wrong or None) of each pair in a JSONL or
+  Parquet file."""
+  if fmt is formats.Parquet:
+    import pyarrow  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+    try:
+      rows = pq.read_table(path).to_pylist()
+    except (pyarrow.ArrowException, OSError) as e:
+      raise DataError(f'{path}: not a readable Parquet file ({e}).') from None
+    for n, row in enumerate(rows, 1):
+      yield f'{path}:row {n}', row, None
+    return
+  if fmt not in _JSONL_FORMATS:
+    raise DataError(f'{path}: DPO reads JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet files '
+                    'of preference pairs, or a Hugging Face dataset (hf:NAME[@SPLIT]).')
+  if os.path.getsize(path) == 0:
+    raise DataError(f'{path}: empty file.')
+  for item in fmt.work_items(path, formats.WHOLE_LINE):
+    for n, line, error in formats.read(item):
+      yield formats.location(item, n), None if line is None else json.loads(line), error
+
+
+def _dataset_records(text: str) -> Iterator[tuple[str, Any, str | None]]:
+  """(hf:NAME@SPLIT:ROW, the record, None) of each row of a Hugging Face dataset, opened as the
+  trainer's data sources open it (data/hub.py), rows counted from 1."""
+  name, split = hub.parse(text)
+  ds, _ = hub.open_dataset(name, split)
+  for n, row in enumerate(ds, 1):
+    yield f'{hub.spec(name, split)}:{n}', row, None
+
+
+def read_pairs(records: Iterable[tuple[str, Any, str | None]], tokenizer, template,
+               limits: tuple[int, int, int]) -> tuple[list[Pair], int]:
+  """(the records' pairs in order, truncated; how many were dropped for a prompt that fills
+  max_length). records: (where, record, what is wrong or None). limits: (max prompt, max
+  completion, max sequence tokens). A bad record raises a DataError naming it."""
   pairs, dropped = [], 0
-  for path, fmt in files:
-    if fmt not in _JSONL_FORMATS:
-      raise DataError(f'{path}: DPO reads JSONL files (.jsonl, .jsonl.gz, .jsonl.zst) of '
-                      'preference pairs.')
-    if os.path.getsize(path) == 0:
-      raise DataError(f'{path}: empty file.')
-    for item in fmt.work_items(path, formats.WHOLE_LINE):
-      for n, line, error in formats.read(item):
-        where = formats.location(item, n)
-        if error is None:
-          assert line is not None  # a record has its text or its error (formats.Record)
-          fields = _fields(json.loads(line))
-          pair = (fields if isinstance(fields, str)
-                  else encode_pair(*fields, tokenizer, template))
-          if isinstance(pair, str):
-            error = pair
-        if error is not None:
-          raise DataError(f'{where}: {error}.')
-        assert isinstance(pair, Pair)
-        kept = truncate(pair, *limits)
-        if kept is None:
-          dropped += 1
-        else:
-          pairs.append(kept)
+  for where, record, error in records:
+    if error is None:
+      fields = _fields(record)
+      pair = fields if isinstance(fields, str) else encode_pair(*fields, tokenizer, template)
+      if isinstance(pair, str):
+        error = pair
+    if error is not None:
+      raise DataError(f'{where}: {error}.')
+    assert isinstance(pair, Pair)
+    kept = truncate(pair, *limits)
+    if kept is None:
+      dropped += 1
+    else:
+      pairs.append(kept)
   return pairs, dropped
 
 
@@ -225,12 +254,16 @@ def open_pairs(train: str, val: str, val_ratio: float, tokenizer, limits: tuple[
   full = (*limits, seq_len + 1)
 
   def read(setting: str, what: str) -> tuple[list[Pair], int]:
-    files = []
+    records: list[Iterable[tuple[str, Any, str | None]]] = []
     for source in sources_lib.parse(setting, what):
-      if not (isinstance(source, sources_lib.Files) and source.is_text):
-        raise DataError(f'{what}: {source.text}: DPO reads JSONL files of preference pairs.')
-      files += source.text_files
-    return read_pairs(files, tokenizer, template, full)
+      if isinstance(source, sources_lib.HfDataset):
+        records.append(_dataset_records(source.text))
+      elif isinstance(source, sources_lib.Files) and source.is_text:
+        records += [_file_records(path, fmt) for path, fmt in source.text_files]
+      else:
+        raise DataError(f'{what}: {source.text}: DPO reads JSONL or Parquet files of preference '
+                        'pairs, or a Hugging Face dataset (hf:NAME[@SPLIT]).')
+    return read_pairs(itertools.chain(*records), tokenizer, template, full)
 
   pairs, dropped = read(train, 'data.train')
   if val:
