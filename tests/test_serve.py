@@ -175,7 +175,10 @@ def test_streaming_gives_the_same_text_in_pieces(client):
   events = list(client.completions.create(**kw, stream=True,
                                           stream_options={'include_usage': True}))
   pieces = [e.choices[0] for e in events if e.choices]
-  assert len(pieces) >= 3  # the text arrives as it is decoded (chunks of 4 tokens)
+  # As many pieces as the reader kept up with: a reader slower than the decoding gets the updates
+  # it missed merged into one (engine/client.py; the order and the merge:
+  # tests/test_engine_client.py), so on a busy machine the text may come in one piece.
+  assert pieces
   assert ''.join(p.text for p in pieces) == whole.text
   assert [p.finish_reason for p in pieces][-1] == whole.finish_reason
   assert all(p.finish_reason is None for p in pieces[:-1])
