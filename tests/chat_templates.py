@@ -52,9 +52,8 @@ QWEN3 = r"""{%- if messages[0].role == 'system' %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}"""
-# TRL's training variant of it (trl/chat_templates/qwen3_training.jinja): every <think> kept, the
-# assistant's output inside {% generation %}.
-QWEN3_TRAINING = QWEN3.replace(r"""        {%- if loop.index0 > ns.last_query_index %}
+# QWEN3's assistant turn, which its training and marked variants rewrite.
+_ASSISTANT_TURN = r"""        {%- if loop.index0 > ns.last_query_index %}
             {%- if loop.last or (not loop.last and reasoning_content) %}
                 {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n')
                     + '\n</think>\n\n' + content.lstrip('\n') }}
@@ -64,7 +63,12 @@ QWEN3_TRAINING = QWEN3.replace(r"""        {%- if loop.index0 > ns.last_query_in
         {%- else %}
             {{- '<|im_start|>' + message.role + '\n' + content }}
         {%- endif %}
-        {{- '<|im_end|>\n' }}""", r"""        {{- '<|im_start|>' + message.role + '\n' }}
+        {{- '<|im_end|>\n' }}"""
+assert _ASSISTANT_TURN in QWEN3
+# TRL's training variant of it (trl/chat_templates/qwen3_training.jinja): every <think> kept, the
+# assistant's output inside {% generation %}.
+QWEN3_TRAINING = QWEN3.replace(_ASSISTANT_TURN,
+                             r"""        {{- '<|im_start|>' + message.role + '\n' }}
         {%- generation %}
         {{- '<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n'
             + content.lstrip('\n') }}
@@ -73,17 +77,8 @@ QWEN3_TRAINING = QWEN3.replace(r"""        {%- if loop.index0 > ns.last_query_in
 assert QWEN3_TRAINING != QWEN3
 # The same text as QWEN3's, each assistant turn after its header inside {% generation %} (for
 # transformers' assistant mask).
-QWEN3_MARKED = QWEN3.replace(r"""        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n')
-                    + '\n</think>\n\n' + content.lstrip('\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\n' + content }}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}""", r"""        {{- '<|im_start|>' + message.role + '\n' }}
+QWEN3_MARKED = QWEN3.replace(_ASSISTANT_TURN,
+                             r"""        {{- '<|im_start|>' + message.role + '\n' }}
         {%- generation %}
         {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
             {{- '<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n'
