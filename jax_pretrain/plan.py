@@ -86,6 +86,22 @@ def devices_for(target: gpu_targets.Target, num_devices: int) -> list:
   return topology.devices
 
 
+def resolve_program(config, group: str, config_type: type, target: str, num_devices: int,
+                    memory_gib: float | None) -> tuple:
+  """The start of a program's plan (--grpo, --dpo: group 'grpo', 'dpo'): (the config typed, as
+  config_type, the program's config with its group; config.resolve's resolved config and run
+  for the target's devices; the target; its devices). PlanError: a config without the group."""
+  config = config_lib.typed(config)
+  if not isinstance(config, config_type):
+    raise PlanError(f'--{group} plans a {group.upper()} step: give a config with the {group} '
+                    f'group, e.g. --config=configs/{group}.py:xlarge (a preset\'s model) or '
+                    f'configs/{group}.py:RUN.')
+  t = target_of(target, memory_gib)
+  devices = devices_for(t, num_devices)
+  c, run = config_lib.resolve(config, len(devices), device=devices[0])
+  return config, c, run, t, devices
+
+
 def memory_report(compiled, target: gpu_targets.Target, alongside: dict[str, float]) -> dict:
   """A compiled program's peak per device (XLA's buffer assignment), what stays on each device
   beside it (alongside: {what: bytes}), and whether both fit the memory JAX may use there."""

@@ -10,7 +10,6 @@ The report is plan.py's, the reference among what stays on each device beside th
 """
 import time
 
-from jax_pretrain import config as config_lib
 from jax_pretrain import memory
 from jax_pretrain import plan as plan_lib
 from jax_pretrain.dpo import config as dpo_config
@@ -21,14 +20,8 @@ def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | Non
          memory_gib: float | None = None) -> dict:
   """{'dpo': the step's shapes and the reference's bytes a device, 'update': plan.report's dict
   of the update with the reference beside it}. Raises plan.PlanError and config.ConfigError."""
-  config = config_lib.typed(config)
-  if not isinstance(config, dpo_config.DpoTrainConfig):
-    raise plan_lib.PlanError('--dpo plans a DPO step: give a config with the dpo group, e.g. '
-                             "--config=configs/dpo.py:xlarge (a preset's model) or "
-                             'configs/dpo.py:RUN.')
-  t = plan_lib.target_of(target, memory_gib)
-  devices = plan_lib.devices_for(t, num_devices)
-  c, run = config_lib.resolve(config, len(devices), device=devices[0])
+  config, c, run, t, devices = plan_lib.resolve_program(
+      config, 'dpo', dpo_config.DpoTrainConfig, target, num_devices, memory_gib)
   resolved = dpo_config.of(c)
   B, length = resolved.train.batch_size, resolved.data.seq_len + 1
   batch = lambda s: objective.update_batch(s, B, length, resolved.dpo.rpo_alpha > 0)

@@ -139,14 +139,8 @@ def resolve_step(config, target: str, num_devices: int, memory_gib: float | None
                  prompt_tokens: int) -> Step:
   """The step's config resolved for the target's devices, and its shapes, checked: a config with
   the grpo group, prompts that leave room for grpo.max_new_tokens in data.seq_len."""
-  config = config_lib.typed(config)
-  if not isinstance(config, grpo_config.GrpoTrainConfig):
-    raise plan_lib.PlanError('--grpo plans a GRPO step: give a config with the grpo group, e.g. '
-                             "--config=configs/grpo.py:xlarge (a preset's model) or "
-                             'configs/grpo.py:RUN.')
-  t = plan_lib.target_of(target, memory_gib)
-  devices = plan_lib.devices_for(t, num_devices)
-  c, run = config_lib.resolve(config, len(devices), device=devices[0])
+  config, c, run, t, devices = plan_lib.resolve_program(
+      config, 'grpo', grpo_config.GrpoTrainConfig, target, num_devices, memory_gib)
   resolved = grpo_config.of(c)
   g, T = resolved.grpo, resolved.data.seq_len
   objective.check_batch(resolved)
