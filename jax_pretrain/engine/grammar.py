@@ -46,6 +46,26 @@ def lltokenizer(tokenizer):
                                 eos_token=tokenizer.eos_id)
 
 
+_VALUES = frozenset({'const', 'enum', 'default', 'examples'})  # (JSON values, not schemas)
+
+
+def closed(schema):
+  """The schema with `additionalProperties: false` in each object schema that lists properties
+  and says nothing of others, as vLLM decodes it (its default backend xgrammar's strict mode;
+  its guidance backend's disable_additional_properties): the keys a client's schema names, not
+  keys of the model's choosing, which a pydantic model or a tool's parameters written without
+  `extra='forbid'` leave open (LangChain's with_structured_output by function calling,
+  bind_tools)."""
+  if isinstance(schema, list):
+    return [closed(s) for s in schema]
+  if not isinstance(schema, dict):
+    return schema
+  out = {k: v if k in _VALUES else closed(v) for k, v in schema.items()}
+  if ('properties' in out or 'patternProperties' in out) and 'additionalProperties' not in out:
+    out['additionalProperties'] = False
+  return out
+
+
 class Grammars:
   """Compiles grammars for one tokenizer (the module docstring)."""
 
@@ -55,10 +75,10 @@ class Grammars:
 
   def json_schema(self, schema: dict | bool, what: str = 'the schema') -> 'Grammar':
     """A grammar of the JSON values that `schema` validates (compact: no whitespace between
-    tokens, as vLLM's default), or a GrammarError naming `what`."""
+    tokens, as vLLM's default; objects closed, `closed`), or a GrammarError naming `what`."""
     try:
       grammar = llguidance.LLMatcher.grammar_from_json_schema(
-          json.dumps(schema), defaults={'whitespace_flexible': False})
+          json.dumps(closed(schema)), defaults={'whitespace_flexible': False})
     except ValueError as e:
       raise GrammarError(f'{what} is not a JSON schema the grammar library can compile: '
                          f'{e}') from None
