@@ -21,6 +21,7 @@ import pydantic
 from jax_pretrain import engine as engine_lib
 from jax_pretrain import structured
 from jax_pretrain.engine import client as client_lib
+from jax_pretrain.engine import grammar as grammar_lib
 
 if TYPE_CHECKING:
   from typing_extensions import TypeIs  # typing's from Python 3.13
@@ -308,27 +309,45 @@ def usage(prompts: list[list[int]], sequences: list[engine_lib.Sequence]) -> dic
           'total_tokens': prompt_tokens + completion_tokens}
 
 
+class _Added(NamedTuple):
+  """What a token adds to the text: its string ('' while it leaves a character unfinished), its
+  bytes (OpenAI's `bytes`: the token's own, an unfinished character's first bytes included) and
+  the raw bytes of the unfinished character's tokens after it (b'': none)."""
+  text: str
+  bytes: bytes
+  pending: bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class _Offsets:
   """Where incremental detokenization stands (vLLM's, as engine/sequence.py's): the text of
   ids[:read] is complete (no unfinished character at its end) and `chars` long; the next tokens
   are decoded after ids[prefix:read] (prefix <= read: the tokens a tokenizer needs before one to
-  print it as it prints it in the text, a leading space say), not after all of them."""
+  print it as it prints it in the text, a leading space say), not after all of them. pending:
+  the raw bytes of ids[read:] where their text ends in an unfinished character."""
   prefix: int = 0
   read: int = 0
   chars: int = 0
+  pending: bytes = b''
 
-  def added(self, tokenizer, ids: list[int], n: int, token: int) -> str:
-    """The text `token` adds after ids[:n - 1] (whose text up to `read` is complete), in place
-    of ids[n - 1]: '' while it leaves a character unfinished, then with the token that completes
-    it, the whole character."""
+  def added(self, tokenizer, ids: list[int], n: int, token: int) -> _Added:
+    """What `token` adds after ids[:n - 1] (whose text up to `read` is complete), in place of
+    ids[n - 1]: while it leaves a character unfinished, no text and its own bytes (the
+    character's first), then with the token that completes it, the whole character and the
+    character's other bytes; so that the tokens' strings join into the text and their bytes
+    into its UTF-8."""
     new = tokenizer.decode([*ids[self.prefix:n - 1], token])[
         len(tokenizer.decode(ids[self.prefix:self.read])):]
-    return '' if new.endswith('\ufffd') else new
+    if not new.endswith('\ufffd'):
+      return _Added(new, new.encode()[len(self.pending):], b'')
+    pending = grammar_lib.token_bytes(tokenizer, [*ids[self.read:n - 1], token])
+    return _Added('', pending[len(self.pending):], pending)
 
-  def then(self, n: int, added: str) -> '_Offsets':
+  def then(self, n: int, added: _Added) -> '_Offsets':
     """The offsets once token n - 1 added `added`."""
-    return _Offsets(self.read, n, self.chars + len(added)) if added else self
+    if added.text:
+      return _Offsets(self.read, n, self.chars + len(added.text))
+    return dataclasses.replace(self, pending=added.pending)
 
 
 class _Token(NamedTuple):
@@ -336,14 +355,16 @@ class _Token(NamedTuple):
   before: _Offsets  # the offsets before it
   after: _Offsets  # and after it
   end: int  # the length of the text through it (the last one's: to the end of the text)
+  bytes: bytes  # its own (_Added.bytes)
 
 
 def _tokens(tokenizer, ids: list[int], start: int, offsets: _Offsets) -> Iterator[_Token]:
   """Each token of ids[start:] with the text length through it, given the offsets after
   ids[:start]; a few tokens decoded for each, not all of ids[:n]."""
   for n in range(start + 1, len(ids) + 1):
-    after = offsets.then(n, offsets.added(tokenizer, ids, n, ids[n - 1]))
-    yield _Token(n, offsets, after, after.chars)
+    added = offsets.added(tokenizer, ids, n, ids[n - 1])
+    after = offsets.then(n, added)
+    yield _Token(n, offsets, after, after.chars, added.bytes)
     offsets = after
 
 
@@ -353,8 +374,8 @@ def _to_the_end(tokens: list[_Token], text: str) -> list[_Token]:
   return [*tokens[:-1], tokens[-1]._replace(end=max(tokens[-1].end, len(text)))] if tokens else []
 
 
-def _entry(text: str, logprob: float | None) -> dict:
-  return {'token': text, 'logprob': logprob, 'bytes': list(text.encode())}
+def _entry(text: str, data: bytes, logprob: float | None) -> dict:
+  return {'token': text, 'logprob': logprob, 'bytes': list(data)}
 
 
 class _Choice:
@@ -363,9 +384,10 @@ class _Choice:
 
   A token's string in the logprobs is the text it adds to the choice's (vLLM's and OpenAI's
   incremental detokenization), so that the strings join into the text: a token that ends inside a
-  character adds '' (and no bytes), the one that completes it the whole character; a token past
-  a stop string adds nothing either, and the last token the rest of the text. An alternative's
-  string is the text it would have added in the token's place."""
+  character adds '' (and its own bytes, the character's first), the one that completes it the
+  whole character (and the character's other bytes): the bytes join into the text's UTF-8. A
+  token past a stop string adds nothing either, and the last token the rest of the text. An
+  alternative's string (and bytes) are what it would have added in the token's place."""
 
   def __init__(self, index: int, top: int | None):
     self.index, self.top = index, top
@@ -396,16 +418,21 @@ class _Choice:
   def tokens(self, tokenizer, ids: list[int], logprobs: list[float] | list[float | None],
              tops: list | None,
              text: str, start_chars: int, ends: list[_Token]
-             ) -> Iterator[tuple[int, str, float | None, list[tuple[str, float]] | None]]:
-    """(where its text starts, the text it adds to `text`, its logprob, the top alternatives'
-    texts and logprobs, or None) of each token that ends covers; tops[n - 1]: token n - 1's
-    alternatives (None: none)."""
+             ) -> Iterator[tuple[int, str, bytes, float | None,
+                                 list[tuple[str, bytes, float]] | None]]:
+    """(where its text starts, the text it adds to `text`, its bytes, its logprob, the top
+    alternatives' texts, bytes and logprobs, or None) of each token that ends covers;
+    tops[n - 1]: token n - 1's alternatives (None: none). A token whose text `text` cuts (a stop
+    string) or extends (the last): the bytes of what it adds there."""
     offset = start_chars
-    for n, before, _, end in ends:
+    for n, before, after, end, data in ends:
       top = None if not tops or tops[n - 1] is None else tops[n - 1][:self.top]
       offset = min(offset, len(text))
-      yield (offset, text[offset:min(end, len(text))], logprobs[n - 1],
-             None if top is None else [(before.added(tokenizer, ids, n, t), lp)
+      piece = text[offset:min(end, len(text))]
+      if end != after.chars or end > len(text):
+        data = piece.encode()[len(before.pending):]
+      yield (offset, piece, data, logprobs[n - 1],
+             None if top is None else [(*before.added(tokenizer, ids, n, t)[:2], lp)
                                        for t, lp in top])
       offset = end
 
@@ -447,10 +474,10 @@ class CompletionChoice(_Choice):
                             'text_offset': []}
 
     def add(tokens, base: int = 0):
-      for offset, token, logprob, top in tokens:
+      for offset, token, _, logprob, top in tokens:
         out['tokens'].append(token)
         out['token_logprobs'].append(logprob)
-        out['top_logprobs'].append(None if top is None else dict(top))
+        out['top_logprobs'].append(None if top is None else {t: lp for t, _, lp in top})
         out['text_offset'].append(base + offset)
 
     if with_prompt:
@@ -512,8 +539,9 @@ class ChatChoice(_Choice):
     if self.top is None:
       return None
     return {'content': [
-        {**_entry(token, logprob), 'top_logprobs': [_entry(t, lp) for t, lp in top or ()]}
-        for _, token, logprob, top in self.tokens(tokenizer, seq.tokens, seq.logprobs,
+        {**_entry(token, data, logprob),
+         'top_logprobs': [_entry(t, t_data, lp) for t, t_data, lp in top or ()]}
+        for _, token, data, logprob, top in self.tokens(tokenizer, seq.tokens, seq.logprobs,
                                                   seq.top_logprobs, text, start_chars, ends)]}
 
 

@@ -13,15 +13,18 @@ logprobs, bad requests, a run without a template (400), and the template in the 
 Qwen3-style multi-turn chat served with transformers' ids by a run whose tokenizer/ has only
 chat_template.jinja, and serve --chat_template=FILE. The fields as OpenAI's spec has them: null
 for a default, the no-op forms, an agent's history (tool calls, tool messages, content parts),
-logit_bias and penalties, 20 top_logprobs, logprob tokens that join into the content, [DONE]
-after an error event, no server path in an answer, and a run's generation_config.json."""
+logit_bias and penalties, 20 top_logprobs, logprob tokens (strings and bytes) that join into
+the content, [DONE] after an error event, no server path in an answer, and a run's
+generation_config.json."""
 import asyncio
 import concurrent.futures
 import contextlib
 import email.message
 import http.client
+import importlib
 import json
 import random
+import re
 import shutil
 import signal
 import socket
@@ -986,8 +989,9 @@ def test_chat_logprobs_are_the_completions_logprobs_in_the_chat_form(local):
   content = answer.choices[0].logprobs.content
   assert [t.token for t in content] == plain.tokens
   assert ''.join(t.token for t in content) == answer.choices[0].message.content
+  assert b''.join(bytes(t.bytes) for t in content) == answer.choices[0].message.content.encode()
   for t, logprob in zip(content, plain.token_logprobs):
-    assert t.logprob == pytest.approx(logprob, abs=1e-5) and t.bytes == list(t.token.encode())
+    assert t.logprob == pytest.approx(logprob, abs=1e-5) and len(t.bytes) == 1  # (a byte each)
     assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy
     assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
   streamed = chat(c, temperature=0, max_tokens=8, logprobs=True, stream=True)
@@ -1263,11 +1267,29 @@ def _text_tokenizers(tmp_path):
   yield tokenizer_lib.train_bytelevel_bpe(texts, str(tmp_path / 'bpe' / 'tokenizer.json'), 400)
 
 
+def _own_bytes(tok, token: int) -> bytes:
+  """A token's bytes as its tokenizer's vocabulary has them (its file read with its own library:
+  transformers' byte-level alphabet; sentencepiece's pieces, '▁' a space, <0xNN> a byte)."""
+  if isinstance(tok, tokenizer_lib.ByteTokenizer):
+    return bytes([token])
+  if isinstance(tok, tokenizer_lib.SentencePieceTokenizer):
+    import sentencepiece  # noqa: PLC0415
+    piece = sentencepiece.SentencePieceProcessor(model_file=tok.path).IdToPiece(token)
+    return (bytes([int(piece[3:5], 16)]) if re.fullmatch(r'<0x[0-9A-F]{2}>', piece)
+            else piece.replace('\u2581', ' ').encode())
+  import tokenizers  # noqa: PLC0415
+  slow = importlib.import_module('transformers.convert_slow_tokenizer')
+  byte_of = {c: b for b, c in slow.bytes_to_unicode().items()}
+  return bytes(byte_of[c] for c in tokenizers.Tokenizer.from_file(tok.path).id_to_token(token))
+
+
 def test_logprob_tokens_join_into_the_content(tmp_path):
   """With the byte tokenizer (a character in several tokens), a sentencepiece model (a space
   that a token decoded alone drops) and a byte-level BPE: each token's string is the text it
-  adds, so that the strings (and their bytes) join into the content, whole or streamed, cut at a
-  stop string or not; an alternative's string is the text it would have added there."""
+  adds, so that the strings join into the content, whole or streamed, cut at a stop string or
+  not, and its bytes are its own (a token that ends inside a character: '' and the character's
+  first bytes), which join into the content's UTF-8; an alternative's string and bytes are what
+  it would have added there."""
   text = 'naïve café — 東京 🙂 x = 1\n\ty The for statement'
   for tok in _text_tokenizers(tmp_path):
     ids = [int(t) for t in tok.encode(text)]
@@ -1280,7 +1302,11 @@ def test_logprob_tokens_join_into_the_content(tmp_path):
       content = openai_api.ChatChoice(0, 2).final(seq, tok)['logprobs']['content']
       assert ''.join(t['token'] for t in content) == seq.text
       assert b''.join(bytes(t['bytes']) for t in content) == seq.text.encode()
-      assert cut or all(t['top_logprobs'][0]['token'] == t['token'] for t in content)
+      assert cut or all(t['top_logprobs'][0]['token'] == t['token'] and
+                        t['top_logprobs'][0]['bytes'] == t['bytes'] for t in content)
+      if not cut:  # (sentencepiece: the text drops the first token's leading space)
+        assert [bytes(t['bytes']) for t in content[1:]] == [_own_bytes(tok, i) for i in ids[1:]]
+        assert any(t['token'] == '' and t['bytes'] for t in content)  # (a character split)
       r = openai_api.CompletionRequest(prompt='x', logprobs=2)
       logprobs = openai_api.CompletionChoice(0, ('x', [1]), None, r).final(seq, tok)['logprobs']
       assert ''.join(logprobs['tokens']) == seq.text
@@ -1295,8 +1321,9 @@ def test_logprob_tokens_join_into_the_content(tmp_path):
       seq.text = seq.detokenize(tok, final=m == len(ids))
       seq.finish_reason = 'length' if m == len(ids) else None
       delta = choice.delta(client_lib.Update.of(0, seq), tok)
-      streamed += [t['token'] for t in delta['logprobs']['content']]
-    assert ''.join(streamed) == tok.decode(ids) and len(streamed) == len(ids)
+      streamed += [(t['token'], bytes(t['bytes'])) for t in delta['logprobs']['content']]
+    assert ''.join(t for t, _ in streamed) == tok.decode(ids) and len(streamed) == len(ids)
+    assert b''.join(b for _, b in streamed) == tok.decode(ids).encode()
 
 
 def test_the_server_reads_the_runs_generation_config(run, client, tmp_path):

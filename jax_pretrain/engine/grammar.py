@@ -66,6 +66,15 @@ def closed(schema):
   return out
 
 
+def token_bytes(tokenizer, ids: list[int]) -> bytes:
+  """The bytes ids stand for, each token's own (an unfinished UTF-8 character's included, which
+  decode shows as U+FFFD), special tokens and ids past the vocabulary left out as decode leaves
+  them out: the logprobs' `bytes` (openai_api.py)."""
+  lltok = lltokenizer(tokenizer)
+  return lltok.decode_bytes([int(i) for i in ids if 0 <= int(i) < lltok.vocab_size
+                             and not lltok.is_special_token(int(i))])
+
+
 class Grammars:
   """Compiles grammars for one tokenizer (the module docstring)."""
 
