@@ -13,6 +13,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
 import jax
 import jsonschema
+import openai
 import pydantic
 import pytest
 
@@ -136,6 +137,26 @@ def test_langchain_bind_tools_gives_tool_calls(url):
     assert [(c['name'], c['args']) for c in merged.tool_calls] == [(call['name'], call['args'])]
 
 
+def test_the_openai_sdks_parse_helpers_read_pydantic_objects(url):
+  """The openai SDK's own helpers (create, stream and parse of a response_format: test_serve.py):
+  chat.completions.stream with a pydantic response_format, its final completion's parsed object;
+  parse with a strict pydantic function tool (openai.pydantic_function_tool), its call's
+  parsed_arguments."""
+  c = openai.OpenAI(base_url=f'{url}/v1', api_key='unused', max_retries=0, timeout=120)
+  with c.chat.completions.stream(model=NAME, messages=SHORT, response_format=Answer,
+                                 max_tokens=56, temperature=1.0, seed=4) as stream:
+    texts = [e.delta for e in stream if e.type == 'content.delta']
+    final = stream.get_final_completion()
+  assert isinstance(final.choices[0].message.parsed, Answer)
+  assert ''.join(texts) == final.choices[0].message.content and len(texts) > 1
+  answer = c.chat.completions.parse(model=NAME, messages=SHORT, max_tokens=56, temperature=1.0,
+                                    seed=4, tools=[openai.pydantic_function_tool(Weather)],
+                                    tool_choice={'type': 'function',
+                                                 'function': {'name': 'Weather'}})
+  [call] = answer.choices[0].message.tool_calls
+  assert call.function.name == 'Weather' and isinstance(call.function.parsed_arguments, Weather)
+
+
 def test_lm_evals_local_chat_completions_runs_a_generation_task(url, trained, tmp_path):
   """lm_eval's `local-chat-completions` against the server, the chat template applied: each
   answer is the rendered chat's greedy continuation cut before lm_eval's stop string, and
@@ -161,7 +182,7 @@ def test_lm_evals_local_chat_completions_runs_a_generation_task(url, trained, tm
       model_args={'model': NAME, 'base_url': f'{url}/v1/chat/completions',
                   'tokenizer_backend': None, 'max_retries': 1},
       tasks=['chat_gen'], apply_chat_template=True, log_samples=True,
-      task_manager=lm_tasks.TaskManager(include_path=str(tmp_path)))
+      task_manager=lm_tasks.TaskManager(include_path=str(tmp_path), include_defaults=False))
   for s in out['samples']['chat_gen']:
     assert s['resps'][0][0] == greedy[s['doc_id']]
   assert out['results']['chat_gen']['exact_match,none'] == 0.5
