@@ -1368,9 +1368,9 @@ CLOCK = {'type': 'function', 'function': {'name': 'clock', 'parameters': {
 
 def test_structured_outputs_are_json_that_validates_against_the_schema(local):
   """A model with random weights answers, sampled or greedy, JSON that validates (jsonschema)
-  against a json_schema response_format (strict), and the openai SDK's parse of a pydantic
-  model reads it; json_object gives a JSON object; a schema the grammar library cannot compile is
-  a 400 naming it."""
+  against a json_schema response_format (strict), with the keys it names and no other where it
+  leaves others open, and the openai SDK's parse of a pydantic model reads it; json_object
+  gives a JSON object; a schema the grammar library cannot compile is a 400 naming it."""
   c = _client(local[0])
   fmt = {'type': 'json_schema', 'json_schema': {'name': 'answer', 'schema': ANSWER_SCHEMA,
                                                  'strict': True}}
@@ -1379,6 +1379,12 @@ def test_structured_outputs_are_json_that_validates_against_the_schema(local):
     assert choice.finish_reason == 'stop', choice.message.content
     jsonschema.validate(json.loads(choice.message.content), ANSWER_SCHEMA)
   assert len({choice.message.content for choice in answer.choices}) > 1  # (sampled)
+  open_schema = {k: v for k, v in ANSWER_SCHEMA.items() if k != 'additionalProperties'}
+  answer = chat(c, SHORT, response_format={'type': 'json_schema', 'json_schema': {
+      'name': 'open', 'schema': open_schema}}, max_tokens=56, temperature=1.0, seed=1, n=3)
+  for choice in answer.choices:  # (other keys allowed, none decoded: closed as vLLM closes it)
+    assert choice.finish_reason == 'stop' and set(json.loads(choice.message.content)) == set(
+        ANSWER_SCHEMA['properties'])
   free = chat(c, SHORT, max_tokens=20, temperature=0).choices[0].message.content
   with pytest.raises(json.JSONDecodeError):
     json.loads(free)  # (the same model, unconstrained)
