@@ -314,7 +314,7 @@ class _Added(NamedTuple):
   bytes (OpenAI's `bytes`: the token's own, an unfinished character's first bytes included) and
   the raw bytes of the unfinished character's tokens after it (b'': none)."""
   text: str
-  bytes: bytes
+  data: bytes
   pending: bytes
 
 
@@ -355,7 +355,7 @@ class _Token(NamedTuple):
   before: _Offsets  # the offsets before it
   after: _Offsets  # and after it
   end: int  # the length of the text through it (the last one's: to the end of the text)
-  bytes: bytes  # its own (_Added.bytes)
+  data: bytes  # its bytes (_Added.data)
 
 
 def _tokens(tokenizer, ids: list[int], start: int, offsets: _Offsets) -> Iterator[_Token]:
@@ -364,7 +364,7 @@ def _tokens(tokenizer, ids: list[int], start: int, offsets: _Offsets) -> Iterato
   for n in range(start + 1, len(ids) + 1):
     added = offsets.added(tokenizer, ids, n, ids[n - 1])
     after = offsets.then(n, added)
-    yield _Token(n, offsets, after, after.chars, added.bytes)
+    yield _Token(n, offsets, after, after.chars, added.data)
     offsets = after
 
 
