@@ -368,6 +368,12 @@ def _tokens(tokenizer, ids: list[int], start: int, offsets: _Offsets) -> Iterato
     offsets = after
 
 
+def _past(token: _Token, text: str) -> bool:
+  """Whether a token leaves a character unfinished where the text ends: a character that is not
+  the text's (a stop string cut the text before it), or not yet (decoding goes on)."""
+  return bool(token.after.pending) and token.end >= len(text)
+
+
 def _to_the_end(tokens: list[_Token], text: str) -> list[_Token]:
   """tokens, the last one's end at least the text's end (an unfinished character that ended the
   sequence is in its text, as a replacement character)."""
@@ -405,8 +411,8 @@ class _Choice:
     if self.top is not None:
       ids = update.seq.tokens[:update.n_tokens]
       for token in _tokens(tokenizer, ids, self.sent_tokens, self.offsets):
-        if not update.finish and token.end > len(text):
-          break
+        if not update.finish and (token.end > len(text) or _past(token, text)):
+          break  # (its text, or its character's, not final yet)
         ends.append(token)
       if ends:
         self.sent_tokens, self.offsets = ends[-1].n, ends[-1].after
@@ -425,12 +431,15 @@ class _Choice:
     tops[n - 1]: token n - 1's alternatives (None: none). A token whose text `text` cuts (a stop
     string) or extends (the last): the bytes of what it adds there."""
     offset = start_chars
-    for n, before, after, end, data in ends:
+    for token in ends:
+      n, before, after, end, data = token
       top = None if not tops or tops[n - 1] is None else tops[n - 1][:self.top]
       offset = min(offset, len(text))
       piece = text[offset:min(end, len(text))]
       if end != after.chars or end > len(text):
         data = piece.encode()[len(before.pending):]
+      elif _past(token, text):
+        data = b''  # (the character it starts is not the text's: a stop string's)
       yield (offset, piece, data, logprobs[n - 1],
              None if top is None else [(*before.added(tokenizer, ids, n, t)[:2], lp)
                                        for t, lp in top])

@@ -1294,7 +1294,10 @@ def test_logprob_tokens_join_into_the_content(tmp_path):
   for tok in _text_tokenizers(tmp_path):
     ids = [int(t) for t in tok.encode(text)]
     assert ''.join(tok.decode([t]) for t in ids) != tok.decode(ids)  # (each token alone)
-    for cut in (0, 7):  # (7: the text cut before a stop string, the tokens not)
+    full = tok.decode(ids)
+    # (7: the text cut before a stop string, the tokens not; then cut before a character that
+    # tokens split: their first bytes are not the text's)
+    for cut in (0, 7, len(full) - full.index('東')):
       seq = engine.Sequence(prompt=[1], max_new_tokens=len(ids), tokens=list(ids),
                             logprobs=[-0.5] * len(ids), finish_reason='stop',
                             top_logprobs=[[(t, -0.5), (ids[0], -1.0)] for t in ids])
@@ -1312,18 +1315,29 @@ def test_logprob_tokens_join_into_the_content(tmp_path):
       assert ''.join(logprobs['tokens']) == seq.text
       assert logprobs['text_offset'] == [len(''.join(logprobs['tokens'][:i]))
                                          for i in range(len(ids))]
-    # Streamed, a few tokens an update: the same strings.
-    choice, streamed, seq = openai_api.ChatChoice(0, 0), [], engine.Sequence(
-        prompt=[1], max_new_tokens=len(ids))
-    for m in [*range(3, len(ids), 3), len(ids)]:
-      seq.tokens, seq.logprobs = ids[:m], [-0.5] * m
-      seq.top_logprobs = [[]] * m
-      seq.text = seq.detokenize(tok, final=m == len(ids))
-      seq.finish_reason = 'length' if m == len(ids) else None
-      delta = choice.delta(client_lib.Update.of(0, seq), tok)
-      streamed += [(t['token'], bytes(t['bytes'])) for t in delta['logprobs']['content']]
-    assert ''.join(t for t, _ in streamed) == tok.decode(ids) and len(streamed) == len(ids)
-    assert b''.join(b for _, b in streamed) == tok.decode(ids).encode()
+    # Streamed, a few tokens an update: the same strings and bytes; and a stream that a stop
+    # string ends before '東' (its last tokens start it: held back, then sent without bytes).
+    cut = full.index('東')
+    past = next(j for j in range(len(ids)) if len(tok.decode(ids[:j])) > cut)
+    for n, content in [(len(ids), full), (past, full[:cut])]:
+      streamed = _streamed(tok, ids[:n], content)
+      assert ''.join(t for t, _ in streamed) == content and len(streamed) == n
+      assert b''.join(b for _, b in streamed) == content.encode()
+
+
+def _streamed(tok, ids: list[int], text: str) -> list[tuple[str, bytes]]:
+  """The (token, bytes) of a chat choice's logprobs streamed a few tokens an update, the last
+  update's text `text` (the whole text, or one a stop string cut)."""
+  choice, streamed, seq = openai_api.ChatChoice(0, 0), [], engine.Sequence(
+      prompt=[1], max_new_tokens=len(ids))
+  for m in [*range(3, len(ids), 3), len(ids)]:
+    seq.tokens, seq.logprobs = ids[:m], [-0.5] * m
+    seq.top_logprobs = [[]] * m
+    seq.text = text if m == len(ids) else seq.detokenize(tok)
+    seq.finish_reason = 'stop' if m == len(ids) else None
+    delta = choice.delta(client_lib.Update.of(0, seq), tok)
+    streamed += [(t['token'], bytes(t['bytes'])) for t in delta['logprobs']['content']]
+  return streamed
 
 
 def test_the_server_reads_the_runs_generation_config(run, client, tmp_path):
