@@ -69,10 +69,21 @@ def closed(schema):
 def token_bytes(tokenizer, ids: list[int]) -> bytes:
   """The bytes ids stand for, each token's own (an unfinished UTF-8 character's included, which
   decode shows as U+FFFD), special tokens and ids past the vocabulary left out as decode leaves
-  them out: the logprobs' `bytes` (openai_api.py)."""
-  lltok = lltokenizer(tokenizer)
+  them out: the logprobs' `bytes` (openai_api.py); b'' for a tokenizer the library cannot read."""
+  lltok = _readable(tokenizer)
+  if lltok is None:
+    return b''
   return lltok.decode_bytes([int(i) for i in ids if 0 <= int(i) < lltok.vocab_size
                              and not lltok.is_special_token(int(i))])
+
+
+@functools.lru_cache(maxsize=8)
+def _readable(tokenizer):
+  """lltokenizer(tokenizer), or None where it cannot be built (kept: not tried again)."""
+  try:
+    return lltokenizer(tokenizer)
+  except GrammarError:
+    return None
 
 
 class Grammars:
