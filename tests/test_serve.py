@@ -1422,6 +1422,28 @@ def test_structured_outputs_are_json_that_validates_against_the_schema(local):
     assert e.value.param == 'response_format' and "'bad'" in e.value.message
 
 
+def test_an_object_schema_that_leaves_other_keys_open_is_closed_as_vllm_closes_it():
+  """grammar.closed: additionalProperties false in each object schema that lists properties (or
+  patternProperties) and says nothing of others, nested ones and definitions included; one that
+  says (true, or a schema) is kept, and a JSON value (const, enum, default) is not a schema."""
+  value = {'properties': {'x': 1}}
+  schema = {'type': 'object', 'properties': {
+      'a': {'type': 'object', 'properties': {'b': {'type': 'integer'}}},
+      'c': {'const': value, 'default': value}, 'd': {'enum': [value]},
+      'e': {'type': 'object', 'properties': {}, 'additionalProperties': True},
+      'f': {'type': 'object', 'patternProperties': {'^x': {}}, 'additionalProperties': {}}},
+            '$defs': {'g': {'anyOf': [{'properties': {'h': {}}}, {'type': 'string'}]}}}
+  out = grammar_lib.closed(schema)
+  assert out['additionalProperties'] is False
+  assert out['properties']['a']['additionalProperties'] is False
+  assert out['$defs']['g']['anyOf'][0]['additionalProperties'] is False
+  assert out['properties']['c'] == schema['properties']['c'] and out['properties']['d'] == (
+      schema['properties']['d'])
+  assert out['properties']['e'] == schema['properties']['e'] and out['properties']['f'] == (
+      schema['properties']['f'])
+  assert 'additionalProperties' not in schema  # (the request's schema as it came)
+
+
 def test_tool_calls_by_a_named_function_or_required_whole_and_streamed(local):
   """tool_choice naming a function: one call of it, its arguments JSON that its parameters
   validate, content null, finish_reason "stop" (OpenAI's); "required": calls among the tools
