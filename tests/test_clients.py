@@ -1,6 +1,7 @@
-"""The server driven by the clients people point at it, installed from the registry (the openai
-SDK's own checks are in test_serve.py: create, stream, parse): LangChain's ChatOpenAI (invoke,
-stream, with_structured_output by each of its methods, bind_tools) and lm-evaluation-harness's
+"""The server driven by the clients people point at it, installed from the registry: LangChain's
+ChatOpenAI (invoke, stream, with_structured_output by each of its methods, bind_tools), the openai
+SDK's parse helpers (its stream with a pydantic response_format, parse with a pydantic function
+tool; create, stream and parse of a response_format: test_serve.py) and lm-evaluation-harness's
 `local-chat-completions` model running a generate_until task end to end. One in-process server
 (tests/test_serve.py's) on a copy of the tiny run given a chat template; its weights are barely
 trained, so structured outputs and tool calls are schema-valid only by constrained decoding."""
@@ -26,8 +27,6 @@ from tests.test_serve import WEATHER
 from tests.test_serve import _serving
 from tests.test_serve import chat_run  # noqa: F401  (a fixture)
 
-langchain_openai = pytest.importorskip('langchain_openai')
-
 
 @pytest.fixture(scope='session')
 def run(tmp_path_factory):
@@ -47,6 +46,8 @@ def url(trained):
 
 
 def _llm(url: str, **kw):
+  """LangChain's ChatOpenAI on the server (requirements-dev.txt; without it, these tests skip)."""
+  langchain_openai = pytest.importorskip('langchain_openai')
   return langchain_openai.ChatOpenAI(model=NAME, base_url=f'{url}/v1', api_key='unused',
                                      max_retries=0, timeout=120, **kw)
 
