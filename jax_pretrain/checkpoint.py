@@ -449,13 +449,10 @@ class Checkpointer:
     self._manager.reload()
 
   def restore_fp8(self, abstract_fp8, step: int):
-    """A step's FP8 amax histories (TrainState.fp8: an FP8 run's) in the shapes and shardings of
-    abstract_fp8, verified against their digests; None where it has none (a run without
-    model.fp8, an import) or none are wanted (abstract_fp8 None)."""
-    if abstract_fp8 is None:
-      return None
-    saved = self._manager.item_metadata(step).get('state') or {}
-    if not saved.get('fp8'):
+    """A step's FP8 amax histories (TrainState.fp8) placed as abstract_fp8, verified; None where
+    it has none (a run without model.fp8, an import) or none are wanted (abstract_fp8 None)."""
+    if abstract_fp8 is None or not (self._manager.item_metadata(step).get('state') or {}).get(
+        'fp8'):
       return None
     return self.restore_params(abstract_fp8, step, key='fp8')[1]
 

@@ -20,7 +20,9 @@ under jit with the cache donated, no copy of it is made), and with the engine's 
 (runner.decoding_params): each layer's query, key and value projections one matrix `wqkv`
 [D, N + 2K, H] and its gate and up projections one `w_gate_up` [D, 2, F], so that a step reads
 few, large operands (the model reads the projections as its params hold them: init makes them
-apart, as the trainer and checkpoints keep them). Two calls:
+apart, as the trainer and checkpoints keep them); with model.fp8 each projection quantized once,
+its scales and its input's recorded amax beside it (quantize_projections, fp8.quantized_dense).
+Two calls:
   prefill  tokens [B, P] at positions 0..P-1 of fresh sequences: causal self-attention over them
            (model.attention's kernel, as in training), their keys and values written into cache
            rows `slots_B`, and the logits at `last_B` only;

@@ -16,11 +16,11 @@ num_samples completions of a GRPO prompt cost one prefill, and decode what they 
 What a decoding step moves, and nothing more: the runner holds its own copy of the params, every
 matrix in the compute dtype and the layers apart (decoding_params: converted once, when the params
 change: GRPO, once a step), so a step reads bf16 weights (on a GPU) once instead of casting float32
-ones; the cache (keys and values [slots, context, kv_heads, head_dim] per layer, model.KVCache:
-in the compute dtype, or in 8 bits with a scale per head and position, kv_cache_dtype) is
-allocated once and donated to each call, which writes the new positions in place (a scatter),
-never copying it; and the attention reads only the live part of each row (positions [0, live)),
-not the whole context.
+ones (with model.fp8, e4m3 weights quantized once, at the training's delayed scales); the cache
+(keys and values [slots, context, kv_heads, head_dim] per layer, model.KVCache: in the compute
+dtype, or in 8 bits with a scale per head and position, kv_cache_dtype) is allocated once and
+donated to each call, which writes the new positions in place (a scatter), never copying it; and
+the attention reads only the live part of each row (positions [0, live)), not the whole context.
 
 On a mesh (GRPO on the trainer's devices) the slots and the cache are split over every device of
 it, and each device prefills and decodes its own rows with a whole copy of the weights (shard_map:
