@@ -36,6 +36,7 @@ Training never passes a cache.
 Shape suffixes: B batch, T length, D d_model, N query heads, K kv heads, H head_dim, F mlp_dim,
 V vocab, L layers, S cache length.
 """
+from collections.abc import Callable
 import functools
 import math
 
@@ -201,7 +202,8 @@ def _dense_einsum(module: nn.Module):
     inputs = equation.split('->')[0].split(',')
     contract = len(set(inputs[0]) & set(inputs[1]))
     if w.dtype == fp8.FORWARD_DTYPE:  # quantized once, for inference
-      return fp8.quantized_dense(x, w, get(name + fp8.WEIGHT_SCALE), get(name + fp8.INPUT_AMAX),
+      return fp8.quantized_dense(x, w, module.get_variable('params', name + fp8.WEIGHT_SCALE),
+                                 module.get_variable('params', name + fp8.INPUT_AMAX),
                                  contract=contract)
     return fp8.dense(x, w.astype(dt), contract=contract, history=get(name + fp8.SUFFIX),
                      gradients=c.fp8_gradients)
@@ -474,10 +476,11 @@ def layers_as_run(c: ModelConfig, params):
   return params if c.scan_layers else unstack_layers(params, c.num_layers)
 
 
-# The engine's fused projections (fuse_projections): each of its parts, and the axis (from the
-# end) they join along: wqkv [D, N + 2K, H] concatenated, w_gate_up [D, 2, F] stacked.
-FUSED = {'attn': ('wqkv', ('wq', 'wk', 'wv'), -2, jnp.concatenate),
-         'mlp': ('w_gate_up', ('w_gate', 'w_up'), -2, jnp.stack)}
+# The engine's fused projections (fuse_projections): each of its parts, and how they join along
+# the second axis from the end: wqkv [D, N + 2K, H] concatenated, w_gate_up [D, 2, F] stacked.
+FUSED: dict[str, tuple[str, tuple[str, ...], Callable[..., jax.Array]]] = {
+    'attn': ('wqkv', ('wq', 'wk', 'wv'), jnp.concatenate),
+    'mlp': ('w_gate_up', ('w_gate', 'w_up'), jnp.stack)}
 # How many leading input axes a projection's weight contracts (the rest are its output axes).
 _CONTRACT = {'wo': 2}
 
@@ -490,12 +493,11 @@ def fuse_projections(layers):
   (quantize_projections), each part keeps its own scales (one a column, joined as the weights
   are) and the fused matmul's input amax is the largest of the parts' (the same input: equal)."""
   out = dict(layers)
-  for module, (fused, parts, axis, join) in FUSED.items():
+  for module, (fused, parts, join) in FUSED.items():
     m = dict(layers[module])
-    m[fused] = join([m.pop(p) for p in parts], axis=axis)
+    m[fused] = join([m.pop(p) for p in parts], axis=-2)
     if parts[0] + fp8.WEIGHT_SCALE in m:
-      m[fused + fp8.WEIGHT_SCALE] = join([m.pop(p + fp8.WEIGHT_SCALE) for p in parts],
-                                         axis=axis)
+      m[fused + fp8.WEIGHT_SCALE] = join([m.pop(p + fp8.WEIGHT_SCALE) for p in parts], axis=-2)
       m[fused + fp8.INPUT_AMAX] = functools.reduce(
           jnp.maximum, [m.pop(p + fp8.INPUT_AMAX) for p in parts])
     out[module] = m
