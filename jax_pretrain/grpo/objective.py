@@ -255,9 +255,11 @@ def scorer(s: state_lib.Setup, temperatures: tuple[float, ...]):
   policy's shardings, micro-batch by micro-batch as the train step goes (no gradient, so no more
   memory than its forward), with the train step's forward: its weights (with_compute_weights)
   and, with model.fp8, its delayed scales from the amax histories (the train state's; None
-  without FP8), so that the first update's ratio is 1. It scores the reference model's logp_ref
-  and, with num_iterations > 1, the sampling policy's logp_old (and old_logp_at_one:
-  score_temperatures)."""
+  without FP8), so that the first update's ratio is 1 (with empty histories, a run's first step
+  from params without them, each scales from the tensors themselves: the scorer from each
+  micro-batch, the update from each data-parallel device's part of it). It scores the reference
+  model's logp_ref (at its run's histories) and, with num_iterations > 1, the sampling policy's
+  logp_old (and old_logp_at_one: score_temperatures)."""
   A = s.run.grad_accum_steps
 
   def score(params, histories, batch):
