@@ -448,9 +448,17 @@ class Checkpointer:
     multihost.barrier(f'checkpoint set aside {step}')
     self._manager.reload()
 
-  def restore_params(self, abstract_params, step: int | None = None):
+  def restore_fp8(self, abstract_fp8, step: int):
+    """A step's FP8 amax histories (TrainState.fp8) placed as abstract_fp8, verified; None where
+    it has none (a run without model.fp8, an import) or none are wanted (abstract_fp8 None)."""
+    if abstract_fp8 is None or not (self._manager.item_metadata(step).get('state') or {}).get(
+        'fp8'):
+      return None
+    return self.restore_params(abstract_fp8, step, key='fp8')[1]
+
+  def restore_params(self, abstract_params, step: int | None = None, key: str = 'params'):
     """Only the params of a checkpoint (e.g. another run's, to continue pretraining from),
-    verified against their digests."""
+    verified against their digests (or another part of its state: `key`)."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f'no checkpoint in {self.directory}')
@@ -461,15 +469,15 @@ class Checkpointer:
     # can skip the optimizer state (which may differ in structure between runs).
     reader = ocp.CheckpointManager(self.directory, options=_options(read_only=True),
                                    item_handlers={'state': ocp.PyTreeCheckpointHandler()})
-    abstract = {'params': abstract_params}
+    abstract = {key: abstract_params}
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
                                 abstract)
 
     def read():  # (metadata damaged or unreadable: as the arrays)
-      saved = self._checked(step, abstract_params, key='params')
+      saved = self._checked(step, abstract_params, key=key)
       params = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-          abstract, restore_args=restore_args, partial_restore=True)))['state']['params']
-      _verify(params, saved, prefix='params/')
+          abstract, restore_args=restore_args, partial_restore=True)))['state'][key]
+      _verify(params, saved, prefix=f'{key}/')
       return params
     try:
       params, damage = _read('reading the params of', os.path.join(self.directory, str(step)),

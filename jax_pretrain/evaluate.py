@@ -129,7 +129,7 @@ def main_task(f) -> None:
   context = run.config.data.seq_len
   tasks.check_lengths(items, lambda text: sample_lib.encode_prompt(run.tokenizer, text), context,
                       f.max_new_tokens)
-  eng = engine_lib.Engine(run.config.model, run.params, run.tokenizer,
+  eng = engine_lib.Engine(run.config.model, run.engine_params, run.tokenizer,
                           slots=16, context=context)
   stop = config_lib.stop_strings(f.stop)
   scored = task_rewards(eng, items, reward, f.max_new_tokens, stop)

@@ -22,7 +22,15 @@ Two ways to scale, one arithmetic:
       step's gradient norm infinite, so that the guard skips the step and keeps the history.
       The weights, read once per micro-batch, are scaled from their own amax (current
       scaling).
-  current (no history: evaluation, the engine): every operand scaled from its own amax.
+  current (no history: evaluation): every operand scaled from its own amax.
+  inference (the engine's and lm_eval's params, runner.decoding_params; Transformer Engine's
+      delayed recipe at inference): each weight quantized once, `quantize_weight` (per tensor,
+      from its own amax, as the train step does: its scale one value a column, so that the
+      engine's fused wqkv and w_gate_up keep each projection's), and the activation scaled from
+      its history's largest amax (`input_amax`), the scale the next train step uses, fixed, so a
+      row computes the same alone or in any batch (`quantized_dense`). With no amax recorded (a
+      fresh or imported model, a non-FP8 checkpoint: 0) each row, a token, is scaled from its
+      own amax instead: batch-independent too.
 The history of a projection weight 'wq' is 'wq_fp8' beside it ([2, HISTORY]: row 0 the
 activation's, row 1 the gradient's), in a tree of the params' nesting (`histories`); the
 train step gives it to the model with the params (`merge`) and takes this step's amaxes back as
@@ -44,6 +52,9 @@ GRADIENT_DTYPES = {'e4m3': jnp.float8_e4m3fn, 'e5m2': jnp.float8_e5m2}
 GRADIENT_FORMAT = 'e4m3'  # model.fp8_gradients' default (BENCHMARKS.md)
 HISTORY = 16  # steps of amax history a delayed scale looks back over (Transformer Engine: 1-1024)
 SUFFIX = '_fp8'  # the history of projection weight 'wq' is 'wq_fp8'
+# At inference (quantize_weight, quantized_dense), beside a weight 'wq' quantized once: its scales
+# 'wq_scale' (one a column) and its activation's largest recorded amax 'wq_input_amax'.
+WEIGHT_SCALE, INPUT_AMAX = '_scale', '_input_amax'
 QUANTIZED = 'fp8_quantized'  # the name (jax.ad_checkpoint) of a projection's quantized operands
 OUTPUT = 'fp8_output'  # the name of an FP8 matmul's output (scaled, in the compute dtype)
 
@@ -168,6 +179,38 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1, history: jax.Array | No
   y = (_matmul(x_MxK, w_KxN, g_dtype) if history is None
        else _delayed_matmul(x_MxK, w_KxN, history, g_dtype))
   return y.reshape(*lead, *out)
+
+
+def quantize_weight(w: jax.Array, contract: int = 1) -> tuple[jax.Array, jax.Array]:
+  """(w in e4m3, its scale as one float32 a column: w's output dims): w (in the compute dtype)
+  quantized as the train step's forward quantizes it, per tensor from its own amax; once, for
+  inference (`quantized_dense`). Columns of one projection share its scale; weights fused along
+  an output axis (the engine's wqkv) keep their own."""
+  out = w.shape[contract:]
+  q, scale = _quantize(w.reshape(math.prod(w.shape[:contract]), -1), FORWARD_DTYPE)
+  return q.reshape(w.shape), jnp.broadcast_to(scale, out)
+
+
+def input_amax(history_2xH: jax.Array) -> jax.Array:
+  """The activation's largest recorded amax of a history [..., 2, HISTORY] (0: none recorded),
+  from which its delayed scale comes, at inference as in the next train step."""
+  return jnp.max(history_2xH[..., 0, :], axis=-1)
+
+
+def quantized_dense(x: jax.Array, q_w: jax.Array, w_scale: jax.Array, amax: jax.Array,
+                    contract: int = 1) -> jax.Array:
+  """dense() at inference: x times a weight quantized once (quantize_weight: q_w and its scale
+  per output column), x scaled from `amax` (input_amax: the delayed scale of the train step
+  that comes next), or where that is 0 (no history) each row of x from its own amax; the same
+  arithmetic as the train step's (float32 GEMM output and scales, then the compute dtype)."""
+  lead, out = x.shape[:-contract], q_w.shape[contract:]
+  k = math.prod(q_w.shape[:contract])
+  x_MxK, q_KxN = x.reshape(-1, k), q_w.reshape(k, -1)
+  amax_Mx1 = jnp.max(jnp.abs(x_MxK), axis=1, keepdims=True).astype(jnp.float32)
+  scale_Mx1 = _delayed_scale(amax.astype(jnp.float32), amax_Mx1, FORWARD_DTYPE)
+  qx_MxK = fp8_ops.quantize(x_MxK, FORWARD_DTYPE, scale_Mx1, jnp.float32)
+  scale_MxN = scale_Mx1 * w_scale.astype(jnp.float32).reshape(1, -1)
+  return _scaled_dot(qx_MxK, q_KxN, ((1,), (0,)), scale_MxN, x.dtype).reshape(*lead, *out)
 
 
 def is_history(path) -> bool:

@@ -372,7 +372,16 @@ def export(workdir: str, out_dir: str, step: int | None = None) -> list[str]:
   notes = save(out_dir, jax.device_get(run.params), run.config.model,
                max_position_embeddings=length, tokenizer=run.tokenizer)
   _copy_generation_config(workdir, out_dir)
+  if run.config.model.fp8:
+    notes.append(FP8_NOTE)
   return notes
+
+
+# What an export of a model.fp8 run holds (a note of export's, which scripts/export_hf.py prints).
+FP8_NOTE = ('the run trained its projections in FP8 (model.fp8): model.safetensors holds its '
+            'float32 master weights, not quantized, and not its FP8 scales (the amax histories); '
+            'transformers runs them in the dtype it loads them in, whose logits differ from FP8 '
+            "inference's (the engine's, at the training's delayed scales) by FP8's rounding.")
 
 
 def import_run(hf_dir: str, workdir: str, config):

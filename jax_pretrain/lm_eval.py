@@ -288,7 +288,7 @@ def main():
   task_manager = TaskManager(include_path=f.include_path or None)
   check_known(f.tasks, task_manager)  # before the model loads: a typo fails at once
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
-  lm = JaxLM(run.config.model, run.params, run.tokenizer,
+  lm = JaxLM(run.config.model, run.engine_params, run.tokenizer,
              max_length=run.config.data.seq_len, batch_size=f.batch_size, seed=f.seed)
   limit = None if f.limit is None else (int(f.limit) if f.limit >= 1 else f.limit)
   results = run_tasks(lm, f.tasks, limit=limit, num_fewshot=f.num_fewshot,

@@ -20,7 +20,9 @@ under jit with the cache donated, no copy of it is made), and with the engine's 
 (runner.decoding_params): each layer's query, key and value projections one matrix `wqkv`
 [D, N + 2K, H] and its gate and up projections one `w_gate_up` [D, 2, F], so that a step reads
 few, large operands (the model reads the projections as its params hold them: init makes them
-apart, as the trainer and checkpoints keep them). Two calls:
+apart, as the trainer and checkpoints keep them); with model.fp8 each projection quantized once,
+its scales and its input's recorded amax beside it (quantize_projections, fp8.quantized_dense).
+Two calls:
   prefill  tokens [B, P] at positions 0..P-1 of fresh sequences: causal self-attention over them
            (model.attention's kernel, as in training), their keys and values written into cache
            rows `slots_B`, and the logits at `last_B` only;
@@ -34,6 +36,8 @@ Training never passes a cache.
 Shape suffixes: B batch, T length, D d_model, N query heads, K kv heads, H head_dim, F mlp_dim,
 V vocab, L layers, S cache length.
 """
+from collections.abc import Callable
+import functools
 import math
 
 import flax
@@ -183,17 +187,25 @@ PROJECTIONS = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down')
 
 
 def _dense_einsum(module: nn.Module):
-  """einsum(equation, x, weight, name) of a module's projection `name`: FP8 with model.fp8, with
-  its amax history where the train step gives one (fp8.py), else a plain einsum."""
+  """einsum(equation, x, weight, name) of a module's projection `name`, the weight cast to the
+  compute dtype: FP8 with model.fp8, with its amax history where the train step gives one, or
+  quantized once with its scales beside it (the engine's params, runner.decoding_params:
+  fp8.quantized_dense), else a plain einsum."""
   c = module.config
+  dt = c.compute_dtype
   if not c.fp8:
-    return lambda equation, x, w, name: jnp.einsum(equation, x, w)
+    return lambda equation, x, w, name: jnp.einsum(equation, x, w.astype(dt))
+  get = lambda key: (module.get_variable('params', key) if module.has_variable('params', key)
+                     else None)
 
   def fp8_einsum(equation: str, x, w, name: str):
     inputs = equation.split('->')[0].split(',')
-    key = name + fp8.SUFFIX
-    history = module.get_variable('params', key) if module.has_variable('params', key) else None
-    return fp8.dense(x, w, contract=len(set(inputs[0]) & set(inputs[1])), history=history,
+    contract = len(set(inputs[0]) & set(inputs[1]))
+    if w.dtype == fp8.FORWARD_DTYPE:  # quantized once, for inference
+      return fp8.quantized_dense(x, w, module.get_variable('params', name + fp8.WEIGHT_SCALE),
+                                 module.get_variable('params', name + fp8.INPUT_AMAX),
+                                 contract=contract)
+    return fp8.dense(x, w.astype(dt), contract=contract, history=get(name + fp8.SUFFIX),
                      gradients=c.fp8_gradients)
   return fp8_einsum
 
@@ -237,15 +249,15 @@ class Attention(nn.Module):
     if self.has_variable('params', 'wqkv'):  # the engine's: one matrix, one matmul
       wqkv_DxJxH = _param(self, 'wqkv', (D, N + 2 * K, H), ('embed', None, 'head_dim'),
                           c.init_std)
-      qkv_BxTxJxH = dense('btd,djh->btjh', x_BxTxD, wqkv_DxJxH.astype(dt), 'wqkv')
+      qkv_BxTxJxH = dense('btd,djh->btjh', x_BxTxD, wqkv_DxJxH, 'wqkv')
       q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxJxH, [N, N + K], axis=2)
     else:  # (init makes these: the trainer's params, a checkpoint's)
       wq_DxNxH = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), c.init_std)
       wk_DxKxH = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
       wv_DxKxH = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), c.init_std)
-      q_BxTxNxH = dense('btd,dnh->btnh', x_BxTxD, wq_DxNxH.astype(dt), 'wq')
-      k_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wk_DxKxH.astype(dt), 'wk')
-      v_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wv_DxKxH.astype(dt), 'wv')
+      q_BxTxNxH = dense('btd,dnh->btnh', x_BxTxD, wq_DxNxH, 'wq')
+      k_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wk_DxKxH, 'wk')
+      v_BxTxKxH = dense('btd,dkh->btkh', x_BxTxD, wv_DxKxH, 'wv')
     wo_NxHxD = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), out_std)
     q_BxTxNxH = sharding.constrain(q_BxTxNxH, ('batch', 'length', 'act_heads', None), self.mesh)
     k_BxTxKxH = sharding.constrain(k_BxTxKxH, ('batch', 'length', 'act_kv_heads', None), self.mesh)
@@ -267,7 +279,7 @@ class Attention(nn.Module):
         o_BxTxNxH = cached_attention(q_BxTxNxH, kv.window(B, use.live),
                                       use.positions_BxT).astype(dt)
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, 'attn_out')
-    return dense('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD.astype(dt), 'wo'), kv
+    return dense('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD, 'wo'), kv
 
 
 def cached_attention(q_BxTxNxH, kv: LayerKV, positions_BxT):
@@ -316,22 +328,22 @@ class Mlp(nn.Module):
   def __call__(self, x_BxTxD):
     c = self.config
     D, F = c.d_model, c.mlp_dim
-    dt, dense = c.compute_dtype, _dense_einsum(self)
+    dense = _dense_einsum(self)
     if self.has_variable('params', 'w_gate_up'):  # the engine's: one matrix, one matmul
       w_gate_up_Dx2xF = _param(self, 'w_gate_up', (D, 2, F), ('embed', None, 'mlp'), c.init_std)
-      gate_up_BxTx2xF = dense('btd,dgf->btgf', x_BxTxD, w_gate_up_Dx2xF.astype(dt), 'w_gate_up')
+      gate_up_BxTx2xF = dense('btd,dgf->btgf', x_BxTxD, w_gate_up_Dx2xF, 'w_gate_up')
       gate_BxTxF, up_BxTxF = gate_up_BxTx2xF[:, :, 0], gate_up_BxTx2xF[:, :, 1]
     else:  # (init makes these)
       w_gate_DxF = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), c.init_std)
       w_up_DxF = _param(self, 'w_up', (D, F), ('embed', 'mlp'), c.init_std)
-      gate_BxTxF = dense('btd,df->btf', x_BxTxD, w_gate_DxF.astype(dt), 'w_gate')
-      up_BxTxF = dense('btd,df->btf', x_BxTxD, w_up_DxF.astype(dt), 'w_up')
+      gate_BxTxF = dense('btd,df->btf', x_BxTxD, w_gate_DxF, 'w_gate')
+      up_BxTxF = dense('btd,df->btf', x_BxTxD, w_up_DxF, 'w_up')
     w_down_FxD = _param(self, 'w_down', (F, D), ('mlp', 'embed'),
                         c.init_std / math.sqrt(2 * c.num_layers))
     h_BxTxF = nn.silu(gate_BxTxF) * up_BxTxF
     h_BxTxF = sharding.constrain(h_BxTxF, ('batch', 'length', 'act_mlp'), self.mesh)
     h_BxTxF = checkpoint_name(h_BxTxF, 'mlp_hidden')
-    return dense('btf,fd->btd', h_BxTxF, w_down_FxD.astype(dt), 'w_down')
+    return dense('btf,fd->btd', h_BxTxF, w_down_FxD, 'w_down')
 
 
 class Block(nn.Module):
@@ -464,15 +476,51 @@ def layers_as_run(c: ModelConfig, params):
   return params if c.scan_layers else unstack_layers(params, c.num_layers)
 
 
+# The engine's fused projections (fuse_projections): each of its parts, and how they join along
+# the second axis from the end: wqkv [D, N + 2K, H] concatenated, w_gate_up [D, 2, F] stacked.
+FUSED: dict[str, tuple[str, tuple[str, ...], Callable[..., jax.Array]]] = {
+    'attn': ('wqkv', ('wq', 'wk', 'wv'), jnp.concatenate),
+    'mlp': ('w_gate_up', ('w_gate', 'w_up'), jnp.stack)}
+# How many leading input axes a projection's weight contracts (the rest are its output axes).
+_CONTRACT = {'wo': 2}
+
+
 def fuse_projections(layers):
   """Layer params (stacked or one layer's) with each layer's query, key and value projections one
   matrix, wqkv [..., D, N + 2K, H], and its gate and up projections one, w_gate_up [..., D, 2, F]:
   the matmuls that read the same input read it once (the engine's decoding params; the train
-  step keeps them apart: BENCHMARKS.md, fused they compiled slower)."""
-  attn, mlp = dict(layers['attn']), dict(layers['mlp'])
-  attn['wqkv'] = jnp.concatenate([attn.pop('wq'), attn.pop('wk'), attn.pop('wv')], axis=-2)
-  mlp['w_gate_up'] = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_up')], axis=-2)
-  return {**layers, 'attn': attn, 'mlp': mlp}
+  step keeps them apart: BENCHMARKS.md, fused they compiled slower). Quantized for FP8 inference
+  (quantize_projections), each part keeps its own scales (one a column, joined as the weights
+  are) and the fused matmul's input amax is the largest of the parts' (the same input: equal)."""
+  out = dict(layers)
+  for module, (fused, parts, join) in FUSED.items():
+    m = dict(layers[module])
+    m[fused] = join([m.pop(p) for p in parts], axis=-2)
+    if parts[0] + fp8.WEIGHT_SCALE in m:
+      m[fused + fp8.WEIGHT_SCALE] = join([m.pop(p + fp8.WEIGHT_SCALE) for p in parts], axis=-2)
+      m[fused + fp8.INPUT_AMAX] = functools.reduce(
+          jnp.maximum, [m.pop(p + fp8.INPUT_AMAX) for p in parts])
+    out[module] = m
+  return out
+
+
+def quantize_projections(layer, fp8_histories=None):
+  """One layer's params (its projections in the compute dtype) for FP8 inference: each
+  projection quantized once (fp8.quantize_weight: e4m3, its scale beside it, 'wq_scale'), with
+  its activation's largest recorded amax from the layer's amax histories ('wq_input_amax';
+  0 without histories: fp8.quantized_dense then scales each row from its own)."""
+  out = dict(layer)
+  for module in FUSED:
+    m, histories = dict(layer[module]), (fp8_histories or {}).get(module, {})
+    for name in PROJECTIONS:
+      if name in m:
+        m[name], m[name + fp8.WEIGHT_SCALE] = fp8.quantize_weight(m[name],
+                                                                  _CONTRACT.get(name, 1))
+        history = histories.get(name + fp8.SUFFIX)
+        m[name + fp8.INPUT_AMAX] = (jnp.zeros((), jnp.float32) if history is None
+                                    else fp8.input_amax(history))
+    out[module] = m
+  return out
 
 
 def with_compute_weights(c: ModelConfig, params, fp8_histories=None):

@@ -15,6 +15,7 @@ import ml_collections
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import data as data_lib
+from jax_pretrain import fp8
 from jax_pretrain import hooks as hooks_lib
 from jax_pretrain import loop as loop_lib
 from jax_pretrain import metrics as metrics_lib
@@ -107,7 +108,9 @@ def lm_eval_hook(ctx: hooks_lib.Context) -> loop_lib.Hook:
   t = ctx.config.train
 
   def lm_eval(info: loop_lib.StepInfo) -> None:
-    run_lm_eval(info.state.params, ctx.data.tokenizer, ctx.config, ctx.logger, info.step)
+    # (with model.fp8 the engine runs at the state's delayed scales: its amax histories beside)
+    run_lm_eval(fp8.merge(info.state.params, info.state.fp8), ctx.data.tokenizer, ctx.config,
+                ctx.logger, info.step)
   return loop_lib.Hook(lm_eval, every=t.lm_eval_every or t.eval_every, phase=loop_lib.AFTER_SAVE,
                        at_last=True, name='lm_eval')
 
@@ -117,7 +120,8 @@ def sample_hook(ctx: hooks_lib.Context) -> loop_lib.Hook:
   t = ctx.config.train
 
   def sample(info: loop_lib.StepInfo) -> None:
-    params = multihost.gather(info.state.params)  # every process takes part, process 0 samples
+    # (every process takes part, process 0 samples; with model.fp8, at the delayed scales)
+    params = multihost.gather(fp8.merge(info.state.params, info.state.fp8))
     if multihost.is_main():
       text = sample_lib.generate_text(ctx.config.model, params,
                                       ctx.data.tokenizer, t.sample_prompt, t.sample_tokens,

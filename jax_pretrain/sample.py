@@ -96,7 +96,7 @@ def main():
   f = flags.FLAGS
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   prompts = f.prompt or ['']
-  texts = generate_texts(run.config.model, run.params, run.tokenizer, prompts,
+  texts = generate_texts(run.config.model, run.engine_params, run.tokenizer, prompts,
                          f.max_new_tokens, temperature=f.temperature, top_k=f.top_k,
                          top_p=f.top_p, seed=f.seed, kv_cache_dtype=f.kv_cache_dtype)
   for k, (prompt, text) in enumerate(zip(prompts, texts)):

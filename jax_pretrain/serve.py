@@ -531,10 +531,11 @@ def main():
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   context = f.context or run.config.data.seq_len
   generation = workdir_lib.generation_config(f.workdir)
-  engine = engine_lib.Engine(run.config.model, run.params, run.tokenizer,
+  engine = engine_lib.Engine(run.config.model, run.engine_params, run.tokenizer,
                              slots=f.slots, context=context, chunk=f.chunk,
                              kv_cache_dtype=f.kv_cache_dtype, eos_ids=generation.eos_ids)
-  run = dataclasses.replace(run, params=None)  # the engine holds its own copy: free the float32 one
+  # the engine holds its own copy: free the float32 one
+  run = dataclasses.replace(run, params=None, fp8=None)
   signals: list[int] = []
   try:
     _serve(f, engine, run, context, defaults(generation), signals)

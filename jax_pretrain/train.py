@@ -103,12 +103,18 @@ def _initial_state(s: Setup, checkpointer, is_main: bool) -> TrainState:
     other = checkpoint_lib.Checkpointer(source, read_only=True)
     try:
       step, params = other.restore_params(s.abstract_state.params)
+      histories = other.restore_fp8(s.abstract_state.fp8, step)
     finally:
       other.close()
     if is_main:
       print(f'starting from the params of {other.directory} step {step} (fresh optimizer and '
-            'data order)', flush=True)
-    return state_lib.state_from_params(s, params)
+            f'data order{"; its FP8 amax histories" if histories is not None else ""})',
+            flush=True)
+    state = state_lib.state_from_params(s, params)
+    # With model.fp8, the run's FP8 scales go on from the source's amax histories where it has
+    # them (Transformer Engine's checkpoints keep them too): its first steps, and an engine
+    # (GRPO's rollouts) at them, run at the scales the source model was trained at.
+    return state if histories is None else dataclasses.replace(state, fp8=histories)
   return state_lib.init_state(s)
 
 

@@ -30,6 +30,7 @@ import ml_collections
 
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
+from jax_pretrain import fp8
 from jax_pretrain import metrics as metrics_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain.data import tokenizer as tokenizer_lib
@@ -190,12 +191,20 @@ def generation_config(directory: str) -> GenerationConfig:
 
 @dataclasses.dataclass
 class Trained:
-  """A run's config (resolved for this machine), params (in setup's shardings) and tokenizer."""
+  """A run's config (resolved for this machine), params (in setup's shardings) and tokenizer;
+  with model.fp8, the checkpoint's amax histories (None where it has none)."""
   config: config_lib.Config
   params: Any
   tokenizer: Any
   setup: state_lib.Setup
   step: int
+  fp8: Any = None
+
+  @property
+  def engine_params(self):
+    """What the engine decodes with (runner.decoding_params): the params, and with model.fp8
+    the amax histories beside them, whose delayed scales it runs at (fp8.py's inference)."""
+    return fp8.merge(self.params, self.fp8)
 
 
 def _for_devices(config: config_lib.Config) -> config_lib.Config:
@@ -228,9 +237,10 @@ def load(workdir: str, step: int | None = None, devices=None) -> Trained:
   checkpointer = checkpoint_lib.Checkpointer(workdir, read_only=True)
   try:
     step, params = checkpointer.restore_params(s.abstract_state.params, step)
+    histories = checkpointer.restore_fp8(s.abstract_state.fp8, step)
   finally:
     checkpointer.close()
-  return Trained(s.config, params, tokenizer, s, step)
+  return Trained(s.config, params, tokenizer, s, step, histories)
 
 
 def check_new(workdir: str) -> None:

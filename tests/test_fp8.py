@@ -10,11 +10,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 
+from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
+from jax_pretrain import engine
 from jax_pretrain import fp8
+from jax_pretrain import hf
+from jax_pretrain import model as model_lib
 from jax_pretrain import plan
 from jax_pretrain import state as state_lib
+from jax_pretrain import train
+from jax_pretrain import workdir as workdir_lib
+from jax_pretrain.engine import runner
+from jax_pretrain.grpo import objective
+from tests import tiny_run
 from tests.conftest import build_setup
 from tests.test_plan import requires_plugin
 
@@ -239,3 +249,142 @@ def test_xlarge_fp8_on_h100_runs_its_projections_as_fp8_matmuls():
   assert r['fp8_matmuls'] >= 14
   assert 0.9 < r['fp8_matmul_flops_per_step'] / r['matmul_flops_per_step'] < 0.99
   assert r['fits']
+
+
+# FP8 inference (issue 45, item 3): the engine and GRPO's scorer at the training's delayed scales.
+
+def _sequences():
+  """Prompts of several lengths, greedy and sampled, each with its top alternatives; more of
+  them than the batched engine's slots, so that some join while others decode."""
+  return [engine.Sequence(prompt=[(7 * i + j) % 250 + 1 for j in range(1 + 5 * i)],
+                          max_new_tokens=8, temperature=(i % 2) * 0.8, seed=3, stream=i,
+                          alternatives=True) for i in range(6)]
+
+
+def _alone_and_together(model_config, params, tokenizer):
+  """Each sequence's logprobs of its tokens and of their alternatives ([tokens, TOP_N + 1]:
+  the first from the prefill's logits, the rest from decode's), decoded alone, and in a batch."""
+  def logprobs(seq):
+    return np.array([[lp, *(x for _, x in top)] for lp, top in
+                     zip(seq.logprobs, seq.top_logprobs)], np.float32)
+  make = lambda slots: engine.Engine(model_config, params, tokenizer, slots=slots, context=64,
+                                     chunk=4)
+  alone = [make(1).generate([seq])[0] for seq in _sequences()]
+  together = make(4).generate(_sequences())
+  assert [s.tokens for s in together] == [s.tokens for s in alone]
+  return [logprobs(s) for s in alone], [logprobs(s) for s in together]
+
+
+def test_fp8_inference_gives_a_row_the_same_logits_alone_and_in_any_batch(tmp_path_factory):
+  """At the checkpoint's delayed scales (its amax histories, restored with its params), a row's
+  logits through the engine, prefill and decode, are bitwise those it has alone (on main,
+  which scaled each activation from the whole batch's amax: up to 0.091 apart in these
+  logprobs)."""
+  run = workdir_lib.load(tiny_run.train_once(tmp_path_factory, fp8=True),
+                         devices=jax.devices()[:1])
+  assert all(np.asarray(h)[..., 0, :].max() > 0 for h in jax.tree.leaves(run.fp8))
+  alone, together = _alone_and_together(run.config.model, run.engine_params, run.tokenizer)
+  for a, b in zip(alone, together):
+    np.testing.assert_array_equal(b, a)
+
+
+def test_fp8_inference_without_histories_scales_each_row_from_its_own(tmp_path_factory):
+  """Params without amax histories (an import, a checkpoint from before them): each row (token)
+  scaled from its own amax, so a row's logits do not depend on the others either, to the
+  rounding of the engine's other (float32) matmuls, whose order differs with the batch: 4.3e-6
+  at most without FP8 on these rows."""
+  run = workdir_lib.load(tiny_run.train_once(tmp_path_factory, fp8=True),
+                         devices=jax.devices()[:1])
+  alone, together = _alone_and_together(run.config.model, run.params, run.tokenizer)
+  for a, b in zip(alone, together):
+    np.testing.assert_allclose(b, a, atol=1e-5)
+
+
+def test_the_engines_fp8_projections_are_the_train_steps_each_with_its_own_scale(
+    tmp_path_factory):
+  """The engine quantizes each projection once as the train step does, per tensor: fused into
+  wqkv and w_gate_up, each part keeps its own scale (on main the fused matrix had one), and it
+  scores as the train step's forward does at the same delayed scales (on main, with one scale
+  a fused matrix and the activations' from their own amax: 0.0094 apart on average, 0.042 at
+  most)."""
+  run = workdir_lib.load(tiny_run.train_once(tmp_path_factory, fp8=True),
+                         devices=jax.devices()[:1])
+  c = run.config.model
+  decoding = runner.decoding_params(c, run.engine_params)
+  N, K = c.num_heads, c.num_kv_heads
+  for i in range(c.num_layers):
+    weights = jax.tree.map(lambda x, i=i: np.asarray(x[i], c.compute_dtype),
+                           run.params['layers'])
+    attn, mlp = decoding[f'layers_{i}']['attn'], decoding[f'layers_{i}']['mlp']
+    for parts, names in (
+        (np.split(np.asarray(attn['wqkv_scale']), [N, N + K]),
+         [('attn', w) for w in ('wq', 'wk', 'wv')]),
+        (list(np.asarray(mlp['w_gate_up_scale'])), [('mlp', w) for w in ('w_gate', 'w_up')])):
+      own = [np.float32(np.abs(weights[m][w]).max()) / np.float32(448) for m, w in names]
+      for part, scale in zip(parts, own):
+        np.testing.assert_array_equal(part, np.full_like(part, scale))
+      assert len(set(own)) == len(own)  # (one scale for all would fail the line above)
+    amaxes = [np.asarray(run.fp8['layers']['attn'][w + '_fp8'])[i, 0].max()
+              for w in ('wq', 'wk', 'wv')]
+    assert float(attn['wqkv_input_amax']) == max(amaxes) > 0
+  tokens = np.array([[256, *b'Hello, world! FP8 at delayed scales.']], np.int32)
+  trained = engine.token_logprobs(model_lib.Transformer(c), model_lib.with_compute_weights(
+      c, run.params, run.fp8), tokens)[0]
+  eng = engine.Engine(c, run.engine_params, run.tokenizer, slots=1, context=64)
+  np.testing.assert_array_equal(eng.score(tokens)[0], trained)
+
+
+def test_grpos_scorer_is_the_train_steps_forward_under_fp8():
+  """GRPO's scorer (logp_old, logp_ref) at the state's delayed scales: the update's own
+  forward, on the same params and histories, gives the same log-probabilities (its
+  logp_mismatch against the scored ones as the rollout's: 0; on main, which scored with
+  current scaling, 1.8e-3 a token on average)."""
+  c = config_lib.preset('test')
+  c.model.fp8, c.model.attention = True, 'xla'
+  c.mesh.data, c.train.micro_batch_size = 2, 4  # (two devices, two micro-batches each)
+  s = build_setup(c, jax.devices()[:2])
+  rng = np.random.default_rng(0)
+  tokens = lambda: jax.device_put(rng.integers(0, 256, (16, 33)).astype(np.int32),
+                                  s.batch_sharding)
+  state, _ = state_lib.jit_train_step(s, pad_id=258)(state_lib.init_state(s),
+                                                     {'tokens': tokens()})
+  assert all(np.asarray(h)[..., 0].min() > 0 for h in jax.tree.leaves(state.fp8))
+  batch = {'tokens': tokens()}
+  logp = objective.scorer(s, (1.0,))(state.params, state.fp8, batch)[0]
+  update = state_lib.jit_train_step(s, 258, objective.make_loss_fn(s.model, 0.0, epsilon=0.2))
+  ones = jax.device_put(np.ones((16, 32), np.float32), s.batch_sharding)
+  _, metrics = update(state, {**batch, 'mask': ones, 'advantages': ones, 'rollout_logp': logp})
+  assert float(metrics['logp_mismatch']) == 0.0
+
+
+def test_an_fp8_runs_hugging_face_export_says_what_it_holds(tmp_path_factory, tmp_path):
+  """The export of an FP8 run holds its float32 master weights (not quantized, no scales) and
+  says so; a run without FP8 has no such note."""
+  workdir = tiny_run.train_once(tmp_path_factory, fp8=True)
+  notes = hf.export(workdir, str(tmp_path / 'fp8'))
+  assert hf.FP8_NOTE in notes and 'float32 master weights' in hf.FP8_NOTE
+  run = workdir_lib.load(workdir, devices=jax.devices()[:1])
+  exported = safetensors.numpy.load_file(str(tmp_path / 'fp8' / 'model.safetensors'))
+  for name, value in hf.to_hf(jax.device_get(run.params), run.config.model).items():
+    np.testing.assert_array_equal(exported[name], value)
+  assert not any('FP8' in note for note in hf.export(tiny_run.train_once(tmp_path_factory),
+                                                     str(tmp_path / 'bf16')))
+
+
+def test_a_run_from_an_fp8_runs_params_goes_on_from_its_amax_histories(tmp_path_factory,
+                                                                       tmp_path):
+  """checkpoint.restore_from (GRPO's, DPO's and SFT's --init): the source's amax histories with
+  its params, so that the first update and the engine's first rollouts run at the scales it was
+  trained at; from a run without them, empty ones (the first step scales from the tensors)."""
+  fp8_run = tiny_run.train_once(tmp_path_factory, fp8=True)
+  recorded = workdir_lib.load(fp8_run, devices=jax.devices()[:1]).fp8
+  for name, source in (('fp8', fp8_run), ('plain', tiny_run.train_once(tmp_path_factory))):
+    c = config_lib.preset('test')
+    c.data.seq_len, c.model.fp8, c.checkpoint.restore_from = tiny_run.SEQ_LEN, True, source
+    empty = checkpoint_lib.Checkpointer(tmp_path / name)
+    state = train._initial_state(build_setup(c, jax.devices()[:1]), empty,  # noqa: SLF001
+                                 is_main=False)
+    empty.close()
+    expected = recorded if name == 'fp8' else jax.tree.map(np.zeros_like, recorded)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.fp8),
+                 jax.device_get(expected))

@@ -16,11 +16,11 @@ num_samples completions of a GRPO prompt cost one prefill, and decode what they 
 What a decoding step moves, and nothing more: the runner holds its own copy of the params, every
 matrix in the compute dtype and the layers apart (decoding_params: converted once, when the params
 change: GRPO, once a step), so a step reads bf16 weights (on a GPU) once instead of casting float32
-ones; the cache (keys and values [slots, context, kv_heads, head_dim] per layer, model.KVCache:
-in the compute dtype, or in 8 bits with a scale per head and position, kv_cache_dtype) is
-allocated once and donated to each call, which writes the new positions in place (a scatter),
-never copying it; and the attention reads only the live part of each row (positions [0, live)),
-not the whole context.
+ones (with model.fp8, e4m3 weights quantized once, at the training's delayed scales); the cache
+(keys and values [slots, context, kv_heads, head_dim] per layer, model.KVCache: in the compute
+dtype, or in 8 bits with a scale per head and position, kv_cache_dtype) is allocated once and
+donated to each call, which writes the new positions in place (a scatter), never copying it; and
+the attention reads only the live part of each row (positions [0, live)), not the whole context.
 
 On a mesh (GRPO on the trainer's devices) the slots and the cache are split over every device of
 it, and each device prefills and decodes its own rows with a whole copy of the weights (shard_map:
@@ -52,6 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from jax_pretrain import fp8
 from jax_pretrain import model as model_lib
 from jax_pretrain import multihost
 from jax_pretrain.engine import grammar as grammar_lib
@@ -93,13 +94,26 @@ def decoding_params(config: model_lib.ModelConfig, params):
   place), each layer's query, key and value projections concatenated into one matrix (wqkv
   [D, N + 2K, H]) and its gate and up projections into one (w_gate_up [D, 2, F]), so that a step
   reads few, large operands, and every matrix in the compute dtype (the model casts it there at
-  every use: the same numbers, cast once). Vectors (norm scales) stay."""
+  every use: the same numbers, cast once). Vectors (norm scales) stay.
+
+  With model.fp8, `params` may hold the amax histories beside the weights (fp8.merge: the train
+  state's, TrainState.fp8, or a checkpoint's, workdir.Trained.fp8): each projection is then
+  quantized once here as the train step quantizes it, its own scale kept within the fused
+  matrices, and its activations scaled from their history, as the next train step would
+  (model.quantize_projections, fp8.quantized_dense): a row's logits are the same alone and in
+  any batch. Without histories each row (token) is scaled from its own amax."""
+  params, histories = fp8.split(params)
   params = model_lib.unstack_layers(params, config.num_layers)
-  for i in range(config.num_layers):
-    params[f'layers_{i}'] = model_lib.fuse_projections(params[f'layers_{i}'])
+  histories = model_lib.unstack_layers(histories or {}, config.num_layers)
   cast = lambda x: x.astype(config.compute_dtype) if x.ndim >= 2 and jnp.issubdtype(
       x.dtype, jnp.floating) else x
-  return jax.tree.map(cast, params)
+  params = jax.tree.map(cast, params)
+  for i in range(config.num_layers):
+    layer = params[f'layers_{i}']
+    if config.fp8:
+      layer = model_lib.quantize_projections(layer, histories.get(f'layers_{i}'))
+    params[f'layers_{i}'] = model_lib.fuse_projections(layer)
+  return params
 
 
 def decoding_model(config: model_lib.ModelConfig) -> model_lib.Transformer:

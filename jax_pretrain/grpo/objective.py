@@ -79,6 +79,7 @@ import jax.numpy as jnp
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import engine as engine_lib
+from jax_pretrain import model as model_lib
 from jax_pretrain import state as state_lib
 from jax_pretrain.grpo import config as grpo_config
 
@@ -249,21 +250,29 @@ def _sampler_logp(batch: dict, at_one_BxT: jax.Array, temperature: float) -> jax
 
 
 def scorer(s: state_lib.Setup, temperatures: tuple[float, ...]):
-  """score(params, batch) -> (float32 [B, T], one a temperature): each target's log-probability
-  at each temperature (the sampling one first), jitted for params in the policy's shardings,
-  micro-batch by micro-batch as the train step goes (no gradient, so no more memory than its
-  forward). It scores the reference model's logp_ref and, with num_iterations > 1, the sampling
-  policy's logp_old (and old_logp_at_one: score_temperatures)."""
+  """score(params, fp8 histories, batch) -> (float32 [B, T], one a temperature): each target's
+  log-probability at each temperature (the sampling one first), jitted for params in the
+  policy's shardings, micro-batch by micro-batch as the train step goes (no gradient, so no more
+  memory than its forward), with the train step's forward: its weights (with_compute_weights)
+  and, with model.fp8, its delayed scales from the amax histories (the train state's; None
+  without FP8), so that the first update's ratio is 1 (with empty histories, a run's first step
+  from params without them, each scales from the tensors themselves: the scorer from each
+  micro-batch, the update from each data-parallel device's part of it). It scores the reference
+  model's logp_ref (at its run's histories) and, with num_iterations > 1, the sampling policy's
+  logp_old (and old_logp_at_one: score_temperatures)."""
   A = s.run.grad_accum_steps
 
-  def score(params, batch):
+  def score(params, histories, batch):
+    weights = model_lib.with_compute_weights(s.model.config, params, histories)
+
     def one(tokens_MxT1):
-      return state_lib.target_logprobs(s.model, params, {'tokens': tokens_MxT1}, temperatures)
+      return state_lib.target_logprobs(s.model, weights, {'tokens': tokens_MxT1}, temperatures)
     tokens_BxT1 = batch['tokens']
     B, T1 = tokens_BxT1.shape
     logp_AxMxT = jax.lax.map(one, tokens_BxT1.reshape(B // A, A, T1).swapaxes(0, 1))
     return tuple(x.swapaxes(0, 1).reshape(B, T1 - 1) for x in logp_AxMxT)
-  return jax.jit(score, in_shardings=(s.state_shardings.params, s.batch_sharding),
+  return jax.jit(score, in_shardings=(s.state_shardings.params, s.state_shardings.fp8,
+                                      s.batch_sharding),
                  out_shardings=s.batch_sharding)
 
 

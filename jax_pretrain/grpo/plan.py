@@ -30,6 +30,7 @@ import time
 
 from jax_pretrain import config as config_lib
 from jax_pretrain import engine as engine_lib
+from jax_pretrain import fp8
 from jax_pretrain import gpu_targets
 from jax_pretrain import memory
 from jax_pretrain import model as model_lib
@@ -197,7 +198,8 @@ def _score(step: Step, s, g: grpo_config.GrpoConfig, params: float,
     return None
   t0 = time.perf_counter()
   compiled = objective.scorer(s, objective.score_temperatures(g)).lower(
-      s.abstract_state.params, objective.update_batch(s, step.width)).compile()
+      s.abstract_state.params, s.abstract_state.fp8, objective.update_batch(s, step.width)
+  ).compile()
   beside = ({'train state': state_bytes} if g.beta else
             {'train state less params': state_bytes - params})
   return {'calls_per_step': scorings, **plan_lib.call_report(
@@ -226,7 +228,9 @@ def rollout_calls(step: Step, u: Update, kv_cache_dtype: str) -> Rollout:
   copied into the slots of the others (of its wave, on its device)."""
   c, s, t = u.config, u.s, step.target
   g, B = c.grpo, c.train.batch_size
-  eng = engine_lib.Engine(c.model, s.abstract_state.params, _Vocabulary(c.model.vocab_size),
+  # (with model.fp8, the amax histories beside the params: the rollouts run at their scales)
+  eng = engine_lib.Engine(c.model, fp8.merge(s.abstract_state.params, s.abstract_state.fp8),
+                          _Vocabulary(c.model.vocab_size),
                           slots=objective.rollout_slots(c),
                           context=objective.engine_context(c, step.prompt_tokens),
                           chunk=rollout.ROLLOUT_CHUNK, mesh=s.mesh,

@@ -30,6 +30,7 @@ import numpy as np
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import engine as engine_lib
+from jax_pretrain import fp8
 from jax_pretrain import hooks as hooks_lib
 from jax_pretrain import loop as loop_lib
 from jax_pretrain import multihost
@@ -200,12 +201,19 @@ def _width(c: grpo_config.GrpoTrainConfig, sources: TaskSources) -> int:
 
 
 def _reference_params(s: state_lib.Setup, run: str):
-  """The run's params (the initial model) in the policy's shardings."""
+  """The run's params (the initial model) in the policy's shardings, and with model.fp8 its amax
+  histories (empty where it has none: the scorer then scales from the tensors themselves, as a
+  first step does)."""
   checkpointer = checkpoint_lib.Checkpointer(run, read_only=True)
   try:
-    return checkpointer.restore_params(s.abstract_state.params)[1]
+    step, params = checkpointer.restore_params(s.abstract_state.params)
+    histories = checkpointer.restore_fp8(s.abstract_state.fp8, step)
   finally:
     checkpointer.close()
+  if histories is None and s.abstract_state.fp8 is not None:  # (empty: as a first step's)
+    histories = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding),
+                             s.abstract_state.fp8)
+  return params, histories
 
 
 def combine_updates(updates: list[dict]) -> dict:
@@ -224,7 +232,8 @@ class Step:
 
   def __init__(self, s: state_lib.Setup, data: TaskData, update, eng, ref, score):
     self.s, self.data, self.update, self.engine = s, data, update, eng
-    self.ref, self.score = ref, score  # (the reference params or None; objective.scorer's or None)
+    # (the reference params and amax histories or None; objective.scorer's or None)
+    self.ref, self.score = ref, score
     self.g = grpo_config.of(s.config).grpo
     self.stop = config_lib.stop_strings(self.g.stop)
     # This process's totals; GRPOLogger reports their growth between logged steps.
@@ -234,7 +243,7 @@ class Step:
     g, tokenizer, reward = self.g, self.data.tokenizer, self.data.sources.reward
     step = int(jax.device_get(state.step)) // g.num_iterations + 1  # (the state counts updates)
     t0 = time.perf_counter()
-    self.engine.set_params(state.params)
+    self.engine.set_params(fp8.merge(state.params, state.fp8))  # (FP8: at the delayed scales)
     seed = int(np.random.SeedSequence([self.s.config.train.seed % 2**32,
                                        step]).generate_state(1)[0])
     r = rollouts(self.engine, [self.data.sources.encode(item.prompt) for item in items],
@@ -256,9 +265,9 @@ class Step:
     # are added to changes its structure).
     tokens = {'tokens': batch['tokens']}
     if self.ref is not None:
-      batch['ref_logp'] = self.score(self.ref, tokens)[0]
+      batch['ref_logp'] = self.score(*self.ref, tokens)[0]
     if g.num_iterations > 1:  # logp_old: the params that sampled, before the first update
-      batch['old_logp'], *at_one = self.score(state.params, tokens)
+      batch['old_logp'], *at_one = self.score(state.params, state.fp8, tokens)
       if at_one:  # (the rollout correction's, at another temperature: score_temperatures)
         batch['old_logp_at_one'] = at_one[0]
     updates = []
@@ -302,11 +311,12 @@ def task_eval_hooks(ctx: hooks_lib.Context[TaskData, 'Step'], eng) -> list[loop_
 
   def at_start(info: loop_lib.StepInfo) -> None:
     if info.step == 1 and ctx.start_step == 0:
-      accuracy(0, info.state.params)
+      accuracy(0, fp8.merge(info.state.params, info.state.fp8))
 
   return [loop_lib.Hook(at_start, every=1, phase=loop_lib.BEFORE_STEP,
                         name='eval_task_at_start'),
-          loop_lib.Hook(lambda info: accuracy(info.step, info.state.params),
+          loop_lib.Hook(lambda info: accuracy(info.step, fp8.merge(info.state.params,
+                                                                   info.state.fp8)),
                         every=ctx.config.train.eval_every, phase=loop_lib.EVAL, at_last=True,
                         name='eval_task')]
 
