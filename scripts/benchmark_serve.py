@@ -10,12 +10,22 @@ temperature 0.8, a seed per request, --max_tokens each, prompts from the manual'
 with the standard library's HTTP client: the openai client costs ~10 ms of CPU a request, which on
 a 2-core machine would be taken from the server. A request that ends at EOS counts the tokens it
 generated. Every client count runs once untimed first.
+
+--py_spy=BIN (py-spy's command; `pip install py-spy`) samples the server during each timed run
+(`py-spy record --threads --idle`) and splits the engine thread's time: in jax (dispatching the
+compiled calls, running them where the CPU runs them inline, reading their results) against the
+host's own Python (scheduling, output processing, detokenization, callbacks), with the host's
+largest functions by own time; the time it waited for work is left out. It also prints the CPU
+time each of the server's threads took (/proc/PID/task), per generated token: the engine thread's
+own, the other Python threads' (the HTTP server's), XLA's pools' (the model's work on the CPU).
 """
 import argparse
+import collections
 import concurrent.futures
 import json
 import os
 from pydoc_data import topics
+import signal
 import socket
 import subprocess
 import sys
@@ -90,6 +100,57 @@ def run(url: str, name: str, clients: int, n: int, max_tokens: int,
   return seconds, sum(t for t, _ in results), sum(s for _, s in results) / len(results)
 
 
+def thread_cpu(pid: int) -> dict[str, tuple[str, float]]:
+  """Each of a process's threads: its id -> (its OS name, CPU seconds so far) (/proc/PID/task:
+  the Python threads share the interpreter's name, XLA's pools have theirs)."""
+  ticks = os.sysconf('SC_CLK_TCK')
+  cpu = {}
+  for tid in os.listdir(f'/proc/{pid}/task'):
+    try:
+      with open(f'/proc/{pid}/task/{tid}/stat') as f:
+        stat = f.read()
+    except OSError:
+      continue  # (ended meanwhile)
+    name = stat[stat.index('(') + 1:stat.rindex(')')].rstrip('0123456789_-/')
+    utime, stime = stat[stat.rindex(')') + 2:].split()[11:13]
+    cpu[tid] = name, (int(utime) + int(stime)) / ticks
+  return cpu
+
+
+def cpu_report(cpu0: dict, cpu1: dict, raw: str, tokens: int) -> str:
+  """The CPU time a run took by thread (the engine's own apart: py-spy's raw output names its
+  id), in microseconds per generated token."""
+  engine = next((line.split('(')[1].split(')')[0] for line in raw.splitlines()
+                 if line.split(';')[0].endswith(': engine')), None)
+  used: collections.Counter = collections.Counter()
+  for tid, (name, secs) in cpu1.items():
+    used['engine thread' if tid == engine else name] += secs - cpu0.get(tid, (name, 0.0))[1]
+  return '  CPU µs a generated token by thread: ' + ', '.join(
+      f'{k} {1e6 * v / max(tokens, 1):.0f}' for k, v in used.most_common() if v >= 0.05)
+
+
+def engine_profile(raw: str, top: int = 8) -> str:
+  """The engine thread's samples in py-spy's raw output split into jax and the host's own (the
+  samples waiting for work left out), with the host's `top` functions by own samples."""
+  jax_n = host_n = 0
+  own: collections.Counter = collections.Counter()
+  for line in raw.splitlines():
+    stack, _, count = line.rpartition(' ')
+    frames = stack.split(';')
+    if not frames[0].endswith(': engine') or any('Scheduler.wait ' in f for f in frames):
+      continue
+    if any('jax/_src/' in f or 'jaxlib/' in f for f in frames):
+      jax_n += int(count)
+    else:
+      host_n += int(count)
+      own[frames[-1].split(' (')[0] + ' ' + frames[-1].rsplit('/', 1)[-1].rstrip(')')] += int(count)
+  total = max(jax_n + host_n, 1)
+  lines = [f'  engine thread: {total} samples busy, host {100 * host_n / total:.1f}%, '
+           f'jax {100 * jax_n / total:.1f}%']
+  lines += [f'    {100 * n / total:5.1f}%  {name}' for name, n in own.most_common(top)]
+  return '\n'.join(lines)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--workdir', default='runs/default', help='Run to serve (without --url).')
@@ -100,6 +161,8 @@ def main():
   p.add_argument('--serve_args', default='', help='Extra flags for jax_pretrain.serve.')
   p.add_argument('--api_key', default=os.environ.get('JAX_PRETRAIN_API_KEY', ''),
                  help="The server's API key, if it asks for one (default: $JAX_PRETRAIN_API_KEY).")
+  p.add_argument('--py_spy', default='',
+                 help="py-spy's command: profile the engine thread during each timed run.")
   a = p.parse_args()
   server, url = (None, a.url) if a.url else start(a.workdir, a.serve_args)
   try:
@@ -108,9 +171,25 @@ def main():
           f'{"latency s":>9}')
     for clients in (int(c) for c in a.clients.split(',')):
       run(url, name, clients, max(clients, 16), a.max_tokens, a.api_key)  # compiles what it needs
+      spy = None
+      if a.py_spy and server is not None:
+        out = f'/tmp/benchmark_serve_{server.pid}_{clients}.txt'
+        spy = subprocess.Popen([a.py_spy, 'record', '--pid', str(server.pid), '--threads',
+                                '--idle', '--rate', '200', '--format', 'raw', '-o', out],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1)  # (attached)
+      cpu0 = thread_cpu(server.pid) if spy is not None else {}
       seconds, tokens, latency = run(url, name, clients, a.requests, a.max_tokens, a.api_key)
       print(f'{clients:>7}  {a.requests:>8}  {seconds:>8.2f}  {a.requests / seconds:>10.2f}  '
             f'{tokens / seconds:>9.1f}  {latency:>9.2f}', flush=True)
+      if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=120)
+        cpu1 = thread_cpu(server.pid)
+        with open(out) as f:
+          raw = f.read()
+        print(cpu_report(cpu0, cpu1, raw, tokens))
+        print(engine_profile(raw), flush=True)
   finally:
     if server is not None:
       server.terminate()

@@ -15,7 +15,9 @@ interval offers less, so the rate offered is measured, not assumed). Meanwhile a
 every --health_every seconds (a new connection each time, 10 s timeout) and samples the server's
 resident memory (/proc/PID/status). After locust (its users finish the request in flight:
 --stop-timeout) the server is stopped with SIGTERM and the seconds until it exits are measured.
-Prints a summary and exits 1 when a check fails.
+Prints a summary and exits 1 when a check fails. A soak (issue 43: `--seconds=600`) also checks that
+the server's resident memory, from the first minute of full load on, grows by --rss_growth percent
+at most.
 
 --saturate=SECONDS: instead of locust, --clients asyncio clients (httpx, loopback) send requests
 one after the other for that long, no pause between (a 429 waits its Retry-After): random prompt
@@ -68,6 +70,7 @@ class Watch(threading.Thread):
     self.latencies: list[float] = []
     self.not_ok: list[str] = []  # what /health said when it was not 200 in time
     self.rss: list[float] = []
+    self.times: list[float] = []  # when each RSS sample was taken (perf_counter)
 
   def run(self):
     while not self.stop.is_set():
@@ -79,6 +82,7 @@ class Watch(threading.Thread):
         self.not_ok.append(f'{type(e).__name__}: {e}')
       self.latencies.append(time.perf_counter() - t0)
       self.rss.append(rss_mib(self.pid))
+      self.times.append(time.perf_counter())
       self.stop.wait(self.every)
 
 
@@ -147,6 +151,9 @@ def main():
                  help="locust's niceness (0: the server's): where the generator shares the "
                  "server's cores, it yields them to the server, as a generator on a machine of its "
                  'own would.')
+  p.add_argument('--rss_growth', type=float, default=5,
+                 help='Resident memory growth allowed after the first minute of load, in percent '
+                 '(checked where the load lasts longer than a minute: a soak).')
   p.add_argument('--health_every', type=float, default=0.2, help='Seconds between /health asks.')
   p.add_argument('--saturate', type=float, default=0,
                  help='Seconds of --clients asyncio clients instead of locust (the module '
@@ -194,10 +201,14 @@ def main():
       with open(out) as f:
         latencies = json.load(f)
     during = list(watch.rss)
+    # (memory after the first minute of full load, the soak's baseline)
+    later = [m for t, m in zip(watch.times, watch.rss) if t >= t0 + RAMP_S + 60]
+    minute = later[0] if later else None
     time.sleep(5)  # the queue drains, then memory after
     watch.stop.set()
     watch.join()
     rss_after = rss_mib(server.pid)
+    peak = max([*later, rss_after])  # (the soak's: its largest after the first minute)
     health = json.load(urllib.request.urlopen(health_url, timeout=10))
   finally:
     t0 = time.perf_counter()
@@ -218,7 +229,10 @@ def main():
         f's, p99 {percentile(watch.latencies, 0.99):.3f} s, max {max(watch.latencies):.3f} s; '
         f'{len(watch.not_ok)} not answered 200 {watch.not_ok[:3]}')
   print(f'server RSS: before {rss_before:.0f} MiB, during max {max(during):.0f} MiB, after '
-        f'{rss_after:.0f} MiB; queue after: busy {health["busy"]}, waiting {health["waiting"]}; '
+        f'{rss_after:.0f} MiB' + (f'; after the first minute {minute:.0f} MiB, at most '
+                                   f'{peak:.0f} MiB later: {100 * (peak / minute - 1):+.1f}%'
+                                   if minute else '')
+        + f'; queue after: busy {health["busy"]}, waiting {health["waiting"]}; '
         f'compiled programs: {limits["compiled_shapes"]} before, {health["compiled_shapes"]} '
         f'after ({health["compiling_shapes"]} still queued)')
   print(f'SIGTERM to exit: {exit_s:.1f} s (exit status {server.returncode})')
@@ -226,7 +240,9 @@ def main():
       ('a request was not answered 200 or 429', set(latencies) - {'200', '429'}),
       (f'/health took over {HEALTH_LIMIT_S} s or failed',
        max(watch.latencies) > HEALTH_LIMIT_S or watch.not_ok),
-      ('the queue did not drain', health['busy'] or health['waiting'])] if bad]
+      ('the queue did not drain', health['busy'] or health['waiting']),
+      (f'resident memory grew over {a.rss_growth:g}% after the first minute',
+       minute and 100 * (peak / minute - 1) > a.rss_growth)] if bad]
   for what in failed:
     print(f'FAILED: {what}')
   sys.exit(1 if failed else 0)
