@@ -225,7 +225,7 @@ def test_a_shape_covers_the_shapes_of_its_kind_no_larger_in_any_field_and_costs_
   assert decode.covers(DecodeShape(4, 24)) and not decode.covers(DecodeShape(8, 16))
   assert not decode.covers(DecodeShape(2, 48))
   assert not prefill.covers(DecodeShape(1, 16)) and not decode.covers(PrefillShape(1, 16, 0))
-  assert prefill.cost() == (128, (4, 32, 2)) and decode.cost() == (128, (4, 32))
+  assert prefill.cost() == (128, (4, 32, 2, False)) and decode.cost() == (128, (4, 32))
   assert min([PrefillShape(2, 64, 0), PrefillShape(4, 16, 4), PrefillShape(4, 16, 2)],
              key=lambda s: s.cost()) == PrefillShape(4, 16, 2)
   # Hashable, equal by value, never equal across kinds; printed as the warmup reports them.

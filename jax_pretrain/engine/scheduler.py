@@ -26,9 +26,10 @@ length - 1: its last token is run for its logits) reuses them: it takes that slo
 or a free slot of that slot's device whose prefill first copies the row (a slot still decoding:
 concurrent requests with one system prompt, n choices), and its prefill runs only the rest, at
 its positions after the prefix (PrefillShape.prefix, a program of each rows × length; its
-attention reads the row). The reused tokens are the sequence's `cached_tokens`. Slots admitted in
-one call of admit are no source for each other (their prefills are not run yet): identical prompts
-among them share one prefill as before (copies).
+attention reads the row). The reused tokens are the sequence's `cached_tokens`. Among sequences
+admitted together, one that reused a slot's prefix in place is a source of that prefix for the
+others (its prefill writes only after it); what the others' prefills will write is not (they
+have not run): identical prompts among them share one prefill as before (copies).
 
 A call's shape (PrefillShape, DecodeShape) names the program that runs it (engine/programs.py);
 dry_run gives the calls of a workload without a model (plan.py's GRPO rollout).
@@ -274,6 +275,9 @@ class Scheduler:
     admitted: list[int] = []
     cancelled = []
     source: dict[int, int] = {}  # an admitted slot: the slot whose row holds its cached prefix
+    # What an admitted slot's row keeps for the others admitted now: its cached prefix when that
+    # was its own (its prefill writes after it), else nothing.
+    content: dict[int, tuple[int, ...]] = {}
     with self._wakeup:
       free = [d * self.local_slots + j for j in range(self.local_slots)
               for d in range(self.devices) if self.busy[d * self.local_slots + j] is None]
@@ -288,10 +292,11 @@ class Scheduler:
         d, start, src = first.get(prompt, (-1, 0, -1))
         g = next((g for g in free if g // self.local_slots == d), -1)
         if g < 0:
-          g, start, src = self._place(seq, free, admitted)
+          g, start, src = self._place(seq, free, content)
         free.remove(g)
         first[prompt] = g // self.local_slots, start, src
         self.busy[g], self.owner[g], seq.cached_tokens = seq, seq, start
+        content[g] = prompt[:start] if src == g else ()
         if start:
           source[g] = src
         self._clock += 1
@@ -302,18 +307,21 @@ class Scheduler:
         self.cached_tokens += self.held(g).cached_tokens
     return self._prefills(admitted, source), cancelled
 
-  def _place(self, seq: Sequence, free: list[int], admitted: list[int]) -> tuple[int, int, int]:
+  def _place(self, seq: Sequence, free: list[int],
+             content: dict[int, tuple[int, ...]]) -> tuple[int, int, int]:
     """(slot, cached prefix length, its source slot) for a sequence whose prompt no other one
     admitted now has: the slot with the longest cached prefix of its prompt when it is free, or a
     free slot of that one's device; else the free slot to evict (never used first, then the least
-    recently used; without prefix caching the first free one)."""
+    recently used; without prefix caching the first free one). content: what the slots admitted
+    now keep (admit)."""
     if not self.prefix_cache:
       return free[0], 0, -1
     evict = lambda slots: min(slots, key=lambda g: (bool(self.cached[g]), self.used[g]))
     most = (len(seq.prompt) - 1) // BLOCK * BLOCK
     matches = []
-    for g, tokens in enumerate(self.cached):
-      if tokens and g not in admitted:
+    for g, cached in enumerate(self.cached):
+      tokens = content.get(g, cached)
+      if tokens:
         n = _common(tokens, seq.prompt, most) // BLOCK * BLOCK
         if n:
           matches.append((-n, g not in free, g))
