@@ -240,10 +240,14 @@ def test_16_concurrent_clients_all_answered_with_few_compiled_shapes(client, ser
   # logprobs: one compiled variant).
   health = _get(f'{server}/health')
   assert health['busy'] == health['waiting'] == 0 and health['compiled_shapes'] <= 4 * 3 + 4 * 5
-  greedy(client, 'y' * 4, max_tokens=2)
+  # A prompt, then one that reuses its cached prefix (16 tokens) in its slot: then new lengths in
+  # the buckets of the one before (their rest pads to 16 tokens, decodes over 32 positions, in
+  # that slot) compile nothing.
+  assert greedy(client, 'y' * 24, max_tokens=2).usage.prompt_tokens_details.cached_tokens == 0
+  assert greedy(client, 'y' * 25, max_tokens=2).usage.prompt_tokens_details.cached_tokens == 16
   before = _get(f'{server}/health')['compiled_shapes']
-  for n in (5, 7, 9, 11, 13):  # new lengths in the buckets of the one before
-    greedy(client, 'y' * n, max_tokens=2)
+  for n in (26, 27, 28, 29, 30):
+    assert greedy(client, 'y' * n, max_tokens=2).usage.prompt_tokens_details.cached_tokens == 16
   assert _get(f'{server}/health')['compiled_shapes'] == before
 
 
@@ -955,7 +959,10 @@ def test_a_streamed_chat_sends_each_choices_role_then_its_content(local):
     assert len(mine) >= 4 and all(d.delta.role is None for d in mine[1:])  # (chunks of 4 tokens)
     assert ''.join(d.delta.content or '' for d in mine) == choice.message.content
     assert [d.finish_reason for d in mine] == [None] * (len(mine) - 1) + [choice.finish_reason]
-  assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+  assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+  assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+  # (the second of one prompt: its first 16 tokens (of 27) cached by the first)
+  assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 16
 
 
 def test_a_chats_next_turn_reports_the_prompt_tokens_its_earlier_turn_cached(trained):
