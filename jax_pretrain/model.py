@@ -279,8 +279,7 @@ class Attention(nn.Module):
                                       use.positions_BxT).astype(dt)
       elif use.prefix or quantized:  # its rows' cached prefix and its own tokens, written now
         width = kv.k_BxSxKxH.shape[1] if use.prefix else x_BxTxD.shape[1]  # (else at 0 .. T-1)
-        rows = jax.tree.map(lambda x: jnp.take(x[:, :width], use.slots_B, axis=0, mode='clip'),
-                            kv)
+        rows = jax.tree.map(lambda x: jnp.take(x[:, :width], rows_B, axis=0, mode='clip'), kv)
         o_BxTxNxH = cached_attention(q_BxTxNxH, rows, use.positions_BxT).astype(dt)
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, 'attn_out')
     return dense('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD.astype(dt), 'wo'), kv

@@ -74,7 +74,9 @@ def main():
     print(f'prefix_cache={prefix_cache}: the fourth turn ({a.history + a.message} prompt tokens, '
           f'{fourth[0][2]} cached): first token in {results[prefix_cache][0] * 1000:.0f} ms '
           f'(median of {a.repeats}: {", ".join(f"{t * 1000:.0f}" for t, _, _ in fourth)}); '
-          f'turns 1-3: {", ".join(f"{t * 1000:.0f}" for t, _, _ in runs[0][:3])} ms',
+          f'turns 1-3 (medians): '
+          f'{", ".join(f"{statistics.median(r[k][0] for r in runs) * 1000:.0f}" for k in range(3))}'
+          f' ms, cached {", ".join(str(x[2]) for x in runs[0][:3])}',
           flush=True)
   print(f'with the cache / without: {results[True][0] / results[False][0]:.3f}; greedy tokens '
         f'{"equal" if results[True][1] == results[False][1] else "DIFFER"}')
