@@ -103,7 +103,7 @@ class Engine:
     """Takes new params (the model's, or abstract ones for lowering; None frees the copy); the
     cached prefixes, the old params' keys and values, are forgotten."""
     self.runner.set_params(params)
-    self.scheduler.forget()
+    self.scheduler.prefix.forget()
 
   def warmup(self, background: bool = False,
              report: Callable[[str], None] = lambda line: None) -> None:
@@ -142,7 +142,7 @@ class Engine:
             **self.scheduler.stats(), 'compiled_shapes': len(self.shapes),
             'compiling_shapes': self.runner.programs.pending(),
             'prompts_prefilled': self.runner.prompts_prefilled,
-            'cached_tokens': self.scheduler.cached_tokens,
+            'cached_tokens': self.scheduler.prefix.cached_tokens,
             'tokens_generated': self.tokens_generated}
 
   def generate(self, sequences: list[Sequence]) -> list[Sequence]:

@@ -157,6 +157,68 @@ class Decode:
     return d * self.shape.rows + j
 
 
+class PrefixCache:
+  """What each slot's row holds for prefix caching (the module docstring): the tokens whose keys
+  and values it holds from position 0, the sequence they are of (owner: None once lost), when it
+  was last taken or freed (least recently used first), and the prompt tokens reused so far."""
+
+  def __init__(self, slots: int, local_slots: int, enabled: bool):
+    self.slots, self.local_slots, self.enabled = slots, local_slots, enabled
+    self.cached: list[tuple[int, ...]] = [()] * slots
+    self.owner: list[Sequence | None] = [None] * slots
+    self.used = [0] * slots
+    self._clock = 0
+    self.cached_tokens = 0
+
+  def forget(self) -> None:
+    """No slot holds a cached prefix any more (new params, a fresh cache)."""
+    self.cached, self.owner = [()] * self.slots, [None] * self.slots
+
+  def taken(self, g: int, seq: Sequence) -> None:
+    """seq is admitted into slot g (its prefill to come)."""
+    self._clock += 1
+    self.owner[g], self.used[g] = seq, self._clock
+
+  def prefilled(self, g: int, seq: Sequence) -> None:
+    """seq's prefill into slot g is dispatched: its prompt is a source for later admissions."""
+    self.cached[g] = tuple(seq.prompt)
+    self.cached_tokens += seq.cached_tokens
+
+  def ended(self, g: int, seq: Sequence) -> None:
+    """seq, decoded in slot g (free now), ended: while no other sequence took the slot, its row
+    keeps the prompt and the tokens whose keys and values were written (all but the last: the one
+    that ended it on the device is not run; a failed one: nothing)."""
+    if self.owner[g] is seq and seq.finish_reason != 'error':
+      self._clock += 1
+      self.cached[g], self.used[g] = (*seq.prompt, *seq.tokens[:-1]), self._clock
+
+  def place(self, seq: Sequence, free: list[int],
+            content: dict[int, tuple[int, ...]]) -> tuple[int, int, int]:
+    """(slot, cached prefix length, its source slot) for a sequence whose prompt no other one
+    admitted now has: the slot with the longest cached prefix of its prompt when it is free, or a
+    free slot of that one's device; else the free slot to evict (never used first, then the least
+    recently used; without prefix caching the free slot of lowest local index, over the devices
+    in turn: the first). content: what the slots admitted now keep (admit)."""
+    if not self.enabled:
+      return free[0], 0, -1
+    evict = lambda slots: min(slots, key=lambda g: (bool(self.cached[g]), self.used[g]))
+    most = (len(seq.prompt) - 1) // BLOCK * BLOCK
+    matches = []
+    for g, cached in enumerate(self.cached):
+      tokens = content.get(g, cached)
+      if tokens:
+        n = _common(tokens, seq.prompt, most) // BLOCK * BLOCK
+        if n:
+          matches.append((-n, g not in free, g))
+    for n, _, src in sorted(matches):
+      if src in free:
+        return src, -n, src
+      on_device = [g for g in free if g // self.local_slots == src // self.local_slots]
+      if on_device:
+        return evict(on_device), -n, src
+    return evict(free), 0, -1
+
+
 class Scheduler:
   """Slots, the waiting queue, admission and the calls' shapes (the module docstring). submit,
   withdraw, stop and wait are thread-safe; the rest runs in the engine's thread."""
@@ -167,14 +229,7 @@ class Scheduler:
     self.slots = local_slots * devices
     self.prefill_tokens = prefill_tokens
     self.prefix_cache = prefix_cache
-    # Prefix caching (the module docstring): the tokens whose keys and values each slot's row
-    # holds from position 0, the sequence they are of (owner: None once lost), when it was last
-    # taken or freed (least recently used first), and the prompt tokens reused so far.
-    self.cached: list[tuple[int, ...]] = [()] * self.slots
-    self.owner: list[Sequence | None] = [None] * self.slots
-    self.used = [0] * self.slots
-    self._clock = 0
-    self.cached_tokens = 0
+    self.prefix = PrefixCache(self.slots, local_slots, prefix_cache)
     self.busy: list[Sequence | None] = [None] * self.slots
     # Tokens of each busy slot's sequence that the decode calls dispatched so far will have made
     # (at most: it may end before), read or not.
@@ -234,15 +289,11 @@ class Scheduler:
     with self._wakeup:
       held = [*self.finishing, *(seq for seq in self.busy if seq is not None)]
       self.busy, self.dispatched, self.finishing = [None] * self.slots, [0] * self.slots, []
-      self.forget()
+      self.prefix.forget()
       if waiting:
         held += self.waiting
         self.waiting.clear()
     return held
-
-  def forget(self) -> None:
-    """No slot holds a cached prefix any more (new params, a fresh cache)."""
-    self.cached, self.owner = [()] * self.slots, [None] * self.slots
 
   def free(self, g: int, seq: Sequence) -> None:
     """seq, decoded in slot g, ended: its slot is free (unless it went to the next already); with
@@ -253,9 +304,8 @@ class Scheduler:
       self.busy[g], self.dispatched[g] = None, 0
     elif seq in self.finishing:
       self.finishing.remove(seq)
-    if self.owner[g] is seq and self.busy[g] is None and seq.finish_reason != 'error':
-      self._clock += 1
-      self.cached[g], self.used[g] = (*seq.prompt, *seq.tokens[:-1]), self._clock
+    if self.busy[g] is None:
+      self.prefix.ended(g, seq)
 
   def held(self, g: int) -> Sequence:
     """The sequence in slot g, which the caller knows is busy."""
@@ -264,14 +314,12 @@ class Scheduler:
     return seq
 
   def admit(self) -> tuple[list[Prefill], list[Sequence]]:
-    """Moves waiting sequences into free slots: the free slot of lowest local index, over the
-    devices in turn (with prefix caching: a never-used one, else the least recently used; a
-    prompt with a cached prefix, the slot that holds it or one of its device's, the module
-    docstring), but a sequence whose prompt another one admitted now has goes to that one's
-    device while it has a free slot, so that the prompt is prefilled once for both (GRPO's
-    num_samples completions, a request's n choices). Returns the prefill calls of those admitted,
-    a bucket of lengths at a time, and the waiting sequences found cancelled (no longer queued:
-    the caller ends them)."""
+    """Moves waiting sequences into free slots (PrefixCache.place: with prefix caching the slot
+    of a cached prefix, or one of its device's), but a sequence whose prompt another one admitted
+    now has goes to that one's device while it has a free slot, so that the prompt is prefilled
+    once for both (GRPO's num_samples completions, a request's n choices). Returns the prefill
+    calls of those admitted, a bucket of lengths at a time, and the waiting sequences found
+    cancelled (no longer queued: the caller ends them)."""
     admitted: list[int] = []
     cancelled = []
     source: dict[int, int] = {}  # an admitted slot: the slot whose row holds its cached prefix
@@ -292,46 +340,18 @@ class Scheduler:
         d, start, src = first.get(prompt, (-1, 0, -1))
         g = next((g for g in free if g // self.local_slots == d), -1)
         if g < 0:
-          g, start, src = self._place(seq, free, content)
+          g, start, src = self.prefix.place(seq, free, content)
         free.remove(g)
         first[prompt] = g // self.local_slots, start, src
-        self.busy[g], self.owner[g], seq.cached_tokens = seq, seq, start
+        self.busy[g], seq.cached_tokens = seq, start
+        self.prefix.taken(g, seq)
         content[g] = prompt[:start] if src == g else ()
         if start:
           source[g] = src
-        self._clock += 1
-        self.used[g] = self._clock
         admitted.append(g)
       for g in admitted:
-        self.cached[g] = tuple(self.held(g).prompt)
-        self.cached_tokens += self.held(g).cached_tokens
+        self.prefix.prefilled(g, self.held(g))
     return self._prefills(admitted, source), cancelled
-
-  def _place(self, seq: Sequence, free: list[int],
-             content: dict[int, tuple[int, ...]]) -> tuple[int, int, int]:
-    """(slot, cached prefix length, its source slot) for a sequence whose prompt no other one
-    admitted now has: the slot with the longest cached prefix of its prompt when it is free, or a
-    free slot of that one's device; else the free slot to evict (never used first, then the least
-    recently used; without prefix caching the first free one). content: what the slots admitted
-    now keep (admit)."""
-    if not self.prefix_cache:
-      return free[0], 0, -1
-    evict = lambda slots: min(slots, key=lambda g: (bool(self.cached[g]), self.used[g]))
-    most = (len(seq.prompt) - 1) // BLOCK * BLOCK
-    matches = []
-    for g, cached in enumerate(self.cached):
-      tokens = content.get(g, cached)
-      if tokens:
-        n = _common(tokens, seq.prompt, most) // BLOCK * BLOCK
-        if n:
-          matches.append((-n, g not in free, g))
-    for n, _, src in sorted(matches):
-      if src in free:
-        return src, -n, src
-      on_device = [g for g in free if g // self.local_slots == src // self.local_slots]
-      if on_device:
-        return evict(on_device), -n, src
-    return evict(free), 0, -1
 
   def _prefills(self, admitted: list[int], source: dict[int, int]) -> list[Prefill]:
     """The prefill calls of the slots just admitted: a call per kind (a cached prefix or not) and
