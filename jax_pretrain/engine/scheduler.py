@@ -372,7 +372,7 @@ class Scheduler:
           if g // self.local_slots == d:
             prompts.setdefault(tuple(self.held(g).prompt), []).append(g)
         per_device.append(list(prompts.values()))
-      most = self.most_rows(P_)
+      most = self.most_rows(P_, prefix)
       for start in range(0, max(len(x) for x in per_device), most):
         group = [x[start:start + most] for x in per_device]
         copies = max(sum(len(s) - 1 for s in x) for x in group)
@@ -413,10 +413,13 @@ class Scheduler:
     engine reads the call before it first (its matcher's mask needs its last token)."""
     return any(seq is not None and seq.grammar is not None for seq in self.busy)
 
-  def most_rows(self, P_: int) -> int:
+  def most_rows(self, P_: int, prefix: bool = False) -> int:
     """Prompts per device per prefill call at most for prompts padded to P_: a power of two that
-    keeps the call within prefill_tokens, and no more than a device's slots need."""
-    fitting = 1 << (max(1, self.prefill_tokens // P_).bit_length() - 1)
+    keeps the call within prefill_tokens (a prefix prefill's row counted as the context, the
+    positions its attention reads: its scores are [rows, P_, context]), and no more than a
+    device's slots need."""
+    fitting = 1 << (max(1, self.prefill_tokens // (self.context if prefix else P_)).bit_length()
+                    - 1)
     return min(fitting, bucket(self.local_slots, 1 << 30))
 
   def programs(self) -> tuple[list[Shape], list[Shape]]:
@@ -430,12 +433,12 @@ class Scheduler:
     prefix caching, each prefill's prefix shape too."""
     lengths = sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)})
     kinds = (False, True) if self.prefix_cache else (False,)
-    covering: list[Shape] = [PrefillShape(self.most_rows(P_), P_, self.local_slots, prefix)
+    covering: list[Shape] = [PrefillShape(self.most_rows(P_, prefix), P_, self.local_slots, prefix)
                              for prefix in kinds for P_ in lengths]
     covering.append(DecodeShape(self.local_slots, self.context))
     rows = lambda most: sorted({bucket(n, most) for n in range(1, most + 1)})
     prefills: list[Shape] = [PrefillShape(N, P_, copies, prefix) for prefix in kinds
-                             for P_ in lengths for N in rows(self.most_rows(P_))
+                             for P_ in lengths for N in rows(self.most_rows(P_, prefix))
                              for copies in (0, self.local_slots)]
     lives = sorted({live_bucket(n, self.context) for n in range(1, self.context + 1)})
     decodes: list[Shape] = [DecodeShape(R, live) for R in rows(self.local_slots) for live in lives]
