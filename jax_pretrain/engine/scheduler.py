@@ -296,10 +296,8 @@ class Scheduler:
     return held
 
   def free(self, g: int, seq: Sequence) -> None:
-    """seq, decoded in slot g, ended: its slot is free (unless it went to the next already); with
-    prefix caching, its row keeps the prompt and the tokens whose keys and values were written
-    (all but the last: the one that ended it on the device is not run) while no other sequence
-    took the slot."""
+    """seq, decoded in slot g, ended: its slot is free (unless it went to the next already), its
+    row a cached prefix (PrefixCache.ended)."""
     if self.busy[g] is seq:
       self.busy[g], self.dispatched[g] = None, 0
     elif seq in self.finishing:
@@ -415,11 +413,10 @@ class Scheduler:
 
   def most_rows(self, P_: int, prefix: bool = False) -> int:
     """Prompts per device per prefill call at most for prompts padded to P_: a power of two that
-    keeps the call within prefill_tokens (a prefix prefill's row counted as the context, the
-    positions its attention reads: its scores are [rows, P_, context]), and no more than a
-    device's slots need."""
-    fitting = 1 << (max(1, self.prefill_tokens // (self.context if prefix else P_)).bit_length()
-                    - 1)
+    keeps the call within prefill_tokens (a prefix prefill's row counted as the context: its
+    attention's scores are [rows, P_, context]), and no more than a device's slots need."""
+    per_row = self.context if prefix else P_
+    fitting = 1 << (max(1, self.prefill_tokens // per_row).bit_length() - 1)
     return min(fitting, bucket(self.local_slots, 1 << 30))
 
   def programs(self) -> tuple[list[Shape], list[Shape]]:
