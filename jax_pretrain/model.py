@@ -25,7 +25,11 @@ its scales and its input's recorded amax beside it (quantize_projections, fp8.qu
 Two calls:
   prefill  tokens [B, P] at positions 0..P-1 of fresh sequences: causal self-attention over them
            (model.attention's kernel, as in training), their keys and values written into cache
-           rows `slots_B`, and the logits at `last_B` only;
+           rows `slots_B`, and the logits at `last_B` only; with `prefix` (the engine's prefix
+           cache), tokens at positions_BxT after a prefix already in those rows: written, then
+           attended over the whole rows as decode attends (the causal mask on absolute positions);
+           into an 8-bit cache, a prefill's attention reads its written rows too (positions
+           [0, P)): the quantized keys and values decode reads, whether a prefix was cached or not;
   decode   tokens [B, T] (T = 1 a step) at positions_BxT of cache rows 0..B-1: attention over the
            first `live` positions of those rows (the live context, a static bucket), with a causal
            mask on absolute positions, reading the cache's dtype with float32 accumulation.
@@ -230,6 +234,9 @@ class CacheUse:
   logits_at_B: jax.Array | None = None  # the one position of each row whose logits to return
   live: int = flax.struct.field(pytree_node=False, default=0)  # decode: the attention reads
   #                                   positions [0, live) of the rows
+  prefix: bool = flax.struct.field(pytree_node=False, default=False)  # prefill after a cached
+  #                                   prefix: its rows' earlier positions are in the cache already
+  #                                   (the engine's prefix cache), the attention reads them there
 
 
 class Attention(nn.Module):
@@ -266,7 +273,11 @@ class Attention(nn.Module):
     q_BxTxNxH = checkpoint_name(apply_rope(q_BxTxNxH, cos_TxH2, sin_TxH2), 'rotated')
     k_BxTxKxH = checkpoint_name(apply_rope(k_BxTxKxH, cos_TxH2, sin_TxH2), 'rotated')
 
-    if use is None or use.slots_B is not None:  # training, or a prefill attending to itself
+    # Training, or a prefill attending to itself. One after a cached prefix, or into an 8-bit cache,
+    # reads its rows after writing them (below): its queries see what decode's see, so that a
+    # prompt's keys and values are the same numbers whether a prefix of it was cached or not.
+    quantized = kv is not None and kv.k_scale_BxSxK is not None
+    if use is None or (use.slots_B is not None and not use.prefix and not quantized):
       o_BxTxNxH = attention.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
                                              implementation=c.attention, mesh=self.mesh,
                                              segments_BxT=segments_BxT)
@@ -278,6 +289,10 @@ class Attention(nn.Module):
       if use.slots_B is None:
         o_BxTxNxH = cached_attention(q_BxTxNxH, kv.window(B, use.live),
                                       use.positions_BxT).astype(dt)
+      elif use.prefix or quantized:  # its rows' cached prefix and its own tokens, written now
+        width = kv.k_BxSxKxH.shape[1] if use.prefix else x_BxTxD.shape[1]  # (else at 0 .. T-1)
+        rows = jax.tree.map(lambda x: jnp.take(x[:, :width], rows_B, axis=0, mode='clip'), kv)
+        o_BxTxNxH = cached_attention(q_BxTxNxH, rows, use.positions_BxT).astype(dt)
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, 'attn_out')
     return dense('btnh,nhd->btd', o_BxTxNxH, wo_NxHxD, 'wo'), kv
 

@@ -303,10 +303,16 @@ def check_context(prompts: list[list[int]], max_tokens: int, context: int) -> No
 
 
 def usage(prompts: list[list[int]], sequences: list[engine_lib.Sequence]) -> dict:
+  """A response's usage: each prompt counted once (its n choices share it), and of its tokens
+  those whose keys and values the engine's prefix cache gave (its first choice's cached_tokens:
+  OpenAI's and vLLM's prompt_tokens_details.cached_tokens)."""
   prompt_tokens = sum(len(ids) for ids in prompts)
   completion_tokens = sum(len(seq.tokens) for seq in sequences)
+  n = max(1, len(sequences) // max(1, len(prompts)))
   return {'prompt_tokens': prompt_tokens, 'completion_tokens': completion_tokens,
-          'total_tokens': prompt_tokens + completion_tokens}
+          'total_tokens': prompt_tokens + completion_tokens,
+          'prompt_tokens_details': {'cached_tokens': sum(seq.cached_tokens
+                                                         for seq in sequences[::n])}}
 
 
 class _Added(NamedTuple):

@@ -4,7 +4,7 @@
       [--slots=16] [--context=0] [--chunk=8] [--model_name=NAME] [--warmup]
       [--max_sequences_per_request=256] [--max_queued_sequences=256] [--api_key=KEY]
       [--stall_timeout=300] [--shutdown_timeout=20] [--kv_cache_dtype=auto|int8|fp8]
-      [--chat_template=FILE]
+      [--chat_template=FILE] [--noprefix_cache]
 
 Endpoints (FastAPI, served by uvicorn):
 - POST /v1/completions: OpenAI's completions API. `prompt` (a string, a list of strings, a list
@@ -38,7 +38,12 @@ engine's thread, submit, a request's updates, cancel, backpressure, health) and 
 here (Server: the requests' checks, prompts and answers, openai_api.py's bodies and rendering; the
 app). Requests are decoded by one engine.Engine in a thread of its own: whatever arrives while
 others decode joins them at the next chunk of tokens (continuous batching over a KV cache of
---slots rows of --context tokens, allocated once). An empty prompt starts a new document (EOS). A
+--slots rows of --context tokens, allocated once). Prefix caching (--prefix_cache, on by default,
+as vLLM's): a finished sequence's slot keeps its keys and values until a new sequence needs the
+slot (least recently used first), and a prompt that starts with 16 or more of those tokens (a
+chat's earlier turns, a shared system prompt, a request's other choices) reuses them, whole blocks
+of 16, prefilling only the rest; usage.prompt_tokens_details.cached_tokens says how many
+(engine/scheduler.py). An empty prompt starts a new document (EOS). A
 request with a seed gets the same text whatever else is being decoded; choice i of n uses the
 seed's stream i.
 
@@ -533,7 +538,8 @@ def main():
   generation = workdir_lib.generation_config(f.workdir)
   engine = engine_lib.Engine(run.config.model, run.engine_params, run.tokenizer,
                              slots=f.slots, context=context, chunk=f.chunk,
-                             kv_cache_dtype=f.kv_cache_dtype, eos_ids=generation.eos_ids)
+                             kv_cache_dtype=f.kv_cache_dtype, eos_ids=generation.eos_ids,
+                             prefix_cache=f.prefix_cache)
   # the engine holds its own copy: free the float32 one
   run = dataclasses.replace(run, params=None, fp8=None)
   signals: list[int] = []
@@ -655,6 +661,10 @@ def define_flags() -> None:
   flags.DEFINE_bool('warmup', False, 'Compile the programs that cover every call before '
                     'serving, the others in the background: no request waits for a compile (one '
                     'runs padded until its own program is ready).')
+  flags.DEFINE_bool('prefix_cache', True, "Keep finished sequences' keys and values in their "
+                    'slots (least recently used evicted first): a prompt that starts with one '
+                    "reuses it, whole blocks of 16 tokens (usage's prompt_tokens_details."
+                    'cached_tokens), and prefills only the rest.')
   flags.DEFINE_integer('max_sequences_per_request', MAX_SEQUENCES, 'Sequences (prompts × n) one '
                        'request may ask for; more get 400.')
   flags.DEFINE_integer('max_queued_sequences', MAX_QUEUED, 'Sequences waiting for a slot, over '

@@ -225,7 +225,7 @@ def test_a_shape_covers_the_shapes_of_its_kind_no_larger_in_any_field_and_costs_
   assert decode.covers(DecodeShape(4, 24)) and not decode.covers(DecodeShape(8, 16))
   assert not decode.covers(DecodeShape(2, 48))
   assert not prefill.covers(DecodeShape(1, 16)) and not decode.covers(PrefillShape(1, 16, 0))
-  assert prefill.cost() == (128, (4, 32, 2)) and decode.cost() == (128, (4, 32))
+  assert prefill.cost() == (128, (4, 32, 2, False)) and decode.cost() == (128, (4, 32))
   assert min([PrefillShape(2, 64, 0), PrefillShape(4, 16, 4), PrefillShape(4, 16, 2)],
              key=lambda s: s.cost()) == PrefillShape(4, 16, 2)
   # Hashable, equal by value, never equal across kinds; printed as the warmup reports them.
@@ -387,3 +387,27 @@ def test_a_prefill_with_copies_runs_as_the_warm_one_of_its_rows_and_length_and_c
   [call] = s.admit()[0]
   assert call.shape == PrefillShape(1, 32, 2)
   assert p.fit(call.shape) == PrefillShape(1, 32, 4) and p.pending() == 0
+
+
+def test_prompts_sharing_a_cached_prefix_reuse_it_within_prefill_tokens_of_attended_positions():
+  """Prefix caching without a model: a finished sequence's slot holds its prompt; five prompts
+  sharing its first 40 tokens reuse 32 of them (whole blocks), the first in that slot, the others
+  copying its row; a prefix prefill's row counts as the context's positions (its attention reads
+  them): 256 // 128 = 2 prompts a call."""
+  s = scheduler_lib.Scheduler(local_slots=8, devices=1, context=128, chunk=8, prefill_tokens=256,
+                              prefix_cache=True)
+  assert (s.most_rows(16), s.most_rows(16, prefix=True)) == (8, 2)
+  system = [5] * 40
+  first = Sequence(prompt=[*system, 1], max_new_tokens=4)
+  s.submit(first)
+  assert [p.shape for p in s.admit()[0]] == [PrefillShape(1, 64, 0)]
+  s.free(0, first)
+  seqs = [Sequence(prompt=[*system, k, k, k], max_new_tokens=4) for k in range(2, 7)]
+  for seq in seqs:
+    s.submit(seq)
+  prefills, _ = s.admit()
+  assert [q.cached_tokens for q in seqs] == [32] * 5 and s.busy[:5] == seqs
+  assert [(p.shape, len(p.slots[0]), p.sources) for p in prefills] == [
+      (PrefillShape(2, 16, 0, prefix=True), 2, ((0, 0),)),
+      (PrefillShape(2, 16, 0, prefix=True), 2, ((0, 0),)),
+      (PrefillShape(1, 16, 0, prefix=True), 1, ((0,),))]

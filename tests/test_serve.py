@@ -243,10 +243,14 @@ def test_16_concurrent_clients_all_answered_with_few_compiled_shapes(client, ser
   # logprobs: one compiled variant).
   health = _get(f'{server}/health')
   assert health['busy'] == health['waiting'] == 0 and health['compiled_shapes'] <= 4 * 3 + 4 * 5
-  greedy(client, 'y' * 4, max_tokens=2)
+  # A prompt, then one that reuses its cached prefix (16 tokens) in its slot: then new lengths in
+  # the buckets of the one before (their rest pads to 16 tokens, decodes over 32 positions, in
+  # that slot) compile nothing.
+  assert greedy(client, 'y' * 24, max_tokens=2).usage.prompt_tokens_details.cached_tokens == 0
+  assert greedy(client, 'y' * 25, max_tokens=2).usage.prompt_tokens_details.cached_tokens == 16
   before = _get(f'{server}/health')['compiled_shapes']
-  for n in (5, 7, 9, 11, 13):  # new lengths in the buckets of the one before
-    greedy(client, 'y' * n, max_tokens=2)
+  for n in (26, 27, 28, 29, 30):
+    assert greedy(client, 'y' * n, max_tokens=2).usage.prompt_tokens_details.cached_tokens == 16
   assert _get(f'{server}/health')['compiled_shapes'] == before
 
 
@@ -309,10 +313,11 @@ def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
   lines = []
   eng.warmup(report=lines.append)
   # Prompts pad to 16 or 32 tokens, 1, 2 or 4 of them per prefill, each with no copy or 4 (the
-  # covers: 4 of them with 4 copies); decodes cover 1, 2 or 4 slots over 16, 24 or 32 positions
-  # (the top-k/top-p cut and the top-5 alternatives: runtime branches, not programs).
-  assert len(eng.shapes) == 2 * 3 * 2 + 3 * 3
-  assert len(lines) == len(eng.shapes) and lines[-1].startswith('warmup: 21/21 programs compiled')
+  # covers: 4 of them with 4 copies), each after a cached prefix or not; decodes cover 1, 2 or 4
+  # slots over 16, 24 or 32 positions (the top-k/top-p cut and the top-5 alternatives: runtime
+  # branches, not programs).
+  assert len(eng.shapes) == 2 * 3 * 2 * 2 + 3 * 3
+  assert len(lines) == len(eng.shapes) and lines[-1].startswith('warmup: 33/33 programs compiled')
   warm = set(eng.shapes)
   rng = random.Random(0)
   sequences = lambda: [engine.Sequence([rng.randrange(256) for _ in range(rng.randrange(1, 22))],
@@ -323,13 +328,13 @@ def test_engine_warmup_compiles_every_shape_that_traffic_uses(run):
   assert all(seq.done and seq.tokens for seq in first) and eng.shapes == warm
   assert eng.runner.programs.pending() == 0  # no call asked for a program of its own
 
-  # Warmed in the background: the covering programs (2 prefills, 1 decode) before it returns;
+  # Warmed in the background: the covering programs (4 prefills, 1 decode) before it returns;
   # until a call's own program is compiled it runs padded to one, with the same tokens.
   eng = make(2)
   lines = []
   eng.warmup(background=True, report=lines.append)
   assert lines[0].startswith('warmup: 1/') and 'ETA' in lines[0]
-  assert any(line.startswith('warmup: 3 covering programs ready') for line in lines)
+  assert any(line.startswith('warmup: 5 covering programs ready') for line in lines)
   eng.runner.programs.stop()  # (the covers alone from here)
   covering = set(eng.shapes)
   rng = random.Random(0)
@@ -957,7 +962,38 @@ def test_a_streamed_chat_sends_each_choices_role_then_its_content(local):
     assert len(mine) >= 4 and all(d.delta.role is None for d in mine[1:])  # (chunks of 4 tokens)
     assert ''.join(d.delta.content or '' for d in mine) == choice.message.content
     assert [d.finish_reason for d in mine] == [None] * (len(mine) - 1) + [choice.finish_reason]
-  assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+  assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+  assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+  # (the second of one prompt: its first 16 tokens (of 27) cached by the first)
+  assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 16
+
+
+def test_a_chats_next_turn_reports_the_prompt_tokens_its_earlier_turn_cached(trained):
+  """usage.prompt_tokens_details.cached_tokens: the prompt's block-aligned prefix whose keys and
+  values the engine's prefix cache held (the earlier turn's prompt and answer)."""
+  with _serving(trained) as (url, _, _):
+    c = _client(url)
+    first = chat(c, temperature=0, max_tokens=16)
+    content = first.choices[0].message.content
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert len(content.encode()) == first.usage.completion_tokens  # (a byte a token)
+    held = (RENDERED + content).encode()[:-1]  # (its last token ended it: not run)
+    messages = [*MESSAGES, {'role': 'assistant', 'content': content},
+                {'role': 'user', 'content': 'Go on'}]
+    prompt = (RENDERED + content + '\nu: Go on\na: ').encode()
+    common = next(i for i, (x, y) in enumerate(zip([*held, -1], prompt)) if x != y)
+    expected = min(common, len(prompt) - 1) // 16 * 16
+    second = chat(c, messages, temperature=0, max_tokens=8)
+    assert second.usage.prompt_tokens == len(prompt) and expected >= 32
+    assert second.usage.prompt_tokens_details.cached_tokens == expected
+    # Asked again, streamed: all of its prompt but the last token, in whole blocks of 16.
+    chunks = list(chat(c, messages, temperature=0, max_tokens=8, stream=True,
+                       stream_options={'include_usage': True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // 16 * 16
+    assert ''.join(x.choices[0].delta.content or '' for x in chunks if x.choices) == (
+        second.choices[0].message.content)
+    # A completion of the first turn's prompt: its first 16 tokens (of 27) held.
+    assert greedy(c, RENDERED, max_tokens=4).usage.prompt_tokens_details.cached_tokens == 16
 
 
 def test_n_chat_choices_are_the_completions_choices_of_the_same_seed(local):

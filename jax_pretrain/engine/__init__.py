@@ -7,14 +7,16 @@ then prefilled into that slot's row (once for all the sequences of one prompt: G
 completions, a request's n choices), and it decodes together with every other busy slot, up to
 `chunk` tokens per compiled call; between calls its new tokens are appended, its text decoded and
 reported, and it ends at EOS, max_new_tokens or a stop string, freeing its slot for the next one
-(continuous batching).
+(continuous batching). Its slot keeps its keys and values until a new sequence needs it (least
+recently used first): a prompt that starts with what a slot holds reuses that prefix and
+prefills only the rest (prefix caching, scheduler.py).
 
 The parts, each changeable on its own:
   sequence   Sequence: what a request asks, and what the engine fills in (tokens, logprobs,
              text, finish_reason); its incremental detokenization
-  scheduler  slots, the waiting queue, admission, and the bucketed shape of each prefill and
-             decode call (PrefillShape, DecodeShape); the calls of a workload without a model
-             (Scheduler.dry_run; plain Python: tested without a model)
+  scheduler  slots, the waiting queue, admission, the prefix cache, and the bucketed shape of each
+             prefill and decode call (PrefillShape, DecodeShape); the calls of a workload without
+             a model (Scheduler.dry_run; plain Python: tested without a model)
   runner     the model runner: the engine's copy of the params, the KV cache, the compiled
              prefill and decode calls (over a mesh's devices), their lowering for plan.py, and
              the scoring pass

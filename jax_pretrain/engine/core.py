@@ -63,13 +63,14 @@ class Engine:
   activations are [rows, P, mlp]); kv_cache_dtype: 'auto' (the compute dtype), 'fp8' or 'int8'
   (model.KV_CACHE_DTYPES: 8 bits with a scale per head and position); eos_ids: ids that end a
   sequence besides the tokenizer's EOS (a generation_config.json's: an instruct model's
-  end-of-turn), ended as EOS ends it.
+  end-of-turn), ended as EOS ends it; prefix_cache: a new prompt reuses the keys and values of the
+  longest cached prefix of it that a slot holds (engine/scheduler.py; new params forget them).
   """
 
   def __init__(self, model_config: model_lib.ModelConfig, params, tokenizer, *, slots: int = 16,
                context: int, chunk: int = 8, prefill_tokens: int = 16384,
                mesh: Mesh | None = None, kv_cache_dtype: str = 'auto',
-               eos_ids: tuple[int, ...] = ()):
+               eos_ids: tuple[int, ...] = (), prefix_cache: bool = True):
     self.tokenizer = tokenizer
     self.runner = runner_lib.ModelRunner(model_config, params, tokenizer, slots=slots,
                                          context=context, chunk=chunk, mesh=mesh,
@@ -80,7 +81,7 @@ class Engine:
     self.slots, self.context, self.chunk = r.slots, context, chunk
     self.scheduler = scheduler_lib.Scheduler(
         local_slots=r.local_slots, devices=r.devices, context=context, chunk=chunk,
-        prefill_tokens=max(prefill_tokens, context))
+        prefill_tokens=max(prefill_tokens, context), prefix_cache=prefix_cache)
     self.output = output_lib.OutputProcessor(tokenizer, runner_lib.end_ids(tokenizer, eos_ids))
     self._pending: tuple[scheduler_lib.Decode, list] | None = None  # dispatched, not read yet
 
@@ -99,8 +100,10 @@ class Engine:
     return self.output.tokens_generated
 
   def set_params(self, params) -> None:
-    """Takes new params (the model's, or abstract ones for lowering; None frees the copy)."""
+    """Takes new params (the model's, or abstract ones for lowering; None frees the copy); the
+    cached prefixes, the old params' keys and values, are forgotten."""
     self.runner.set_params(params)
+    self.scheduler.prefix.forget()
 
   def warmup(self, background: bool = False,
              report: Callable[[str], None] = lambda line: None) -> None:
@@ -139,6 +142,7 @@ class Engine:
             **self.scheduler.stats(), 'compiled_shapes': len(self.shapes),
             'compiling_shapes': self.runner.programs.pending(),
             'prompts_prefilled': self.runner.prompts_prefilled,
+            'cached_tokens': self.scheduler.prefix.cached_tokens,
             'tokens_generated': self.tokens_generated}
 
   def generate(self, sequences: list[Sequence]) -> list[Sequence]:

@@ -12,6 +12,10 @@ One prefill per prompt: a prefill call runs each distinct prompt of its sequence
 slot of the first, and copies its keys and values (positions [0, P)), last logits and a Rows of
 their own into the slots of the others (the scheduler puts them on the same device), so the
 num_samples completions of a GRPO prompt cost one prefill, and decode what they would alone.
+A prefix prefill (the scheduler's prefix caching) runs each prompt's tokens after its cached
+prefix, at their positions, into a row that holds the prefix (its own slot's, or copied first
+from the slot that holds it); their attention reads the row (model.CacheUse.prefix), and its
+copies take the whole row.
 
 What a decoding step moves, and nothing more: the runner holds its own copy of the params, every
 matrix in the compute dtype and the layers apart (decoding_params: converted once, when the params
@@ -190,9 +194,12 @@ class Admitted:
   at d × rows + r and d × copies + c): the distinct prompts, right-padded, each with the local
   slot of its first sequence (where it is run) and the Rows that sequence starts; and each other
   sequence of those prompts with its slot, the row of its prompt and its Rows. Padding: the
-  device's slot count as the slot, dropped."""
+  device's slot count as the slot, dropped. A prefix prefill's prompts: their tokens after the
+  cached prefix (starts_N tokens, in the row of local slot source_N)."""
   tokens_NxP: Array
   slots_N: Array
+  starts_N: Array  # int32
+  source_N: Array  # int32
   rows_N: Rows
   slots_C: Array
   prompt_C: Array  # int32: the row (0 .. rows - 1, the device's) of its prompt
@@ -219,17 +226,24 @@ class Decoding:
   top_ids_RxCxN: Array
 
 
-def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V) -> State:
+def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V,
+                   prefix: bool = False) -> State:
   """One device's prefill: its prompts, right-padded, run through the model (causal attention over
   themselves), their keys and values written into their first slots' rows, each one's last logits
   kept and its Rows started; then the copies: each takes the keys and values of its prompt's first
-  [0, P) positions, its last logits, and starts its own Rows (its own seed and stream)."""
+  [0, P) positions, its last logits, and starts its own Rows (its own seed and stream). prefix:
+  each prompt's tokens after its cached prefix (the module docstring), the copies the whole row."""
   N, P_ = admitted.tokens_NxP.shape
-  positions_NxP = jnp.broadcast_to(jnp.arange(P_, dtype=jnp.int32), (N, P_))
   slots_N, slots_C = admitted.slots_N, admitted.slots_C
+  starts_N = admitted.starts_N if prefix else jnp.zeros_like(slots_N)
+  positions_NxP = starts_N[:, None] + jnp.arange(P_, dtype=jnp.int32)
+  cache = state.cache
+  if prefix:  # (a row's own slot as its source copies it onto itself)
+    cache = jax.tree.map(lambda x: x.at[slots_N].set(
+        jnp.take(x, admitted.source_N, axis=0, mode='clip'), mode='drop'), cache)
   use = model_lib.CacheUse(positions_NxP, slots_B=slots_N,
-                           logits_at_B=admitted.rows_N.positions - 1)
-  logits_Nx1xV, cache = model.apply({'params': params}, admitted.tokens_NxP, state.cache, use)
+                           logits_at_B=admitted.rows_N.positions - 1 - starts_N, prefix=prefix)
+  logits_Nx1xV, cache = model.apply({'params': params}, admitted.tokens_NxP, cache, use)
   last_NxV = jnp.where(allowed_V, logits_Nx1xV[:, 0], -jnp.inf)
   start = lambda rows, slots, new: jax.tree.map(
       lambda x, y: x.at[slots].set(y, mode='drop'), rows, new)
@@ -237,8 +251,9 @@ def _prefill_local(model, params, state: State, admitted: Admitted, allowed_V) -
   counts_SxV = state.counts_SxV.at[slots_N].set(0, mode='drop')
   rows = start(state.rows, slots_N, admitted.rows_N)
   if slots_C.shape[0]:
-    from_C = slots_N[admitted.prompt_C]
-    cache = jax.tree.map(lambda x: x.at[slots_C, :P_].set(x[from_C, :P_], mode='drop'), cache)
+    from_C, copied = slots_N[admitted.prompt_C], slice(None) if prefix else slice(P_)
+    cache = jax.tree.map(lambda x: x.at[slots_C, copied].set(x[from_C, copied], mode='drop'),
+                         cache)
     logits_SxV = logits_SxV.at[slots_C].set(last_NxV[admitted.prompt_C], mode='drop')
     counts_SxV = counts_SxV.at[slots_C].set(0, mode='drop')
     rows = start(rows, slots_C, admitted.rows_C)
@@ -313,11 +328,12 @@ def _slots_spec(mesh) -> P:
   return P(tuple(mesh.axis_names))
 
 
-@functools.partial(jax.jit, static_argnames=('model', 'mesh'), donate_argnums=1)
-def _prefill(params, state: State, admitted: Admitted, allowed_V, *, model, mesh) -> State:
+@functools.partial(jax.jit, static_argnames=('model', 'mesh', 'prefix'), donate_argnums=1)
+def _prefill(params, state: State, admitted: Admitted, allowed_V, *, model, mesh,
+             prefix: bool = False) -> State:
   """_prefill_local on every device of the mesh, each on its rows of the prompts and the state."""
   split = _slots_spec(mesh)
-  return jax.shard_map(functools.partial(_prefill_local, model), mesh=mesh,
+  return jax.shard_map(functools.partial(_prefill_local, model, prefix=prefix), mesh=mesh,
                        in_specs=(P(), split, split, P()), out_specs=split,
                        check_vma=False)(params, state, admitted, allowed_V)
 
@@ -472,7 +488,7 @@ class ModelRunner:
   def lower(self, shape: Shape):
     """The call of this shape lowered (lower_prefill or lower_decode)."""
     if isinstance(shape, PrefillShape):
-      return self.lower_prefill(shape.rows, shape.length, shape.copies)
+      return self.lower_prefill(shape.rows, shape.length, shape.copies, shape.prefix)
     return self.lower_decode(shape.rows, shape.live)
 
   @staticmethod
@@ -480,15 +496,16 @@ class ModelRunner:
     """A decode call's outputs on the host (waits for the device to finish it)."""
     return jax.device_get(out)
 
-  def lower_prefill(self, rows: int, length: int, copies: int = 0):
+  def lower_prefill(self, rows: int, length: int, copies: int = 0, prefix: bool = False):
     """The prefill call of `rows` prompts a device padded to `length` tokens (and `copies` more
-    slots that take their keys and values), lowered (not run) with these params and
-    abstract_state: what that call compiles, e.g. for a GPU this machine does not have (plan.py).
-    As warmup's prefills, it writes to no slot."""
-    call = Prefill(PrefillShape(rows, length, copies), ((),) * self.devices)
+    slots that take their keys and values; prefix: after cached prefixes), lowered (not run) with
+    these params and abstract_state: what that call compiles, e.g. for a GPU this machine does not
+    have (plan.py). As warmup's prefills, it writes to no slot."""
+    call = Prefill(PrefillShape(rows, length, copies, prefix), ((),) * self.devices)
     return _prefill.lower(self.params, self.abstract_state(),
                           _abstract(self.admitted(call), self._split),
-                          self.constants(abstract=True)[0], model=self.model, mesh=self.mesh)
+                          self.constants(abstract=True)[0], model=self.model, mesh=self.mesh,
+                          prefix=prefix)
 
   def lower_decode(self, rows: int, live: int):
     """The decode call of each device's first `rows` slots (up to `chunk` steps) attending over
@@ -511,6 +528,7 @@ class ModelRunner:
     N, C = call.shape.rows, call.shape.copies
     tokens_NxP = np.full((self.devices * N, call.shape.length), self.pad_id, np.int32)
     slots_N, slots_C = (np.full(self.devices * n, self.local_slots, np.int32) for n in (N, C))
+    starts_N, source_N = np.zeros(self.devices * N, np.int32), np.zeros(self.devices * N, np.int32)
     prompt_C = np.zeros(self.devices * C, np.int32)
     first: list[Sequence | None] = [None] * (self.devices * N)
     others: list[Sequence | None] = [None] * (self.devices * C)
@@ -518,12 +536,15 @@ class ModelRunner:
       c = d * C
       for j, i, seq in triples:
         if first[d * N + i] is None:
-          q = d * N + i
-          tokens_NxP[q, :len(seq.prompt)], slots_N[q], first[q] = seq.prompt, j, seq
+          q, start = d * N + i, seq.cached_tokens if call.shape.prefix else 0
+          tokens_NxP[q, :len(seq.prompt) - start], slots_N[q], first[q] = (seq.prompt[start:], j,
+                                                                           seq)
+          starts_N[q], source_N[q] = start, call.sources[d][i] if call.shape.prefix else j
         else:
           slots_C[c], prompt_C[c], others[c] = j, i, seq
           c += 1
-    return Admitted(tokens_NxP, slots_N, Rows.start(first), slots_C, prompt_C, Rows.start(others))
+    return Admitted(tokens_NxP, slots_N, starts_N, source_N, Rows.start(first), slots_C, prompt_C,
+                    Rows.start(others))
 
   def _zeros(self) -> State:
     c = self.model.config

@@ -17,6 +17,20 @@ reads) of a power of two or 1.5 × one that covers the longest busy row after th
 traced, not static, and so are sampling's variants (the top-k/top-p cut, the TOP_N alternatives):
 one program per (rows, live).
 
+Prefix caching (prefix_cache, vLLM's automatic prefix caching on this layout): a slot keeps the
+keys and values of what it held after its sequence ends (`cached`: its prompt and every generated
+token whose keys and values were written), until a new sequence takes it: a sequence that needs a
+slot takes a never-used one first, else the least recently used. A new prompt that starts with
+BLOCK or more tokens of what a slot holds (the longest such prefix, in whole BLOCKs, at most its
+length - 1: its last token is run for its logits) reuses them: it takes that slot when it is free,
+or a free slot of that slot's device whose prefill first copies the row (a slot still decoding:
+concurrent requests with one system prompt, n choices), and its prefill runs only the rest, at
+its positions after the prefix (PrefillShape.prefix, a program of each rows × length; its
+attention reads the row). The reused tokens are the sequence's `cached_tokens`. Among sequences
+admitted together, one that reused a slot's prefix in place is a source of that prefix for the
+others (its prefill writes only after it); what the others' prefills will write is not (they
+have not run): identical prompts among them share one prefill as before (copies).
+
 A call's shape (PrefillShape, DecodeShape) names the program that runs it (engine/programs.py);
 dry_run gives the calls of a workload without a model (plan.py's GRPO rollout).
 """
@@ -29,6 +43,7 @@ from jax_pretrain.engine.sampling import TOP_N
 from jax_pretrain.engine.sequence import Sequence
 
 MIN_BUCKET = 16
+BLOCK = MIN_BUCKET  # a reused cached prefix is a multiple of BLOCK tokens
 
 
 class EngineStopped(RuntimeError):
@@ -38,6 +53,16 @@ class EngineStopped(RuntimeError):
 def bucket(n: int, limit: int, smallest: int = 1) -> int:
   """The power of two >= n (and >= smallest), or limit when that is smaller: few distinct shapes."""
   return min(limit, max(smallest, 1 << (max(n, 1) - 1).bit_length()))
+
+
+def _common(a, b, most: int) -> int:
+  """The length of the common prefix of a and b, `most` at most."""
+  n = 0
+  for x, y in zip(a[:most], b[:most]):
+    if x != y:
+      break
+    n += 1
+  return n
 
 
 def live_bucket(n: int, context: int) -> int:
@@ -52,26 +77,30 @@ def live_bucket(n: int, context: int) -> int:
 class PrefillShape:
   """A prefill program's shape, per device: `rows` distinct prompts (a row of the batch each, run
   through the model once), each right-padded to `length` tokens, and `copies` more slots that take
-  the keys and values of one of them."""
+  the keys and values of one of them. prefix: each prompt's tokens after a cached prefix (the
+  module docstring's prefix caching), their attention over its row."""
   kind: ClassVar[str] = 'prefill'
   rows: int
   length: int
   copies: int
+  prefix: bool = False
 
   def covers(self, other: 'Shape') -> bool:
-    """Whether this program can run a call of shape `other` (padded): a prefill with at least as
-    many rows, tokens and copies."""
-    return (isinstance(other, PrefillShape) and self.rows >= other.rows
-            and self.length >= other.length and self.copies >= other.copies)
+    """Whether this program can run a call of shape `other` (padded): a prefill of the same kind
+    with at least as many rows, tokens and copies."""
+    return (isinstance(other, PrefillShape) and self.prefix == other.prefix
+            and self.rows >= other.rows and self.length >= other.length
+            and self.copies >= other.copies)
 
   def cost(self) -> tuple:
     """What a call of this shape computes, for picking the smallest cover: rows × tokens, then
     the rest."""
-    return self.rows * self.length, (self.rows, self.length, self.copies)
+    return self.rows * self.length, (self.rows, self.length, self.copies, self.prefix)
 
   def __str__(self) -> str:
     """As the warmup's progress lines print it (engine/programs.py)."""
-    return f'{self.kind} {self.rows} {self.length} {self.copies}'
+    return f'{self.kind} {self.rows} {self.length} {self.copies}' + (' prefix' if self.prefix
+                                                                     else '')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +134,11 @@ Shape = PrefillShape | DecodeShape
 class Prefill:
   """One prefill call of `shape`; slots: device d's (local slot, index of its prompt among the
   device's rows, sequence), in order: the first slot of a prompt is where it is run, the others
-  its copies."""
+  its copies. sources (a prefix shape's): device d's local slot whose row holds each prompt's
+  cached prefix (its first seq.cached_tokens tokens), by the prompt's index."""
   shape: PrefillShape
   slots: tuple[tuple[tuple[int, int, Sequence], ...], ...]
+  sources: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,15 +157,79 @@ class Decode:
     return d * self.shape.rows + j
 
 
+class PrefixCache:
+  """What each slot's row holds for prefix caching (the module docstring): the tokens whose keys
+  and values it holds from position 0, the sequence they are of (owner: None once lost), when it
+  was last taken or freed (least recently used first), and the prompt tokens reused so far."""
+
+  def __init__(self, slots: int, local_slots: int, enabled: bool):
+    self.slots, self.local_slots, self.enabled = slots, local_slots, enabled
+    self.cached: list[tuple[int, ...]] = [()] * slots
+    self.owner: list[Sequence | None] = [None] * slots
+    self.used = [0] * slots
+    self._clock = 0
+    self.cached_tokens = 0
+
+  def forget(self) -> None:
+    """No slot holds a cached prefix any more (new params, a fresh cache)."""
+    self.cached, self.owner = [()] * self.slots, [None] * self.slots
+
+  def taken(self, g: int, seq: Sequence) -> None:
+    """seq is admitted into slot g (its prefill to come)."""
+    self._clock += 1
+    self.owner[g], self.used[g] = seq, self._clock
+
+  def prefilled(self, g: int, seq: Sequence) -> None:
+    """seq's prefill into slot g is dispatched: its prompt is a source for later admissions."""
+    self.cached[g] = tuple(seq.prompt)
+    self.cached_tokens += seq.cached_tokens
+
+  def ended(self, g: int, seq: Sequence) -> None:
+    """seq, decoded in slot g (free now), ended: while no other sequence took the slot, its row
+    keeps the prompt and the tokens whose keys and values were written (all but the last: the one
+    that ended it on the device is not run; a failed one: nothing)."""
+    if self.owner[g] is seq and seq.finish_reason != 'error':
+      self._clock += 1
+      self.cached[g], self.used[g] = (*seq.prompt, *seq.tokens[:-1]), self._clock
+
+  def place(self, seq: Sequence, free: list[int],
+            content: dict[int, tuple[int, ...]]) -> tuple[int, int, int]:
+    """(slot, cached prefix length, its source slot) for a sequence whose prompt no other one
+    admitted now has: the slot with the longest cached prefix of its prompt when it is free, or a
+    free slot of that one's device; else the free slot to evict (never used first, then the least
+    recently used; without prefix caching the free slot of lowest local index, over the devices
+    in turn: the first). content: what the slots admitted now keep (admit)."""
+    if not self.enabled:
+      return free[0], 0, -1
+    evict = lambda slots: min(slots, key=lambda g: (bool(self.cached[g]), self.used[g]))
+    most = (len(seq.prompt) - 1) // BLOCK * BLOCK
+    matches = []
+    for g, cached in enumerate(self.cached):
+      tokens = content.get(g, cached)
+      if tokens:
+        n = _common(tokens, seq.prompt, most) // BLOCK * BLOCK
+        if n:
+          matches.append((-n, g not in free, g))
+    for n, _, src in sorted(matches):
+      if src in free:
+        return src, -n, src
+      on_device = [g for g in free if g // self.local_slots == src // self.local_slots]
+      if on_device:
+        return evict(on_device), -n, src
+    return evict(free), 0, -1
+
+
 class Scheduler:
   """Slots, the waiting queue, admission and the calls' shapes (the module docstring). submit,
   withdraw, stop and wait are thread-safe; the rest runs in the engine's thread."""
 
   def __init__(self, *, local_slots: int, devices: int, context: int, chunk: int,
-               prefill_tokens: int):
+               prefill_tokens: int, prefix_cache: bool = False):
     self.local_slots, self.devices, self.context, self.chunk = local_slots, devices, context, chunk
     self.slots = local_slots * devices
     self.prefill_tokens = prefill_tokens
+    self.prefix_cache = prefix_cache
+    self.prefix = PrefixCache(self.slots, local_slots, prefix_cache)
     self.busy: list[Sequence | None] = [None] * self.slots
     # Tokens of each busy slot's sequence that the decode calls dispatched so far will have made
     # (at most: it may end before), read or not.
@@ -194,17 +289,21 @@ class Scheduler:
     with self._wakeup:
       held = [*self.finishing, *(seq for seq in self.busy if seq is not None)]
       self.busy, self.dispatched, self.finishing = [None] * self.slots, [0] * self.slots, []
+      self.prefix.forget()
       if waiting:
         held += self.waiting
         self.waiting.clear()
     return held
 
   def free(self, g: int, seq: Sequence) -> None:
-    """seq, decoded in slot g, ended: its slot is free (unless it went to the next already)."""
+    """seq, decoded in slot g, ended: its slot is free (unless it went to the next already), its
+    row a cached prefix (PrefixCache.ended)."""
     if self.busy[g] is seq:
       self.busy[g], self.dispatched[g] = None, 0
     elif seq in self.finishing:
       self.finishing.remove(seq)
+    if self.busy[g] is None:
+      self.prefix.ended(g, seq)
 
   def held(self, g: int) -> Sequence:
     """The sequence in slot g, which the caller knows is busy."""
@@ -213,33 +312,56 @@ class Scheduler:
     return seq
 
   def admit(self) -> tuple[list[Prefill], list[Sequence]]:
-    """Moves waiting sequences into free slots: the free slot of lowest local index, over the
-    devices in turn, but a sequence whose prompt another one admitted now has goes to that one's
-    device while it has a free slot, so that the prompt is prefilled once for both (GRPO's
-    num_samples completions, a request's n choices). Returns the prefill calls of those admitted,
-    a bucket of lengths at a time, and the waiting sequences found cancelled (no longer queued:
-    the caller ends them)."""
-    admitted, cancelled = [], []
+    """Moves waiting sequences into free slots (PrefixCache.place: with prefix caching the slot
+    of a cached prefix, or one of its device's), but a sequence whose prompt another one admitted
+    now has goes to that one's device while it has a free slot, so that the prompt is prefilled
+    once for both (GRPO's num_samples completions, a request's n choices). Returns the prefill
+    calls of those admitted, a bucket of lengths at a time, and the waiting sequences found
+    cancelled (no longer queued: the caller ends them)."""
+    admitted: list[int] = []
+    cancelled = []
+    source: dict[int, int] = {}  # an admitted slot: the slot whose row holds its cached prefix
+    # What an admitted slot's row keeps for the others admitted now: its cached prefix when that
+    # was its own (its prefill writes after it), else nothing.
+    content: dict[int, tuple[int, ...]] = {}
     with self._wakeup:
       free = [d * self.local_slots + j for j in range(self.local_slots)
               for d in range(self.devices) if self.busy[d * self.local_slots + j] is None]
-      device_of: dict[tuple[int, ...], int] = {}  # a prompt admitted now: its last device
+      # A prompt admitted now: its last device, its cached prefix's length and source.
+      first: dict[tuple[int, ...], tuple[int, int, int]] = {}
       while free and self.waiting:
         seq = self.waiting.popleft()
         if seq.cancelled:
           cancelled.append(seq)
           continue
-        d = device_of.get(tuple(seq.prompt))
-        g = next((g for g in free if g // self.local_slots == d), free[0])
+        prompt = tuple(seq.prompt)
+        d, start, src = first.get(prompt, (-1, 0, -1))
+        g = next((g for g in free if g // self.local_slots == d), -1)
+        if g < 0:
+          g, start, src = self.prefix.place(seq, free, content)
         free.remove(g)
-        device_of[tuple(seq.prompt)] = g // self.local_slots
-        self.busy[g] = seq
+        first[prompt] = g // self.local_slots, start, src
+        self.busy[g], seq.cached_tokens = seq, start
+        self.prefix.taken(g, seq)
+        content[g] = prompt[:start] if src == g else ()
+        if start:
+          source[g] = src
         admitted.append(g)
+      for g in admitted:
+        self.prefix.prefilled(g, self.held(g))
+    return self._prefills(admitted, source), cancelled
+
+  def _prefills(self, admitted: list[int], source: dict[int, int]) -> list[Prefill]:
+    """The prefill calls of the slots just admitted: a call per kind (a cached prefix or not) and
+    bucket of the lengths they run (their prompts after the prefix), each device's distinct
+    prompts in its rows (most_rows at most), their other sequences copies."""
     by_length = collections.defaultdict(list)
     for g in admitted:
-      by_length[bucket(len(self.held(g).prompt), self.context, MIN_BUCKET)].append(g)
+      seq = self.held(g)
+      by_length[g in source, bucket(len(seq.prompt) - seq.cached_tokens, self.context,
+                                    MIN_BUCKET)].append(g)
     calls = []
-    for P_, slots in sorted(by_length.items()):
+    for (prefix, P_), slots in sorted(by_length.items()):
       # Each device's distinct prompts, each with its slots (the first: where it is run).
       per_device = []
       for d in range(self.devices):
@@ -248,16 +370,18 @@ class Scheduler:
           if g // self.local_slots == d:
             prompts.setdefault(tuple(self.held(g).prompt), []).append(g)
         per_device.append(list(prompts.values()))
-      most = self.most_rows(P_)
+      most = self.most_rows(P_, prefix)
       for start in range(0, max(len(x) for x in per_device), most):
         group = [x[start:start + most] for x in per_device]
         copies = max(sum(len(s) - 1 for s in x) for x in group)
         shape = PrefillShape(rows=bucket(max(len(x) for x in group), most), length=P_,
-                             copies=bucket(copies, self.local_slots) if copies else 0)
+                             copies=bucket(copies, self.local_slots) if copies else 0,
+                             prefix=prefix)
         calls.append(Prefill(shape, tuple(
             tuple((g % self.local_slots, i, self.held(g)) for i, s in enumerate(x) for g in s)
-            for x in group)))
-    return calls, cancelled
+            for x in group), tuple(tuple(source[s[0]] % self.local_slots for s in x)
+                                   for x in group) if prefix else ()))
+    return calls
 
   def decode(self) -> Decode | None:
     """The next decode call of every busy slot (None: none is busy), its steps counted as
@@ -287,10 +411,12 @@ class Scheduler:
     engine reads the call before it first (its matcher's mask needs its last token)."""
     return any(seq is not None and seq.grammar is not None for seq in self.busy)
 
-  def most_rows(self, P_: int) -> int:
+  def most_rows(self, P_: int, prefix: bool = False) -> int:
     """Prompts per device per prefill call at most for prompts padded to P_: a power of two that
-    keeps the call within prefill_tokens, and no more than a device's slots need."""
-    fitting = 1 << (max(1, self.prefill_tokens // P_).bit_length() - 1)
+    keeps the call within prefill_tokens (a prefix prefill's row counted as the context: its
+    attention's scores are [rows, P_, context]), and no more than a device's slots need."""
+    per_row = self.context if prefix else P_
+    fitting = 1 << (max(1, self.prefill_tokens // per_row).bit_length() - 1)
     return min(fitting, bucket(self.local_slots, 1 << 30))
 
   def programs(self) -> tuple[list[Shape], list[Shape]]:
@@ -300,14 +426,17 @@ class Scheduler:
     copies (a prefill's rows × length, a decode's rows × live) and each prefill's with a copy
     into every slot, smallest first (decodes first among those that compute as much). A prefill
     with copies (several sequences of one prompt) runs as the one of its rows and length with a
-    copy into every slot (engine/programs.py: its own is never compiled under traffic)."""
+    copy into every slot (engine/programs.py: its own is never compiled under traffic). With
+    prefix caching, each prefill's prefix shape too."""
     lengths = sorted({bucket(n, self.context, MIN_BUCKET) for n in range(1, self.context + 1)})
-    covering: list[Shape] = [PrefillShape(self.most_rows(P_), P_, self.local_slots)
-                             for P_ in lengths]
+    kinds = (False, True) if self.prefix_cache else (False,)
+    covering: list[Shape] = [PrefillShape(self.most_rows(P_, prefix), P_, self.local_slots, prefix)
+                             for prefix in kinds for P_ in lengths]
     covering.append(DecodeShape(self.local_slots, self.context))
     rows = lambda most: sorted({bucket(n, most) for n in range(1, most + 1)})
-    prefills: list[Shape] = [PrefillShape(N, P_, copies) for P_ in lengths
-                             for N in rows(self.most_rows(P_)) for copies in (0, self.local_slots)]
+    prefills: list[Shape] = [PrefillShape(N, P_, copies, prefix) for prefix in kinds
+                             for P_ in lengths for N in rows(self.most_rows(P_, prefix))
+                             for copies in (0, self.local_slots)]
     lives = sorted({live_bucket(n, self.context) for n in range(1, self.context + 1)})
     decodes: list[Shape] = [DecodeShape(R, live) for R in rows(self.local_slots) for live in lives]
     rest = sorted(prefills + decodes, key=lambda s: (s.cost()[0], s.kind, s.cost()[1]))

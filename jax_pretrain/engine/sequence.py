@@ -27,6 +27,7 @@ class Sequence:
   # still waiting then). One that raises fails its sequence (engine/output.py).
   on_update: Callable[['Sequence'], None] | None = None
   # Filled by the engine.
+  cached_tokens: int = 0  # prompt tokens whose keys and values a cached prefix gave (not run)
   tokens: list[int] = dataclasses.field(default_factory=list)  # new tokens, EOS excluded
   logprobs: list[float] = dataclasses.field(default_factory=list)  # of each new token
   eos_logprob: float | None = None  # of the EOS that ended it, if one did (GRPO trains on it)
