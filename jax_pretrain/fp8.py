@@ -44,6 +44,8 @@ GRADIENT_DTYPES = {'e4m3': jnp.float8_e4m3fn, 'e5m2': jnp.float8_e5m2}
 GRADIENT_FORMAT = 'e4m3'  # model.fp8_gradients' default (BENCHMARKS.md)
 HISTORY = 16  # steps of amax history a delayed scale looks back over (Transformer Engine: 1-1024)
 SUFFIX = '_fp8'  # the history of projection weight 'wq' is 'wq_fp8'
+WEIGHT = '_fp8_weight'  # 'wq_fp8_weight': wq in e4m3, quantized once a step (prepare)
+SCALES = '_fp8_scales'  # 'wq_fp8_scales': its step's scales (prepare)
 QUANTIZED = 'fp8_quantized'  # the name (jax.ad_checkpoint) of a projection's quantized operands
 OUTPUT = 'fp8_output'  # the name of an FP8 matmul's output (scaled, in the compute dtype)
 
@@ -119,45 +121,61 @@ def _delayed_scale(history_amax: jax.Array, amax: jax.Array, q_dtype) -> jax.Arr
   return scale_of(jnp.where(history_amax > 0, history_amax, amax), q_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _delayed_matmul(x_MxK: jax.Array, w_KxN: jax.Array, history_2xH: jax.Array,
-                    gradient_dtype) -> jax.Array:
-  """x @ w in FP8, x's and the gradient's scales from history_2xH (the module docstring); the
-  gradient of history_2xH is [[amax(|x|), 0, ...], [amax(|gradient|), 0, ...]]."""
-  return _delayed_matmul_fwd(x_MxK, w_KxN, history_2xH, gradient_dtype)[0]
+def _step_scale(scales: jax.Array, history_amax: jax.Array, amax: jax.Array, q_dtype,
+                index: int) -> jax.Array:
+  """An activation's (index 1) or gradient's (2) scale: the step's, where `scales` (prepare's)
+  give the three; else (the weight's alone) _delayed_scale's, which waits for the tensor's amax."""
+  if scales.shape[-1] == 3:
+    return scales[index]
+  return _delayed_scale(history_amax, amax, q_dtype)
 
 
-def _delayed_matmul_fwd(x_MxK, w_KxN, history_2xH, gradient_dtype):
-  del gradient_dtype
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _delayed_matmul(x_MxK: jax.Array, w_KxN: jax.Array, qw_KxN: jax.Array, scales: jax.Array,
+                    history_2xH: jax.Array, gradient_dtype) -> jax.Array:
+  """x @ w in FP8 with w's e4m3 form qw_KxN and `scales` ([w's] or [w's, x's, the gradient's]:
+  prepare's); x's and the gradient's scales, where `scales` lacks them, from history_2xH (the
+  module docstring). The gradient of w_KxN (which the product reads only as qw_KxN) is dw; that
+  of history_2xH [[amax(|x|), 0, ...], [amax(|gradient|), 0, ...]]; qw_KxN and scales get
+  none."""
+  return _delayed_matmul_fwd(x_MxK, w_KxN, qw_KxN, scales, history_2xH, gradient_dtype)[0]
+
+
+def _delayed_matmul_fwd(x_MxK, w_KxN, qw_KxN, scales, history_2xH, gradient_dtype):
+  del w_KxN, gradient_dtype
   history_x, history_g = jnp.max(history_2xH, axis=1)
   amax_x = _amax(x_MxK)
-  scale_x = _delayed_scale(history_x, amax_x, FORWARD_DTYPE)
+  scale_x = _step_scale(scales, history_x, amax_x, FORWARD_DTYPE, 1)
   qx_MxK = fp8_ops.quantize(x_MxK, FORWARD_DTYPE, scale_x, jnp.float32)
-  qw_KxN, sw = _quantize(w_KxN, FORWARD_DTYPE)
   # (named: a remat policy keeps them, so that the backward quantizes nothing twice)
-  qx_MxK, qw_KxN, sw, amax_x = checkpoint_name((qx_MxK, qw_KxN, sw, amax_x), QUANTIZED)
+  qx_MxK, amax_x = checkpoint_name((qx_MxK, amax_x), QUANTIZED)
+  sw = scales[0]
   y_MxN = _scaled_dot(qx_MxK, qw_KxN, ((1,), (0,)), scale_x * sw, x_MxK.dtype)
-  return y_MxN, (qx_MxK, scale_x, qw_KxN, sw, history_g, amax_x, history_2xH.shape)
+  return y_MxN, (qx_MxK, scale_x, qw_KxN, scales, history_g, amax_x, history_2xH.shape)
 
 
 def _delayed_matmul_bwd(gradient_dtype, residuals, g_MxN):
-  qx_MxK, scale_x, qw_KxN, sw, history_g, amax_x, history_shape = residuals
+  qx_MxK, scale_x, qw_KxN, scales, history_g, amax_x, history_shape = residuals
   amax_g = _amax(g_MxN)
-  scale_g = _delayed_scale(history_g, amax_g, gradient_dtype)
+  scale_g = _step_scale(scales, history_g, amax_g, gradient_dtype, 2)
   qg_MxN = fp8_ops.quantize(g_MxN, gradient_dtype, scale_g, jnp.float32)
-  dx_MxK, dw_KxN = _backward_dots(qx_MxK, scale_x, qw_KxN, sw, qg_MxN, scale_g, g_MxN.dtype)
+  dx_MxK, dw_KxN = _backward_dots(qx_MxK, scale_x, qw_KxN, scales[0], qg_MxN, scale_g,
+                                  g_MxN.dtype)
   amax_2xH = jnp.zeros(history_shape, jnp.float32).at[:, 0].set(jnp.stack([amax_x, amax_g]))
-  return dx_MxK, dw_KxN, amax_2xH
+  return dx_MxK, dw_KxN, None, None, amax_2xH
 
 
 _delayed_matmul.defvjp(_delayed_matmul_fwd, _delayed_matmul_bwd)
 
 
 def dense(x: jax.Array, w: jax.Array, contract: int = 1, history: jax.Array | None = None,
-          gradients: str = GRADIENT_FORMAT) -> jax.Array:
+          gradients: str = GRADIENT_FORMAT,
+          quantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """x's last `contract` dims times w's first `contract` dims (a dense projection), in FP8:
   delayed scaling with w's amax history [2, HISTORY], current scaling without one; the gradient
-  at its output quantized to `gradients` (a key of GRADIENT_DTYPES).
+  at its output quantized to `gradients` (a key of GRADIENT_DTYPES). `quantized`: w's e4m3 form
+  and its scales as `prepare` makes them once a step (the train step's, with a history); without
+  it, w is quantized here, from its own amax.
 
   E.g. dense(x_BxTxD, w_DxNxH) -> BxTxNxH; dense(o_BxTxNxH, w_NxHxD, contract=2) -> BxTxD.
   """
@@ -165,9 +183,51 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1, history: jax.Array | No
   k = math.prod(w.shape[:contract])
   x_MxK, w_KxN = x.reshape(-1, k), w.reshape(k, -1)
   g_dtype = GRADIENT_DTYPES[gradients]
-  y = (_matmul(x_MxK, w_KxN, g_dtype) if history is None
-       else _delayed_matmul(x_MxK, w_KxN, history, g_dtype))
+  if history is None:
+    y = _matmul(x_MxK, w_KxN, g_dtype)
+  else:
+    if quantized is None:
+      qw_KxN, sw = checkpoint_name(_quantize(w_KxN, FORWARD_DTYPE), QUANTIZED)
+      quantized = qw_KxN, sw[None]
+    qw, scales = quantized
+    y = _delayed_matmul(x_MxK, w_KxN, qw.reshape(k, -1), scales, history, g_dtype)
   return y.reshape(*lead, *out)
+
+
+def prepare(weights, first_step: bool, gradients: str = GRADIENT_FORMAT):
+  """The train step's FP8 weights, quantized once for all of a step's micro-batches (under
+  delayed scaling nothing in a weight's quantization changes between them): for each projection
+  weight 'wq' of `weights` (with_compute_weights': the compute dtype, the layout the model runs)
+  with its amax history 'wq_fp8' beside it, 'wq_fp8_weight' (wq in e4m3, scaled from its own
+  amax, per layer where stacked) and 'wq_fp8_scales', float32 [..., 3]: the weight's scale, the
+  activation's and the gradient's (delayed: their histories' largest amax); on the first step
+  (`first_step`: every history empty) [..., 1], the weight's alone, and each micro-batch's
+  activations and gradients are scaled from themselves. A tree of the weights' nesting, for
+  `merge`; {} where no weight has a history."""
+  out = {}
+  for key, value in weights.items():
+    if isinstance(value, dict):
+      sub = prepare(value, first_step, gradients)
+      if sub:
+        out[key] = sub
+    elif key + SUFFIX in weights:
+      history = weights[key + SUFFIX]
+      lead = history.shape[:-2]  # (the stacked layers' axis, where the weights are stacked)
+      amax = jnp.max(jnp.abs(value), axis=tuple(range(len(lead), value.ndim)))
+      sw = scale_of(amax.astype(jnp.float32), FORWARD_DTYPE)
+      out[key + WEIGHT] = fp8_ops.quantize(
+          value, FORWARD_DTYPE, sw.reshape(*lead, *(1,) * (value.ndim - len(lead))), jnp.float32)
+      delayed = () if first_step else (
+          scale_of(jnp.max(history[..., 0, :], axis=-1), FORWARD_DTYPE),
+          scale_of(jnp.max(history[..., 1, :], axis=-1), GRADIENT_DTYPES[gradients]))
+      out[key + SCALES] = jnp.stack([sw, *delayed], axis=-1)
+  return out
+
+
+def empty(fp8_histories) -> jax.Array:
+  """Whether no history holds an amax yet (a run's first step, or steps skipped since): the
+  train step then scales activations and gradients from themselves (prepare's first_step)."""
+  return jnp.all(jnp.stack([jnp.all(h == 0) for h in jax.tree.leaves(fp8_histories)]))
 
 
 def is_history(path) -> bool:
@@ -193,12 +253,13 @@ def histories(params, projections: tuple[str, ...]):
   return walk(params, False)
 
 
-def merge(params, fp8_histories):
-  """params with the histories beside their weights (what the train step gives the model)."""
-  if not fp8_histories:
+def merge(params, beside):
+  """params with the histories (or prepare's quantized weights) beside their weights, a tree of
+  their nesting (what the train step gives the model)."""
+  if not beside:
     return params
   out = dict(params)
-  for key, value in fp8_histories.items():
+  for key, value in beside.items():
     out[key] = merge(params[key], value) if isinstance(value, dict) else value
   return out
 

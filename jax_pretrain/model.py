@@ -184,17 +184,21 @@ PROJECTIONS = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down')
 
 def _dense_einsum(module: nn.Module):
   """einsum(equation, x, weight, name) of a module's projection `name`: FP8 with model.fp8, with
-  its amax history where the train step gives one (fp8.py), else a plain einsum."""
+  its amax history and its weight quantized for the step where the train step gives them
+  (fp8.py), else a plain einsum."""
   c = module.config
   if not c.fp8:
     return lambda equation, x, w, name: jnp.einsum(equation, x, w)
 
+  def beside(name: str):  # (what the train step gives beside a weight: fp8.merge)
+    return module.get_variable('params', name) if module.has_variable('params', name) else None
+
   def fp8_einsum(equation: str, x, w, name: str):
     inputs = equation.split('->')[0].split(',')
-    key = name + fp8.SUFFIX
-    history = module.get_variable('params', key) if module.has_variable('params', key) else None
-    return fp8.dense(x, w, contract=len(set(inputs[0]) & set(inputs[1])), history=history,
-                     gradients=c.fp8_gradients)
+    quantized = beside(name + fp8.WEIGHT), beside(name + fp8.SCALES)
+    return fp8.dense(x, w, contract=len(set(inputs[0]) & set(inputs[1])),
+                     history=beside(name + fp8.SUFFIX), gradients=c.fp8_gradients,
+                     quantized=None if quantized[0] is None else quantized)
   return fp8_einsum
 
 
