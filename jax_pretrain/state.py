@@ -229,8 +229,13 @@ def _local_sums(model, loss_with_sums, grad_accum_steps: int, mesh, given_sums: 
     micro = jax.tree.map(lambda x: _split_micro_batches(x, grad_accum_steps, mesh), batch)
     aux_zeros = (_aux_zeros(loss_with_sums, params, micro) if given_sums
                  else (jnp.zeros((), jnp.float32), {}, {}, {}))  # (make_loss_fn's: a weight)
+    zeros = (jnp.zeros((), jnp.float32), aux_zeros,
+             jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
 
-    def micro_batches(quantized):
+    def micro_batches(first_step: bool):
+      # FP8: the weights quantized once for all micro-batches (fp8.prepare; {} without FP8).
+      quantized = fp8.prepare(weights, first_step, model.config.fp8_gradients)
+
       def accumulate(carry, micro_batch):
         if scale is None:
           (loss_i, aux_i), grads_i = loss_and_grad(weights, micro_batch, quantized)
@@ -240,27 +245,20 @@ def _local_sums(model, loss_with_sums, grad_accum_steps: int, mesh, given_sums: 
         loss_sum, aux, grads = carry
         return (loss_sum + loss_i, _combine_aux(aux, aux_i),
                 jax.tree_util.tree_map_with_path(fp8.combine, grads, grads_i)), None
-      # (the sums start here, in the branch below that runs: no copy into or out of it)
-      zeros = (jnp.zeros((), jnp.float32), aux_zeros,
-               jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
       return jax.lax.scan(accumulate, zeros, micro)[0]
 
     if histories is None:
-      loss_sum, aux, grads = micro_batches({})
+      loss_sum, aux, grads = micro_batches(False)
     else:
-      # FP8: the weights quantized once for all micro-batches (fp8.prepare). While no history
-      # holds an amax (the first step), activations and gradients are scaled from themselves,
-      # which makes each quantization wait for its tensor's amax; the other steps' program takes
-      # the delayed scales and waits for none (BENCHMARKS.md). The first step's branch is one
-      # the compiled program's analysis leaves out of a step's cost (hlo.RARE_BRANCH).
-      first, delayed = (fp8.prepare(weights, first_step, model.config.fp8_gradients)
-                        for first_step in (True, False))
-
+      # FP8: while no history holds an amax (the first step), activations and gradients are
+      # scaled from themselves, which makes each quantization wait for its tensor's amax; the
+      # other steps' program takes the delayed scales and waits for none (BENCHMARKS.md). A
+      # branch the compiled program's analysis leaves out of a step's cost (hlo.RARE_BRANCH).
       def first_step():
         with jax.named_scope(hlo.RARE_BRANCH):
-          return micro_batches(first)
+          return micro_batches(True)
       loss_sum, aux, grads = jax.lax.cond(fp8.empty(histories), first_step,
-                                          lambda: micro_batches(delayed))
+                                          lambda: micro_batches(False))
     grads, amaxes = model_lib.as_params(model.config, grads)  # (once a step)
     if factor is not None:
       grads = jax.tree.map(lambda g: g / factor, grads)
