@@ -20,14 +20,18 @@ Two ways to scale, one arithmetic:
       micro-batches and data-parallel devices, never a sum (state.py), and a non-finite one
       (an infinite gradient, clipped to the format's largest value when quantized) makes the
       step's gradient norm infinite, so that the guard skips the step and keeps the history.
-      The weights, read once per micro-batch, are scaled from their own amax (current
-      scaling).
+      The weights are scaled from their own amax (current scaling), and quantized once a step
+      for all its micro-batches (`prepare`, before the train step's micro-batch loop, with the
+      activations' and gradients' delayed scales: nothing in them changes between micro-batches);
+      the first step (every history empty) runs as a branch of its own (state.py's lax.cond),
+      so that the other steps' quantizations wait for no amax.
   current (no history: evaluation, the engine): every operand scaled from its own amax.
 The history of a projection weight 'wq' is 'wq_fp8' beside it ([2, HISTORY]: row 0 the
 activation's, row 1 the gradient's), in a tree of the params' nesting (`histories`); the
 train step gives it to the model with the params (`merge`) and takes this step's amaxes back as
-its gradient (`split`: column 0 of each, the rest zero). Quantizing is flax's
-(flax.linen.fp8_ops.quantize: scale, clip, round).
+its gradient (`split`: column 0 of each, the rest zero); `prepare`'s quantized weights and
+scales ('wq_fp8_weight', 'wq_fp8_scales') go beside them the same way, not differentiated.
+Quantizing is flax's (flax.linen.fp8_ops.quantize: scale, clip, round).
 """
 import functools
 import math
@@ -200,7 +204,8 @@ def prepare(weights, first_step: bool, gradients: str = GRADIENT_FORMAT):
   weight 'wq' of `weights` (with_compute_weights': the compute dtype, the layout the model runs)
   with its amax history 'wq_fp8' beside it, 'wq_fp8_weight' (wq in e4m3, scaled from its own
   amax, per layer where stacked) and 'wq_fp8_scales', float32 [..., 3]: the weight's scale, the
-  activation's and the gradient's (delayed: their histories' largest amax); on the first step
+  activation's and the gradient's (delayed: their histories' largest amax; 1 where a history is
+  still empty after the first step, its tensors all zeros so far); on the first step
   (`first_step`: every history empty) [..., 1], the weight's alone, and each micro-batch's
   activations and gradients are scaled from themselves. A tree of the weights' nesting, for
   `merge`; {} where no weight has a history."""

@@ -231,39 +231,51 @@ def _local_sums(model, loss_with_sums, grad_accum_steps: int, mesh, given_sums: 
                  else (jnp.zeros((), jnp.float32), {}, {}, {}))  # (make_loss_fn's: a weight)
     zeros = (jnp.zeros((), jnp.float32), aux_zeros,
              jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
+    gradient = _micro_batch_gradient(model, weights, histories, loss_and_grad,
+                                     scaled_loss_and_grad, scale, factor)
 
-    def micro_batches(first_step: bool):
-      # FP8: the weights quantized once for all micro-batches (fp8.prepare; {} without FP8).
-      quantized = fp8.prepare(weights, first_step, model.config.fp8_gradients)
-
-      def accumulate(carry, micro_batch):
-        if scale is None:
-          (loss_i, aux_i), grads_i = loss_and_grad(weights, micro_batch, quantized)
-        else:
-          (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(weights, micro_batch, quantized,
-                                                               factor)
-        loss_sum, aux, grads = carry
-        return (loss_sum + loss_i, _combine_aux(aux, aux_i),
-                jax.tree_util.tree_map_with_path(fp8.combine, grads, grads_i)), None
-      return jax.lax.scan(accumulate, zeros, micro)[0]
-
-    if histories is None:
-      loss_sum, aux, grads = micro_batches(False)
-    else:
-      # FP8: while no history holds an amax (the first step), activations and gradients are
-      # scaled from themselves, which makes each quantization wait for its tensor's amax; the
-      # other steps' program takes the delayed scales and waits for none (BENCHMARKS.md). A
-      # branch the compiled program's analysis leaves out of a step's cost (hlo.RARE_BRANCH).
-      def first_step():
-        with jax.named_scope(hlo.RARE_BRANCH):
-          return micro_batches(True)
-      loss_sum, aux, grads = jax.lax.cond(fp8.empty(histories), first_step,
-                                          lambda: micro_batches(False))
+    def accumulate(carry, micro_batch):
+      loss_i, aux_i, grads_i = gradient(micro_batch)
+      loss_sum, aux, grads = carry
+      return (loss_sum + loss_i, _combine_aux(aux, aux_i),
+              jax.tree_util.tree_map_with_path(fp8.combine, grads, grads_i)), None
+    (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, zeros, micro)
     grads, amaxes = model_lib.as_params(model.config, grads)  # (once a step)
     if factor is not None:
       grads = jax.tree.map(lambda g: g / factor, grads)
     return loss_sum, aux, grads, amaxes
   return local_sums
+
+
+def _micro_batch_gradient(model, weights, histories, loss_and_grad, scaled_loss_and_grad, scale,
+                          factor):
+  """micro_batch -> (loss sum, aux, gradients of `weights`) of one micro-batch (_local_sums').
+
+  FP8: the weights quantized once for all the step's micro-batches (fp8.prepare). While no history
+  holds an amax (the first step), activations and gradients are scaled from themselves, which
+  makes each quantization wait for its tensor's amax; on the other steps the delayed scales,
+  which wait for none (BENCHMARKS.md): one lax.cond a micro-batch, whose first-step branch the
+  compiled program's analysis leaves out of a step's cost (hlo.RARE_BRANCH)."""
+  def gradient(micro_batch, quantized):
+    if scale is None:
+      (loss_i, aux_i), grads_i = loss_and_grad(weights, micro_batch, quantized)
+    else:
+      (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(weights, micro_batch, quantized, factor)
+    return loss_i, aux_i, grads_i
+  if histories is None:
+    return lambda micro_batch: gradient(micro_batch, {})
+  # (the compute-dtype weights written once, which the quantizations below read: fused into them,
+  # their amaxes read the float32 stack again)
+  weights = jax.lax.optimization_barrier(weights)
+  first, delayed = (fp8.prepare(weights, first_step, model.config.fp8_gradients)
+                    for first_step in (True, False))
+  empty = fp8.empty(histories)
+
+  def first_step(micro_batch):
+    with jax.named_scope(hlo.RARE_BRANCH):
+      return gradient(micro_batch, first)
+  return lambda micro_batch: jax.lax.cond(empty, first_step,
+                                          lambda b: gradient(b, delayed), micro_batch)
 
 
 def _split_micro_batches(x_BxT, grad_accum_steps: int, mesh):
