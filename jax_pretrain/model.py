@@ -180,6 +180,8 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -
 # The attention and MLP projections the train step runs: FP8 with model.fp8 (not the embedding or
 # the output head, whose logits feed the loss directly).
 PROJECTIONS = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down')
+# The projections that read one input (a layer's normed x): FP8 quantizes it once for them.
+SAME_INPUT = (('wq', 'wk', 'wv'), ('w_gate', 'w_up'))
 
 
 def _dense_einsum(module: nn.Module):
@@ -195,7 +197,7 @@ def _dense_einsum(module: nn.Module):
 
   def fp8_einsum(equation: str, x, w, name: str):
     inputs = equation.split('->')[0].split(',')
-    quantized = beside(name + fp8.WEIGHT), beside(name + fp8.SCALES)
+    quantized = tuple(beside(name + suffix) for suffix in (fp8.WEIGHT, fp8.SCALES, fp8.INPUT))
     return fp8.dense(x, w, contract=len(set(inputs[0]) & set(inputs[1])),
                      history=beside(name + fp8.SUFFIX), gradients=c.fp8_gradients,
                      quantized=None if quantized[0] is None else quantized)

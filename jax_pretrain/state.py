@@ -267,8 +267,8 @@ def _micro_batch_gradient(model, weights, histories, loss_and_grad, scaled_loss_
   # (the compute-dtype weights written once, which the quantizations below read: fused into them,
   # their amaxes read the float32 stack again)
   weights = jax.lax.optimization_barrier(weights)
-  first, delayed = (fp8.prepare(weights, first_step, model.config.fp8_gradients)
-                    for first_step in (True, False))
+  first, delayed = (fp8.prepare(weights, first_step, model.config.fp8_gradients,
+                                model_lib.SAME_INPUT) for first_step in (True, False))
   empty = fp8.empty(histories)
 
   def first_step(micro_batch):
