@@ -233,7 +233,9 @@ class Stats:
   flops: float = 0.0
   matmul_flops: float = 0.0  # FP8 and float32 ones included
   fp8_matmul_flops: float = 0.0
-  fp8_matmuls: int = 0  # dots and GEMMs of FP8 operands in the program's text (not times run)
+  # kernels of FP8 dots and GEMMs (launch sites, not times run; of a conditional, the branch
+  # counted)
+  fp8_matmuls: int = 0
   attention_flops: float = 0.0
   hbm_bytes: float = 0.0
   kernels: list[Kernel] = dataclasses.field(default_factory=list)
@@ -386,8 +388,7 @@ def analyze(text: str, devices_per_node: int = 8, unknown_trips: int = 1) -> Sta
   by_name = {i.name: i for body in computations.values() for i in body}
   shapes = {name: i.shape for name, i in by_name.items()}
   p = _Program(computations, by_name, shapes, devices_per_node, unknown_trips)
-  stats = Stats(fp8_matmuls=sum(_dot_kind(i, shapes) == 'matmul_fp8' for i in by_name.values()
-                                if i.opcode == 'dot' or '__cublas' in i.attrs))
+  stats = Stats()
   _walk(p, entry, 1.0, stats)
   return stats
 
@@ -499,6 +500,7 @@ def _kernel(p: _Program, i: Instruction, times: float, stats: Stats) -> None:
       flops, kind = flops + f, k
   if kind == 'other' and op != 'custom-call':
     kind = 'copy' if _is_copy(i, p.computations) else 'elementwise'
+  stats.fp8_matmuls += kind == 'matmul_fp8'
   stats.add(Kernel(i.name, op, kind, flops, _kernel_bytes(p, i), times))
 
 
