@@ -20,8 +20,11 @@ Two ways to scale, one arithmetic:
       micro-batches and data-parallel devices, never a sum (state.py), and a non-finite one
       (an infinite gradient, clipped to the format's largest value when quantized) makes the
       step's gradient norm infinite, so that the guard skips the step and keeps the history.
-      The weights, read once per micro-batch, are scaled from their own amax (current
-      scaling).
+      The weights are scaled from their own amax (current scaling), and quantized once a step
+      for all its micro-batches (`prepare`, before the train step's micro-batch loop, with the
+      activations' and gradients' delayed scales: nothing in them changes between micro-batches);
+      the first step (every history empty) runs as a branch of its own (state.py's lax.cond),
+      so that the other steps' quantizations wait for no amax.
   current (no history: evaluation): every operand scaled from its own amax.
   inference (the engine's and lm_eval's params, runner.decoding_params; Transformer Engine's
       delayed recipe at inference): each weight quantized once, `quantize_weight` (per tensor,
@@ -34,8 +37,10 @@ Two ways to scale, one arithmetic:
 The history of a projection weight 'wq' is 'wq_fp8' beside it ([2, HISTORY]: row 0 the
 activation's, row 1 the gradient's), in a tree of the params' nesting (`histories`); the
 train step gives it to the model with the params (`merge`) and takes this step's amaxes back as
-its gradient (`split`: column 0 of each, the rest zero). Quantizing is flax's
-(flax.linen.fp8_ops.quantize: scale, clip, round).
+its gradient (`split`: column 0 of each, the rest zero); `prepare`'s quantized weights and
+scales ('wq_fp8_weight', 'wq_fp8_scales', 'wq_fp8_input') go beside them the same way, not
+differentiated.
+Quantizing is flax's (flax.linen.fp8_ops.quantize: scale, clip, round).
 """
 import functools
 import math
@@ -55,6 +60,9 @@ SUFFIX = '_fp8'  # the history of projection weight 'wq' is 'wq_fp8'
 # At inference (quantize_weight, quantized_dense), beside a weight 'wq' quantized once: its scales
 # 'wq_scale' (one a column) and its activation's largest recorded amax 'wq_input_amax'.
 WEIGHT_SCALE, INPUT_AMAX = '_scale', '_input_amax'
+WEIGHT = '_fp8_weight'  # 'wq_fp8_weight': wq in e4m3, quantized once a step (prepare)
+SCALES = '_fp8_scales'  # 'wq_fp8_scales': its step's scales (prepare)
+INPUT = '_fp8_input'  # 'wq_fp8_input': its input's scale for the step (prepare)
 QUANTIZED = 'fp8_quantized'  # the name (jax.ad_checkpoint) of a projection's quantized operands
 OUTPUT = 'fp8_output'  # the name of an FP8 matmul's output (scaled, in the compute dtype)
 
@@ -130,45 +138,55 @@ def _delayed_scale(history_amax: jax.Array, amax: jax.Array, q_dtype) -> jax.Arr
   return scale_of(jnp.where(history_amax > 0, history_amax, amax), q_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _delayed_matmul(x_MxK: jax.Array, w_KxN: jax.Array, history_2xH: jax.Array,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _delayed_matmul(x_MxK: jax.Array, w_KxN: jax.Array, qw_KxN: jax.Array, scales: jax.Array,
+                    scale_x: jax.Array | None, history_2xH: jax.Array,
                     gradient_dtype) -> jax.Array:
-  """x @ w in FP8, x's and the gradient's scales from history_2xH (the module docstring); the
-  gradient of history_2xH is [[amax(|x|), 0, ...], [amax(|gradient|), 0, ...]]."""
-  return _delayed_matmul_fwd(x_MxK, w_KxN, history_2xH, gradient_dtype)[0]
+  """x @ w in FP8 with w's e4m3 form qw_KxN and its scales (prepare's): x's scale `scale_x` and
+  `scales` [w's, the gradient's], the step's; without scale_x, `scales` [w's] and x's and the
+  gradient's scales from history_2xH (the module docstring), which wait for their tensors'
+  amaxes. The gradient of w_KxN (which the product reads only as qw_KxN) is dw; that of
+  history_2xH [[amax(|x|), 0, ...], [amax(|gradient|), 0, ...]]; qw_KxN and the scales get
+  none."""
+  return _delayed_matmul_fwd(x_MxK, w_KxN, qw_KxN, scales, scale_x, history_2xH,
+                             gradient_dtype)[0]
 
 
-def _delayed_matmul_fwd(x_MxK, w_KxN, history_2xH, gradient_dtype):
-  del gradient_dtype
+def _delayed_matmul_fwd(x_MxK, w_KxN, qw_KxN, scales, scale_x, history_2xH, gradient_dtype):
+  del w_KxN, gradient_dtype
   history_x, history_g = jnp.max(history_2xH, axis=1)
   amax_x = _amax(x_MxK)
-  scale_x = _delayed_scale(history_x, amax_x, FORWARD_DTYPE)
+  if scale_x is None:
+    scale_x = _delayed_scale(history_x, amax_x, FORWARD_DTYPE)
   qx_MxK = fp8_ops.quantize(x_MxK, FORWARD_DTYPE, scale_x, jnp.float32)
-  qw_KxN, sw = _quantize(w_KxN, FORWARD_DTYPE)
   # (named: a remat policy keeps them, so that the backward quantizes nothing twice)
-  qx_MxK, qw_KxN, sw, amax_x = checkpoint_name((qx_MxK, qw_KxN, sw, amax_x), QUANTIZED)
-  y_MxN = _scaled_dot(qx_MxK, qw_KxN, ((1,), (0,)), scale_x * sw, x_MxK.dtype)
-  return y_MxN, (qx_MxK, scale_x, qw_KxN, sw, history_g, amax_x, history_2xH.shape)
+  qx_MxK, amax_x = checkpoint_name((qx_MxK, amax_x), QUANTIZED)
+  y_MxN = _scaled_dot(qx_MxK, qw_KxN, ((1,), (0,)), scale_x * scales[0], x_MxK.dtype)
+  return y_MxN, (qx_MxK, scale_x, qw_KxN, scales, history_g, amax_x, history_2xH.shape)
 
 
 def _delayed_matmul_bwd(gradient_dtype, residuals, g_MxN):
-  qx_MxK, scale_x, qw_KxN, sw, history_g, amax_x, history_shape = residuals
+  qx_MxK, scale_x, qw_KxN, scales, history_g, amax_x, history_shape = residuals
   amax_g = _amax(g_MxN)
-  scale_g = _delayed_scale(history_g, amax_g, gradient_dtype)
+  scale_g = (scales[1] if scales.shape[-1] == 2
+             else _delayed_scale(history_g, amax_g, gradient_dtype))
   qg_MxN = fp8_ops.quantize(g_MxN, gradient_dtype, scale_g, jnp.float32)
-  dx_MxK, dw_KxN = _backward_dots(qx_MxK, scale_x, qw_KxN, sw, qg_MxN, scale_g, g_MxN.dtype)
+  dx_MxK, dw_KxN = _backward_dots(qx_MxK, scale_x, qw_KxN, scales[0], qg_MxN, scale_g,
+                                  g_MxN.dtype)
   amax_2xH = jnp.zeros(history_shape, jnp.float32).at[:, 0].set(jnp.stack([amax_x, amax_g]))
-  return dx_MxK, dw_KxN, amax_2xH
+  return dx_MxK, dw_KxN, None, None, None, amax_2xH
 
 
 _delayed_matmul.defvjp(_delayed_matmul_fwd, _delayed_matmul_bwd)
 
 
 def dense(x: jax.Array, w: jax.Array, contract: int = 1, history: jax.Array | None = None,
-          gradients: str = GRADIENT_FORMAT) -> jax.Array:
+          gradients: str = GRADIENT_FORMAT, quantized: tuple | None = None) -> jax.Array:
   """x's last `contract` dims times w's first `contract` dims (a dense projection), in FP8:
   delayed scaling with w's amax history [2, HISTORY], current scaling without one; the gradient
-  at its output quantized to `gradients` (a key of GRADIENT_DTYPES).
+  at its output quantized to `gradients` (a key of GRADIENT_DTYPES). `quantized`: w's e4m3 form,
+  its scales and x's scale (or None) as `prepare` makes them once a step (the train step's, with
+  a history); without it, w is quantized here, from its own amax.
 
   E.g. dense(x_BxTxD, w_DxNxH) -> BxTxNxH; dense(o_BxTxNxH, w_NxHxD, contract=2) -> BxTxD.
   """
@@ -176,8 +194,14 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1, history: jax.Array | No
   k = math.prod(w.shape[:contract])
   x_MxK, w_KxN = x.reshape(-1, k), w.reshape(k, -1)
   g_dtype = GRADIENT_DTYPES[gradients]
-  y = (_matmul(x_MxK, w_KxN, g_dtype) if history is None
-       else _delayed_matmul(x_MxK, w_KxN, history, g_dtype))
+  if history is None:
+    y = _matmul(x_MxK, w_KxN, g_dtype)
+  else:
+    if quantized is None:
+      qw_KxN, sw = checkpoint_name(_quantize(w_KxN, FORWARD_DTYPE), QUANTIZED)
+      quantized = qw_KxN, sw[None], None
+    qw, scales, scale_x = quantized
+    y = _delayed_matmul(x_MxK, w_KxN, qw.reshape(k, -1), scales, scale_x, history, g_dtype)
   return y.reshape(*lead, *out)
 
 
@@ -213,6 +237,53 @@ def quantized_dense(x: jax.Array, q_w: jax.Array, w_scale: jax.Array, amax: jax.
   return _scaled_dot(qx_MxK, q_KxN, ((1,), (0,)), scale_MxN, x.dtype).reshape(*lead, *out)
 
 
+def prepare(weights, first_step: bool, gradients: str = GRADIENT_FORMAT,
+            same_input: tuple[tuple[str, ...], ...] = ()):
+  """The train step's FP8 weights, quantized once for all of a step's micro-batches (under
+  delayed scaling nothing in a weight's quantization changes between them): for each projection
+  weight 'wq' of `weights` (with_compute_weights': the compute dtype, the layout the model runs)
+  with its amax history 'wq_fp8' beside it, 'wq_fp8_weight' (wq in e4m3, scaled from its own
+  amax, per layer where stacked) and 'wq_fp8_scales', float32 [..., 2]: the weight's scale and
+  the gradient's (delayed: its history's largest amax), and 'wq_fp8_input', its input's delayed
+  scale; on the first step (`first_step`: every history empty) 'wq_fp8_scales' [..., 1], the
+  weight's alone, and no input scale: each micro-batch's activations and gradients are scaled
+  from themselves. (A delayed scale is 1 where a history is still empty after the first step,
+  its tensors all zeros so far.) The projections of a group in `same_input` (model.py's: they
+  read one input, whose amax each records) take one input scale, the same array, so that the
+  compiled step quantizes that input once for all of them. A tree of the weights' nesting, for
+  `merge`; {} where no weight has a history."""
+  out: dict = {}
+  for key, value in weights.items():
+    if isinstance(value, dict):
+      sub = prepare(value, first_step, gradients, same_input)
+      if sub:
+        out[key] = sub
+    elif key + SUFFIX in weights:
+      history = weights[key + SUFFIX]
+      lead = history.shape[:-2]  # (the stacked layers' axis, where the weights are stacked)
+      amax = jnp.max(jnp.abs(value), axis=tuple(range(len(lead), value.ndim)))
+      sw = scale_of(amax.astype(jnp.float32), FORWARD_DTYPE)
+      out[key + WEIGHT] = fp8_ops.quantize(
+          value, FORWARD_DTYPE, sw.reshape(*lead, *(1,) * (value.ndim - len(lead))), jnp.float32)
+      delayed = () if first_step else (
+          scale_of(jnp.max(history[..., 1, :], axis=-1), GRADIENT_DTYPES[gradients]),)
+      out[key + SCALES] = jnp.stack([sw, *delayed], axis=-1)
+  if not first_step:
+    groups = [g for g in same_input if g[0] + SUFFIX in weights]
+    for group in groups + [(k,) for k in weights if k + SUFFIX in weights
+                           and not any(k in g for g in groups)]:
+      amax_x = jnp.max(jnp.stack([weights[k + SUFFIX][..., 0, :] for k in group]), axis=(0, -1))
+      scale_x = scale_of(amax_x, FORWARD_DTYPE)
+      out.update({k + INPUT: scale_x for k in group})
+  return out
+
+
+def empty(fp8_histories) -> jax.Array:
+  """Whether no history holds an amax yet (a run's first step, or steps skipped since): the
+  train step then scales activations and gradients from themselves (prepare's first_step)."""
+  return jnp.all(jnp.stack([jnp.all(h == 0) for h in jax.tree.leaves(fp8_histories)]))
+
+
 def is_history(path) -> bool:
   """Whether a params-tree path (jax.tree_util's) names an amax history."""
   return str(getattr(path[-1], 'key', '')).endswith(SUFFIX)
@@ -236,12 +307,13 @@ def histories(params, projections: tuple[str, ...]):
   return walk(params, False)
 
 
-def merge(params, fp8_histories):
-  """params with the histories beside their weights (what the train step gives the model)."""
-  if not fp8_histories:
+def merge(params, beside):
+  """params with the histories (or prepare's quantized weights) beside their weights, a tree of
+  their nesting (what the train step gives the model)."""
+  if not beside:
     return params
   out = dict(params)
-  for key, value in fp8_histories.items():
+  for key, value in beside.items():
     out[key] = merge(params[key], value) if isinstance(value, dict) else value
   return out
 

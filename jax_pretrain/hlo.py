@@ -3,7 +3,8 @@
 `compiled.cost_analysis()` is not available for programs compiled for a GPU without one (the
 deviceless compile of jax_pretrain.plan), so this reads `compiled.as_text()` instead and walks its
 call graph: every instruction counts as many times as its computation runs, i.e. times the trip
-count of each enclosing while loop (the scan over layers, the scan over micro-batches).
+count of each enclosing while loop (the scan over layers, the scan over micro-batches); of a
+conditional, its costliest branch (that of the usual steps where one is RARE_BRANCH's).
 
 Per instruction (a kernel, of a kind: matmul, matmul_f32 (float32 operands: TF32 on NVIDIA GPUs),
 matmul_fp8, attention, attention_backward, copy (only moves or fills memory: a copy or transpose,
@@ -35,6 +36,9 @@ _DTYPE_BYTES = {
     'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16, 's4': 0.5, 'u4': 0.5,
     'f8e4m3fn': 1, 'f8e5m2': 1, 'f8e4m3fnuz': 1, 'f8e5m2fnuz': 1, 'f8e4m3b11fnuz': 1,
 }
+# A conditional's branch traced under jax.named_scope(RARE_BRANCH) runs on few of a run's steps
+# (FP8's first step, state.py): what a step costs is its other branches' (the costliest).
+RARE_BRANCH = 'rare_branch'
 _ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$')
 _COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$')
@@ -229,7 +233,9 @@ class Stats:
   flops: float = 0.0
   matmul_flops: float = 0.0  # FP8 and float32 ones included
   fp8_matmul_flops: float = 0.0
-  fp8_matmuls: int = 0  # dots and GEMMs of FP8 operands in the program's text (not times run)
+  # kernels of FP8 dots and GEMMs (launch sites, not times run; of a conditional, the branch
+  # counted)
+  fp8_matmuls: int = 0
   attention_flops: float = 0.0
   hbm_bytes: float = 0.0
   kernels: list[Kernel] = dataclasses.field(default_factory=list)
@@ -382,8 +388,7 @@ def analyze(text: str, devices_per_node: int = 8, unknown_trips: int = 1) -> Sta
   by_name = {i.name: i for body in computations.values() for i in body}
   shapes = {name: i.shape for name, i in by_name.items()}
   p = _Program(computations, by_name, shapes, devices_per_node, unknown_trips)
-  stats = Stats(fp8_matmuls=sum(_dot_kind(i, shapes) == 'matmul_fp8' for i in by_name.values()
-                                if i.opcode == 'dot' or '__cublas' in i.attrs))
+  stats = Stats()
   _walk(p, entry, 1.0, stats)
   return stats
 
@@ -424,15 +429,23 @@ def _walk(p: _Program, name: str, times: float, stats: Stats) -> None:
 
 
 def _costliest_branch(p: _Program, i: Instruction) -> str | None:
-  """The branch of a conditional with the most FLOPs + HBM bytes (what `analyze` counts of it)."""
+  """The branch of a conditional with the most FLOPs + HBM bytes (what `analyze` counts of it),
+  of those not traced under RARE_BRANCH (where another is)."""
   branches = i.called('branch_computations') or (
       i.called('true_computation') + i.called('false_computation'))
+  usual = [b for b in branches if not _is_rare(p, b)]
   costs = []
-  for b in branches:
+  for b in usual or branches:
     sub = Stats()
     _walk(p, b, 1.0, sub)
     costs.append((sub.flops + sub.hbm_bytes, b))
   return max(costs)[1] if costs else None
+
+
+def _is_rare(p: _Program, branch: str) -> bool:
+  """Whether a conditional's branch was traced under jax.named_scope(RARE_BRANCH) (its
+  instructions' op_name metadata says so)."""
+  return any(f'/{RARE_BRANCH}/' in i.attrs for i in p.computations.get(branch, []))
 
 
 def _collective(p: _Program, i: Instruction, kind: str, times: float, stats: Stats) -> None:
@@ -487,6 +500,7 @@ def _kernel(p: _Program, i: Instruction, times: float, stats: Stats) -> None:
       flops, kind = flops + f, k
   if kind == 'other' and op != 'custom-call':
     kind = 'copy' if _is_copy(i, p.computations) else 'elementwise'
+  stats.fp8_matmuls += kind == 'matmul_fp8'
   stats.add(Kernel(i.name, op, kind, flops, _kernel_bytes(p, i), times))
 
 

@@ -188,13 +188,15 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -
 # The attention and MLP projections the train step runs: FP8 with model.fp8 (not the embedding or
 # the output head, whose logits feed the loss directly).
 PROJECTIONS = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down')
+# The projections that read one input (a layer's normed x): FP8 quantizes it once for them.
+SAME_INPUT = (('wq', 'wk', 'wv'), ('w_gate', 'w_up'))
 
 
 def _dense_einsum(module: nn.Module):
   """einsum(equation, x, weight, name) of a module's projection `name`, the weight cast to the
-  compute dtype: FP8 with model.fp8, with its amax history where the train step gives one, or
-  quantized once with its scales beside it (the engine's params, runner.decoding_params:
-  fp8.quantized_dense), else a plain einsum."""
+  compute dtype: FP8 with model.fp8, with its amax history and its weight quantized for the step
+  where the train step gives them (fp8.py), or quantized once with its scales beside it (the
+  engine's params, runner.decoding_params: fp8.quantized_dense), else a plain einsum."""
   c = module.config
   dt = c.compute_dtype
   if not c.fp8:
@@ -206,11 +208,12 @@ def _dense_einsum(module: nn.Module):
     inputs = equation.split('->')[0].split(',')
     contract = len(set(inputs[0]) & set(inputs[1]))
     if w.dtype == fp8.FORWARD_DTYPE:  # quantized once, for inference
-      return fp8.quantized_dense(x, w, module.get_variable('params', name + fp8.WEIGHT_SCALE),
-                                 module.get_variable('params', name + fp8.INPUT_AMAX),
+      return fp8.quantized_dense(x, w, get(name + fp8.WEIGHT_SCALE), get(name + fp8.INPUT_AMAX),
                                  contract=contract)
+    quantized = tuple(get(name + suffix) for suffix in (fp8.WEIGHT, fp8.SCALES, fp8.INPUT))
     return fp8.dense(x, w.astype(dt), contract=contract, history=get(name + fp8.SUFFIX),
-                     gradients=c.fp8_gradients)
+                     gradients=c.fp8_gradients,
+                     quantized=None if quantized[0] is None else quantized)
   return fp8_einsum
 
 

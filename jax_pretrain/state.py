@@ -18,6 +18,7 @@ import optax
 from jax_pretrain import checkpoint as checkpoint_lib
 from jax_pretrain import config as config_lib
 from jax_pretrain import fp8
+from jax_pretrain import hlo
 from jax_pretrain import model as model_lib
 from jax_pretrain import optim
 from jax_pretrain import sharding
@@ -208,10 +209,13 @@ def _local_sums(model, loss_with_sums, grad_accum_steps: int, mesh, given_sums: 
   means; the sum's gradients, B/A·T times larger, overflow float16 at the initial scale:
   BENCHMARKS.md); the summed float32 gradients are unscaled here, before the psum, the norm and
   the clipping."""
-  loss_and_grad = jax.value_and_grad(loss_with_sums, has_aux=True)
+  # quantized: the FP8 weights for the step (fp8.prepare), beside the differentiated weights.
+  loss_and_grad = jax.value_and_grad(
+      lambda params, batch, quantized: loss_with_sums(fp8.merge(params, quantized), batch),
+      has_aux=True)
 
-  def scaled_loss(params, batch, factor):
-    loss, aux = loss_with_sums(params, batch)
+  def scaled_loss(params, batch, quantized, factor):
+    loss, aux = loss_with_sums(fp8.merge(params, quantized), batch)
     return loss * factor, (loss, aux)
   scaled_loss_and_grad = jax.value_and_grad(scaled_loss, has_aux=True)
 
@@ -222,27 +226,56 @@ def _local_sums(model, loss_with_sums, grad_accum_steps: int, mesh, given_sums: 
       factor = scale / ((B // grad_accum_steps) * (T1 - 1))
     # Once, not per micro-batch: cast, and unrolled, each layer's apart (model.layers).
     weights = model_lib.with_compute_weights(model.config, params, histories)
-
-    def accumulate(carry, micro_batch):
-      if scale is None:
-        (loss_i, aux_i), grads_i = loss_and_grad(weights, micro_batch)
-      else:
-        (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(weights, micro_batch, factor)
-      loss_sum, aux, grads = carry
-      return (loss_sum + loss_i, _combine_aux(aux, aux_i),
-              jax.tree_util.tree_map_with_path(fp8.combine, grads, grads_i)), None
-
     micro = jax.tree.map(lambda x: _split_micro_batches(x, grad_accum_steps, mesh), batch)
     aux_zeros = (_aux_zeros(loss_with_sums, params, micro) if given_sums
                  else (jnp.zeros((), jnp.float32), {}, {}, {}))  # (make_loss_fn's: a weight)
     zeros = (jnp.zeros((), jnp.float32), aux_zeros,
              jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
+    gradient = _micro_batch_gradient(model, weights, histories, loss_and_grad,
+                                     scaled_loss_and_grad, scale, factor)
+
+    def accumulate(carry, micro_batch):
+      loss_i, aux_i, grads_i = gradient(micro_batch)
+      loss_sum, aux, grads = carry
+      return (loss_sum + loss_i, _combine_aux(aux, aux_i),
+              jax.tree_util.tree_map_with_path(fp8.combine, grads, grads_i)), None
     (loss_sum, aux, grads), _ = jax.lax.scan(accumulate, zeros, micro)
     grads, amaxes = model_lib.as_params(model.config, grads)  # (once a step)
     if factor is not None:
       grads = jax.tree.map(lambda g: g / factor, grads)
     return loss_sum, aux, grads, amaxes
   return local_sums
+
+
+def _micro_batch_gradient(model, weights, histories, loss_and_grad, scaled_loss_and_grad, scale,
+                          factor):
+  """micro_batch -> (loss sum, aux, gradients of `weights`) of one micro-batch (_local_sums').
+
+  FP8: the weights quantized once for all the step's micro-batches (fp8.prepare). While no history
+  holds an amax (the first step), activations and gradients are scaled from themselves, which
+  makes each quantization wait for its tensor's amax; on the other steps the delayed scales,
+  which wait for none (BENCHMARKS.md): one lax.cond a micro-batch, whose first-step branch the
+  compiled program's analysis leaves out of a step's cost (hlo.RARE_BRANCH)."""
+  def gradient(micro_batch, quantized):
+    if scale is None:
+      (loss_i, aux_i), grads_i = loss_and_grad(weights, micro_batch, quantized)
+    else:
+      (_, (loss_i, aux_i)), grads_i = scaled_loss_and_grad(weights, micro_batch, quantized, factor)
+    return loss_i, aux_i, grads_i
+  if histories is None:
+    return lambda micro_batch: gradient(micro_batch, {})
+  # (the compute-dtype weights written once, which the quantizations below read: fused into them,
+  # their amaxes read the float32 stack again)
+  weights = jax.lax.optimization_barrier(weights)
+  first, delayed = (fp8.prepare(weights, first_step, model.config.fp8_gradients,
+                                model_lib.SAME_INPUT) for first_step in (True, False))
+  empty = fp8.empty(histories)
+
+  def first_step(micro_batch):
+    with jax.named_scope(hlo.RARE_BRANCH):
+      return gradient(micro_batch, first)
+  return lambda micro_batch: jax.lax.cond(empty, first_step,
+                                          lambda b: gradient(b, delayed), micro_batch)
 
 
 def _split_micro_batches(x_BxT, grad_accum_steps: int, mesh):

@@ -156,6 +156,38 @@ def test_the_amax_histories_take_the_maximum_over_micro_batches_and_devices_neve
         np.asarray(h)[..., 1], np.broadcast_to([4.0, 0.01], h.shape[:-1]), rtol=1e-6), split.fp8)
 
 
+@pytest.mark.parametrize('layers', ['unroll', 'scan'])
+def test_weights_quantized_once_a_step_train_exactly_as_quantized_in_every_micro_batch(
+    monkeypatch, layers):
+  """fp8.prepare (each projection weight in e4m3 once a step, for all its micro-batches, and the
+  activations' and gradients' delayed scales taken once): the same losses, gradient norms, params
+  and amax histories, bit for bit, as each micro-batch quantizing the weights itself (fp8.dense
+  without them, the program before), over a first step (empty histories: scaled from the tensors
+  themselves) and two delayed ones, of 4 micro-batches, the layers unrolled (per-layer weights)
+  and scanned (stacked: a scale per layer)."""
+  c = config_lib.preset('test')
+  c.model.fp8, c.model.dtype, c.model.attention, c.model.layers = True, 'bfloat16', 'xla', layers
+  c.train.batch_size, c.train.micro_batch_size = 16, 4
+  s = build_setup(c, jax.devices()[:1])
+  batches = [np.random.default_rng(i).integers(0, 256, (16, 33)).astype(np.int32)
+             for i in range(3)]
+
+  def run():
+    state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
+    metrics = []
+    for tokens in batches:
+      state, m = step(state, {'tokens': tokens})
+      metrics.append((float(m['loss']), float(m['grad_norm'])))
+    return metrics, jax.tree.leaves((state.params, state.fp8))
+
+  once = run()
+  monkeypatch.setattr(fp8, 'prepare', lambda *args: {})
+  every = run()
+  assert once[0] == every[0] and np.isfinite(once[0]).all()
+  for a, b in zip(once[1], every[1]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _losses(fp8_on: bool, steps: int = 10, dtype: str = 'bfloat16') -> np.ndarray:
   c = config_lib.preset('test')
   c.model.fp8, c.model.dtype, c.model.attention = fp8_on, dtype, 'xla'

@@ -46,6 +46,23 @@ def test_hlo_counts_dot_flops_times_loop_trips():
   assert stats.unknown_trip_counts == 0
 
 
+def test_hlo_counts_a_conditional_by_its_usual_branch_where_the_other_is_rare():
+  """A conditional counts as its costliest branch, except one traced under hlo.RARE_BRANCH (FP8's
+  first step: state.py), which runs on few steps: then the usual one's FLOPs are counted."""
+  def flops(rare: bool, k: int) -> float:
+    def first(x_MxK, w_KxK):  # three matmuls
+      with jax.named_scope(hlo.RARE_BRANCH if rare else 'first'):
+        return jnp.tanh(jnp.tanh(x_MxK @ w_KxK) @ w_KxK) @ w_KxK
+    step = lambda p, x_MxK, w_KxK: jax.lax.cond(p, first, lambda x, w: x @ w, x_MxK, w_KxK)
+    # (k apart: jax's compilation caches, the tests' persistent one too, key a program without
+    # its names, the scope included)
+    return hlo.analyze(_compiled_text(step, jax.ShapeDtypeStruct((), jnp.bool_),
+                                      jax.ShapeDtypeStruct((32, k), jnp.float32),
+                                      jax.ShapeDtypeStruct((k, k), jnp.float32))).matmul_flops
+  assert flops(rare=False, k=48) == 3 * 2 * 32 * 48 * 48
+  assert flops(rare=True, k=40) == 2 * 32 * 40 * 40
+
+
 def test_hlo_counts_collectives_in_loops_with_their_group_size():
   mesh = jax.make_mesh((8,), ('d',))
   sharded = jax.sharding.NamedSharding(mesh, jax.P('d'))
