@@ -208,7 +208,8 @@ def _dense_einsum(module: nn.Module):
     inputs = equation.split('->')[0].split(',')
     contract = len(set(inputs[0]) & set(inputs[1]))
     if w.dtype == fp8.FORWARD_DTYPE:  # quantized once, for inference
-      return fp8.quantized_dense(x, w, get(name + fp8.WEIGHT_SCALE), get(name + fp8.INPUT_AMAX),
+      return fp8.quantized_dense(x, w, module.get_variable('params', name + fp8.WEIGHT_SCALE),
+                                 module.get_variable('params', name + fp8.INPUT_AMAX),
                                  contract=contract)
     quantized = tuple(get(name + suffix) for suffix in (fp8.WEIGHT, fp8.SCALES, fp8.INPUT))
     return fp8.dense(x, w.astype(dt), contract=contract, history=get(name + fp8.SUFFIX),
