@@ -790,16 +790,21 @@ def test_cpu_serving_plan_counts_the_kv_cache_and_the_prefix_cache_it_holds(kv_c
                               decode['total_memory_gib'])
 
 
-def test_serving_plan_too_large_for_the_card_ends_with_an_error_line_naming_what_to_lower():
-  """A KV cache of 64 slots × 512 tokens (16 MiB) on a 'card' of 8 MiB: the report, then one
-  error line that names serve's sizes to lower, exit status 1."""
+def test_serving_plan_too_large_for_the_card_ends_with_an_error_line_naming_what_to_lower(
+    tmp_path):
+  """A run's model (its config.json, as serve loads it; the context its seq_len) with a KV cache
+  of 64 slots × 512 tokens (16 MiB) on a 'card' of 8 MiB: the report, then one error line that
+  names serve's sizes to lower, exit status 1."""
+  c = config_lib.preset('test')
+  c.data.seq_len = 512
+  (tmp_path / 'config.json').write_text(config_lib.to_json(config_lib.typed(c)))
   out = subprocess.run(
-      [sys.executable, '-m', 'jax_pretrain.plan', '--config=configs/test.py', '--target=cpu',
-       '--serve', '--serve_slots=64', '--serve_context=512', f'--memory_gib={8 / 1024}'],
+      [sys.executable, '-m', 'jax_pretrain.plan', '--target=cpu', '--serve',
+       f'--serve_workdir={tmp_path}', '--serve_slots=64', f'--memory_gib={8 / 1024}'],
       cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
   assert out.returncode == 1, out.stderr
   lines = {line.split()[0]: line for line in out.stdout.splitlines()}
-  assert '64 slots × 512 tokens' in lines['serving']
+  assert '98,624 parameters; 64 slots × 512 tokens' in lines['serving']  # configs/test.py's model
   assert lines['memory'].endswith('DOES NOT FIT')
   [error] = out.stderr.strip().splitlines()
   assert error.startswith('error: serving needs ')

@@ -53,16 +53,20 @@ class Vocabulary:
 
 
 def call_plan(eng: core.Engine, shape: scheduler_lib.Shape, target: gpu_targets.Target,
-              alongside: dict[str, float], tokens: int) -> dict:
+              alongside: dict[str, float], tokens: int, hlo_path: str | None = None) -> dict:
   """The engine's call of this shape (a PrefillShape or DecodeShape, per device) lowered on
   abstract params and state, compiled for the target, and reported (plan.call_report: memory with
   `alongside` beside it, collectives, roofline; tokens: what one call processes over the devices;
-  a decode's steps, a traced count, taken as its `chunk`)."""
+  a decode's steps, a traced count, taken as its `chunk`). hlo_path: the compiled program's HLO
+  text is written there."""
   t0 = time.perf_counter()
   # The decode holds a sort (sampling's top-k/top-p branch): CUB's sort asks the GPU at compile
   # time, which a machine without one lacks ('invalid device ordinal'); XLA's own compiles.
   compiled = eng.runner.lower(shape).compile(
       compiler_options=None if target.file is None else {'xla_gpu_enable_cub_radix_sort': False})
+  if hlo_path:
+    with open(hlo_path, 'w', encoding='utf-8') as f:
+      f.write(compiled.as_text())
   trips = eng.chunk if isinstance(shape, scheduler_lib.DecodeShape) else 1
   return plan_lib.call_report(compiled, target, alongside, tokens, time.perf_counter() - t0,
                               unknown_trips=trips)
@@ -96,20 +100,18 @@ def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | Non
                     mesh=s.mesh, kv_cache_dtype=kv_cache_dtype)
   state = eng.runner.abstract_state()
   weights, kv = memory.device_bytes(eng.params), memory.device_bytes(state.cache)
+  load = (memory.device_bytes(s.abstract_state.params) + weights) / memory.GIB
   held = {'serve': sizes(eng, c.model, kv_cache_dtype),
           'params': model_lib.count_params(s.abstract_state.params),
           'weights_gib': weights / memory.GIB, 'kv_cache_gib': kv / memory.GIB,
           'slot_state_gib': (memory.device_bytes(state) - kv) / memory.GIB,
-          'load_gib': (memory.device_bytes(s.abstract_state.params) + weights) / memory.GIB}
+          'load_gib': load}
   covering = eng.scheduler.programs()[0]
   prefills = [call_plan(eng, x, t, {}, x.rows * x.length * eng.devices) | _shape(x)
               for x in _largest_prefills(covering)]
   decode_shape = scheduler_lib.DecodeShape(eng.local_slots, context)
-  decode = call_plan(eng, decode_shape, t, {}, eng.slots * chunk) | _shape(decode_shape)
-  if hlo_path:
-    with open(hlo_path, 'w', encoding='utf-8') as f:
-      f.write(eng.runner.lower(decode_shape).as_text())
-  need = max([held['load_gib']] + [p['total_memory_gib'] for p in prefills + [decode]])
+  decode = call_plan(eng, decode_shape, t, {}, eng.slots * chunk, hlo_path) | _shape(decode_shape)
+  need = max([load] + [p['total_memory_gib'] for p in prefills + [decode]])
   usable = decode['usable_memory_gib']
   r = {**held, 'target': t.name, 'device_kind': t.device_kind, 'num_devices': eng.devices,
        'prefills': prefills, 'decode': decode, 'need_gib': need, 'usable_memory_gib': usable,
