@@ -713,7 +713,8 @@ def test_xlarge_grpo_on_8_gpus_splits_the_rollout_over_them_and_fits(target):
   # bfloat16 keys and values of 16 slots × 1,024 positions on each of the 8 devices.
   assert (g['rollout_slots'], g['slots_per_device'], g['context']) == (128, 16, 1024)
   kv = 2 * 32 * 16 * 1024 * 15 * 128 * 2
-  assert g['engine_cache_gib'] == pytest.approx((kv + 16 * 32768 * 4) / memory.GIB)
+  # (and each slot's logits, float32, and token counts, int32: the penalties')
+  assert g['engine_cache_gib'] == pytest.approx((kv + 16 * 32768 * (4 + 4)) / memory.GIB)
   assert decode['argument_gib'] >= g['engine_cache_gib'] + g['engine_params_gib']
   assert decode['temp_gib'] < 1
   assert all(r[k]['fits'] for k in ('update', 'prefill', 'decode'))
