@@ -145,11 +145,11 @@ def define_run_flags(workdir_help: str = 'Workdir of a training run (or of scrip
   return workdir, step
 
 
-def define_kv_cache_flag():
-  """--kv_cache_dtype, for the programs that decode (sample, serve)."""
+def define_kv_cache_flag(name: str = 'kv_cache_dtype'):
+  """--kv_cache_dtype, for the programs that decode (sample, serve; plan's serving plan: --NAME)."""
   from jax_pretrain import model  # noqa: PLC0415  (jax; only for the programs that decode)
   return flags.DEFINE_enum(
-      'kv_cache_dtype', 'auto', list(model.KV_CACHE_DTYPES),
+      name, 'auto', list(model.KV_CACHE_DTYPES),
       "What the engine's KV cache stores keys and values in: auto (the model's compute dtype), "
       'fp8 (e4m3) or int8: 8 bits with a float32 scale per head and position, about half the '
       "bytes decoding reads (vLLM's --kv-cache-dtype).")

@@ -2,7 +2,9 @@
 
   python -m jax_pretrain.plan --config=configs/xlarge.py [--config.x=y ...] \\
       --target=h100|a100-80|a100-40|v100|rtx-a6000|cpu [--num_devices=8] [--json] \\
-      [--memory_gib=24] [--grpo [--grpo_prompt_tokens=N] | --dpo]
+      [--memory_gib=24] [--grpo [--grpo_prompt_tokens=N] | --dpo | --serve [--serve_slots=16]
+      [--serve_context=0] [--serve_chunk=8] [--serve_kv_cache_dtype=auto|int8|fp8]
+      [--serve_workdir=RUN]]
 
 For a GPU target, XLA's GPU compiler (in jax's CUDA plugin: pip install -r requirements-gpu.txt;
 no GPU needed) compiles the trainer's own step (memory.compile_step: state.build,
@@ -25,7 +27,13 @@ With --grpo and a config with the grpo group (--config=configs/grpo.py:xlarge, o
 programs of a GRPO step instead (its update, rollout and scoring): jax_pretrain/grpo/plan.py, which
 registers its plan here (register) as grpo/config.py registers its config group. With --dpo and
 a config with the dpo group (--config=configs/dpo.py:xlarge), a DPO step's update with the
-reference params beside it: jax_pretrain/dpo/plan.py, registered the same way.
+reference params beside it: jax_pretrain/dpo/plan.py, registered the same way. With --serve, the
+engine as `serve` runs it (the model of --config, or of a run's config.json with --serve_workdir;
+serve's --slots, --context, --chunk and --kv_cache_dtype as --serve_*, their defaults serve's):
+its weights, its KV cache (which is also the prefix cache: no memory of its own), its largest
+prefill and its decode over the whole context, each compiled, and whether they fit:
+jax_pretrain/engine/plan.py (registered as 'engine'). A plan that cannot run where it is planned
+(serving's that does not fit) ends its report with one error line (exit status 1).
 """
 from collections.abc import Callable
 import dataclasses
@@ -256,6 +264,19 @@ def memory_text(r: dict) -> str:
           f'({r["device_memory_gib"]:.1f} GiB device): {"fits" if r["fits"] else "DOES NOT FIT"}')
 
 
+def call_line(name: str, c: dict, what: str) -> str:
+  """One call's line of a report (plan.call_report's dict c): the engine's calls, GRPO's scoring
+  pass."""
+  line = f'{name:<12} {what}: {memory_text(c)}'
+  if c['call_s'] is not None:
+    line += f'; roofline {c["call_s"]:.3f} s a call -> {c["tokens_per_s"]:,.0f} tokens/s'
+  moved = [f'{k} {c["collective_counts_per_call"][k]:g} × = {gb_text(v)}'
+           for k, v in c['collective_bytes_per_call'].items() if v]
+  if moved:
+    line += f'; collectives {"; ".join(moved)} a call'
+  return line + (f'; compiled in {c["compile_s"]:.1f} s' if c['compile_s'] is not None else '')
+
+
 def format_report(r: dict) -> str:
   mesh = ' '.join(f'{k}={v}' for k, v in r['mesh'].items())
   lines = [
@@ -341,6 +362,8 @@ def main(config, target: str = 'h100', num_devices: int = 1, *, program: str = '
   else:
     result, text = plan(config, target, num_devices, hlo_path, memory_gib), format_report
   print(json.dumps(result, indent=1) if as_json else text(result), flush=True)
+  if result.get('error'):
+    raise PlanError(result['error'])
 
 
 if __name__ == '__main__':
@@ -348,6 +371,7 @@ if __name__ == '__main__':
   # with -m, this file is the module __main__, apart from jax_pretrain.plan, with which the
   # programs' plans register: main is jax_pretrain.plan's.
   from jax_pretrain import plan as plan_lib
+  from jax_pretrain.engine import core as engine_core  # (its sizes' defaults: serve's)
   _CONFIG = cli.define_config('xlarge.py', 'Preset (configs/*.py); fields are overridden with '
                               '--config.group.field=value.')
   _TARGET = flags.DEFINE_enum('target', 'h100', list(gpu_targets.TARGETS), 'Device to compile for.')
@@ -369,14 +393,32 @@ if __name__ == '__main__':
   _GRPO_PROMPT_TOKENS = flags.DEFINE_integer(
       'grpo_prompt_tokens', 0, 'With --grpo: tokens of the longest prompt (0: data.seq_len - '
       'grpo.max_new_tokens).')
+  _SERVE = flags.DEFINE_bool(
+      'serve', False, "The engine as serve runs it instead (jax_pretrain/engine/plan.py): its "
+      'weights, KV cache (the prefix cache\'s memory), largest prefill and decode over the whole '
+      'context, and whether they fit (--hlo: the decode\'s).')
+  _SERVE_WORKDIR = flags.DEFINE_string(
+      'serve_workdir', '', "With --serve: a run's workdir, whose config.json gives the model and "
+      'seq_len (as serve --workdir loads it) instead of --config.')
+  _SERVE_SLOTS = flags.DEFINE_integer('serve_slots', engine_core.SLOTS, "With --serve: serve's "
+                                      '--slots (sequences decoded together, the KV cache\'s rows).')
+  _SERVE_CONTEXT = flags.DEFINE_integer('serve_context', 0, "With --serve: serve's --context "
+                                        "(tokens a sequence; 0: the run's seq_len).")
+  _SERVE_CHUNK = flags.DEFINE_integer('serve_chunk', engine_core.CHUNK, "With --serve: serve's "
+                                      '--chunk (tokens decoded a call).')
+  _SERVE_KV_CACHE_DTYPE = cli.define_kv_cache_flag('serve_kv_cache_dtype')
   _MEMORY_GIB = flags.DEFINE_float(
       'memory_gib', None, "Device memory in GiB instead of the target's: a card of the same family "
       'with less memory (e.g. --target=a100-40 --memory_gib=24).')
 
   def _main() -> None:
-    grpo = _GRPO.value
+    grpo, serve = _GRPO.value, _SERVE.value
+    options = ({'prompt_tokens': _GRPO_PROMPT_TOKENS.value} if grpo else
+               {'workdir': _SERVE_WORKDIR.value, 'slots': _SERVE_SLOTS.value,
+                'context': _SERVE_CONTEXT.value, 'chunk': _SERVE_CHUNK.value,
+                'kv_cache_dtype': _SERVE_KV_CACHE_DTYPE.value} if serve else None)
     plan_lib.main(cli.config_value(_CONFIG), _TARGET.value, _NUM_DEVICES.value,
-                  program='grpo' if grpo else 'dpo' if _DPO.value else '',
-                  options={'prompt_tokens': _GRPO_PROMPT_TOKENS.value} if grpo else None,
-                  as_json=_JSON.value, hlo_path=_HLO.value, memory_gib=_MEMORY_GIB.value)
+                  program='grpo' if grpo else 'dpo' if _DPO.value else 'engine' if serve else '',
+                  options=options, as_json=_JSON.value, hlo_path=_HLO.value,
+                  memory_gib=_MEMORY_GIB.value)
   cli.run(_main)

@@ -128,6 +128,7 @@ from jax_pretrain import structured
 from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import chat as chat_lib
 from jax_pretrain.engine import client as client_lib
+from jax_pretrain.engine import core as engine_core
 from jax_pretrain.engine import grammar as grammar_lib
 from jax_pretrain.errors import UserError
 
@@ -655,9 +656,11 @@ def define_flags() -> None:
   flags.DEFINE_integer('port', 8000, 'Port to listen on.')
   flags.DEFINE_string('model_name', '', 'Name in /v1/models and responses (default: the '
                       "workdir's last component).")
-  flags.DEFINE_integer('slots', 16, 'Sequences decoded together at most (KV cache rows).')
+  flags.DEFINE_integer('slots', engine_core.SLOTS, 'Sequences decoded together at most (KV cache '
+                       'rows).')
   flags.DEFINE_integer('context', 0, "Tokens per sequence, prompt included; 0: the run's seq_len.")
-  flags.DEFINE_integer('chunk', 8, 'Tokens decoded per compiled call (requests join between).')
+  flags.DEFINE_integer('chunk', engine_core.CHUNK, 'Tokens decoded per compiled call (requests '
+                       'join between).')
   flags.DEFINE_bool('warmup', False, 'Compile the programs that cover every call before '
                     'serving, the others in the background: no request waits for a compile (one '
                     'runs padded until its own program is ready).')

@@ -207,7 +207,7 @@ class Trained:
     return fp8.merge(self.params, self.fp8)
 
 
-def _for_devices(config: config_lib.Config) -> config_lib.Config:
+def for_devices(config: config_lib.Config) -> config_lib.Config:
   """config for whatever devices the state is built on: data-parallel over all of them, batch
   splits re-derived, and the attention and the way the layers run chosen for them ('auto': the
   run may have used a kernel that these devices lack, or unrolled layers a CPU compiles slowly;
@@ -233,7 +233,7 @@ def load(workdir: str, step: int | None = None, devices=None) -> Trained:
   config = config_lib.typed(load_config(workdir))
   tokenizer = load_tokenizer(workdir, config)
   devices = jax.devices() if devices is None else devices
-  s = _setup(_for_devices(config), devices, tokenizer.vocab_size)
+  s = _setup(for_devices(config), devices, tokenizer.vocab_size)
   checkpointer = checkpoint_lib.Checkpointer(workdir, read_only=True)
   try:
     step, params = checkpointer.restore_params(s.abstract_state.params, step)
@@ -258,7 +258,7 @@ def create(workdir: str, config: config_lib.Config | ml_collections.ConfigDict, 
   check_new(workdir)
   config = config_lib.typed(config)
   devices = jax.devices('cpu')[:1]
-  s = _setup(_for_devices(config), devices, tokenizer.vocab_size)
+  s = _setup(for_devices(config), devices, tokenizer.vocab_size)
   state = state_lib.state_from_host_params(s, params)
   # As few arrays in flight as orbax allows (its limit must hold the largest): the save then adds
   # about the largest array to memory, not the whole state (the largest model 2 GB, not 100%).

@@ -730,7 +730,8 @@ def test_xlarge_grpo_on_8_gpus_splits_the_rollout_over_them_and_fits(target):
   # bfloat16 keys and values of 16 slots × 1,024 positions on each of the 8 devices.
   assert (g['rollout_slots'], g['slots_per_device'], g['context']) == (128, 16, 1024)
   kv = 2 * 32 * 16 * 1024 * 15 * 128 * 2
-  assert g['engine_cache_gib'] == pytest.approx((kv + 16 * 32768 * 4) / memory.GIB)
+  # (and each slot's logits, float32, and token counts, int32: the penalties')
+  assert g['engine_cache_gib'] == pytest.approx((kv + 16 * 32768 * (4 + 4)) / memory.GIB)
   assert decode['argument_gib'] >= g['engine_cache_gib'] + g['engine_params_gib']
   assert decode['temp_gib'] < 1
   assert all(r[k]['fits'] for k in ('update', 'prefill', 'decode'))
@@ -768,3 +769,81 @@ def test_the_grpo_update_is_fitted_as_it_will_run_not_as_pretraining():
   pretraining = plan.plan(c, target='h100', num_devices=1)
   assert grpo['tokens_per_step'] == 128 * 257 and grpo['fits']
   assert grpo['micro_batch_size'] >= 4 * pretraining['micro_batch_size']
+
+
+@pytest.mark.parametrize('kv_cache_dtype', ['auto', 'int8'])
+def test_cpu_serving_plan_counts_the_kv_cache_and_the_prefix_cache_it_holds(kv_cache_dtype):
+  """plan --serve: each device's KV cache is its slots × context positions of every layer's keys
+  and values (8-bit: with a float32 scale per head and position), and the prefix cache is those
+  slots' tokens, nothing more; both compiled calls hold the weights and the cache as arguments."""
+  from jax_pretrain.engine import plan as engine_plan  # noqa: PLC0415
+  c = config_lib.preset('test')
+  r = engine_plan.plan(c, target='cpu', num_devices=2, slots=8, context=48,
+                       kv_cache_dtype=kv_cache_dtype)
+  s = r['serve']
+  m = config_lib.resolve(c, 2, backend='cpu')[0].model
+  head_dim = m.d_model // m.num_heads
+  element = 1 if kv_cache_dtype == 'int8' else jnp.dtype(m.compute_dtype).itemsize
+  scales = 4 if kv_cache_dtype == 'int8' else 0  # float32, per kv head and position
+  kv = 4 * 48 * m.num_layers * 2 * m.num_kv_heads * (head_dim * element + scales)
+  assert (s['slots'], s['slots_per_device'], s['context'], s['devices']) == (8, 4, 48, 2)
+  assert r['kv_cache_gib'] * memory.GIB == kv
+  # Each slot's last logits (float32) and token counts (int32), beside the cache.
+  assert r['slot_state_gib'] * memory.GIB >= 4 * m.vocab_size * (4 + 4)
+  assert (s['prefix_cache_tokens'], s['prefix_cache_tokens_per_device']) == (8 * 48, 4 * 48)
+  assert s['prefix_cache_conversations'] == 8
+  # The engine's copy of the weights, whole on each device; loading adds the float32 params.
+  assert r['weights_gib'] * memory.GIB >= r['params'] * jnp.dtype(m.compute_dtype).itemsize
+  assert r['load_gib'] == pytest.approx(r['weights_gib'] + r['params'] * 4 / memory.GIB)
+  # The largest prefill the warmup compiles (of each kind: with prefix caching, also the one after
+  # cached prefixes): 4 slots' prompts of the whole context (48, itself a bucket), copied into
+  # every slot; the decode of every slot.
+  prefill, decode = next(p for p in r['prefills'] if not p.get('prefix')), r['decode']
+  assert (prefill['rows'], prefill['length'], prefill['copies']) == (4, 48, 4)
+  assert (decode['rows'], decode['live']) == (4, 48)
+  for call in (*r['prefills'], decode):
+    assert call['argument_gib'] >= r['weights_gib'] + r['kv_cache_gib']
+    assert call['fits'] and call['call_s'] is None  # no roofline for the CPU
+  assert r['fits'] and r['error'] is None
+  assert r['need_gib'] == max(r['load_gib'], decode['total_memory_gib'],
+                              *(p['total_memory_gib'] for p in r['prefills']))
+
+
+def test_serving_plan_too_large_for_the_card_ends_with_an_error_line_naming_what_to_lower(
+    tmp_path):
+  """A run's model (its config.json, as serve loads it; the context its seq_len) with a KV cache
+  of 64 slots × 512 tokens (16 MiB) on a 'card' of 8 MiB: the report, then one error line that
+  names serve's sizes to lower, exit status 1."""
+  c = config_lib.preset('test')
+  c.data.seq_len = 512
+  (tmp_path / 'config.json').write_text(config_lib.to_json(config_lib.typed(c)))
+  out = subprocess.run(
+      [sys.executable, '-m', 'jax_pretrain.plan', '--target=cpu', '--serve',
+       f'--serve_workdir={tmp_path}', '--serve_slots=64', f'--memory_gib={8 / 1024}'],
+      cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 1, out.stderr
+  lines = {line.split()[0]: line for line in out.stdout.splitlines()}
+  assert '98,624 parameters; 64 slots × 512 tokens' in lines['serving']  # configs/test.py's model
+  assert lines['memory'].endswith('DOES NOT FIT')
+  [error] = out.stderr.strip().splitlines()
+  assert error.startswith('error: serving needs ')
+  assert ('more than the 8.0 MiB usable: lower --serve_slots=64, --serve_context=512 or '
+          '--serve_kv_cache_dtype=int8 (or fp8)') in error
+
+
+@requires_plugin
+def test_xlarge_served_on_one_h100_holds_its_cache_and_decodes_near_the_bandwidth_bound():
+  """plan --serve with serve's defaults (16 slots of the run's 2,048 tokens, a bf16 cache) on one
+  H100: 7.5 GiB of keys and values, the prefix cache's 32,768 tokens; every program fits, and a
+  decoding step reads little more than the weights and the whole cache once."""
+  from jax_pretrain.engine import plan as engine_plan  # noqa: PLC0415
+  r = engine_plan.plan(config_lib.preset('xlarge'), target='h100', num_devices=1)
+  s, decode = r['serve'], r['decode']
+  assert (s['slots'], s['context'], s['kv_storage_dtype']) == (16, 2048, 'bfloat16')
+  assert r['kv_cache_gib'] * memory.GIB == 16 * 2048 * 32 * 2 * 15 * 128 * 2
+  assert s['prefix_cache_tokens'] == 16 * 2048
+  assert r['fits'] and r['error'] is None and r['need_gib'] < 20
+  step_bytes = decode['hbm_bytes_per_call'] / s['chunk']
+  least = (r['weights_gib'] + r['kv_cache_gib']) * memory.GIB
+  assert least <= step_bytes < 1.25 * least
+  assert decode['temp_gib'] < 0.1  # the cache is written in place

@@ -43,6 +43,10 @@ from jax_pretrain.engine.sequence import STOPPED
 from jax_pretrain.engine.sequence import Sequence
 
 MAX_FAILURES = 3  # steps failing in a row after which run_forever gives up
+# The engine's sizes by default, the server's too (serve's --slots and --chunk; plan --serve's):
+SLOTS = 16  # sequences decoded together at most (the KV cache's rows)
+CHUNK = 8  # decoding steps per call at most
+PREFILL_TOKENS = 16384  # prompt tokens per device per prefill call at most
 
 
 class EngineFailed(RuntimeError):
@@ -67,8 +71,9 @@ class Engine:
   longest cached prefix of it that a slot holds (engine/scheduler.py; new params forget them).
   """
 
-  def __init__(self, model_config: model_lib.ModelConfig, params, tokenizer, *, slots: int = 16,
-               context: int, chunk: int = 8, prefill_tokens: int = 16384,
+  def __init__(self, model_config: model_lib.ModelConfig, params, tokenizer, *,
+               slots: int = SLOTS, context: int, chunk: int = CHUNK,
+               prefill_tokens: int = PREFILL_TOKENS,
                mesh: Mesh | None = None, kv_cache_dtype: str = 'auto',
                eos_ids: tuple[int, ...] = (), prefix_cache: bool = True):
     self.tokenizer = tokenizer

@@ -36,6 +36,7 @@ from jax_pretrain import memory
 from jax_pretrain import model as model_lib
 from jax_pretrain import plan as plan_lib
 from jax_pretrain import state as state_lib
+from jax_pretrain.engine import plan as engine_plan
 from jax_pretrain.engine import runner as runner_lib
 from jax_pretrain.engine import scheduler as scheduler_lib
 from jax_pretrain.grpo import config as grpo_config
@@ -84,14 +85,6 @@ class Rollout:
   decodes: list[dict]
   waves: int
   kv_cache_dtype: str
-
-
-class _Vocabulary:
-  """What the engine reads of a tokenizer, for a plan without one: the ids it may sample and EOS
-  (values, not shapes)."""
-
-  def __init__(self, vocab_size: int):
-    self.vocab_size, self.pad_id, self.eos_id = vocab_size, -1, -1
 
 
 def plan(config, target: str = 'h100', num_devices: int = 1, hlo_path: str | None = None,
@@ -230,7 +223,7 @@ def rollout_calls(step: Step, u: Update, kv_cache_dtype: str) -> Rollout:
   g, B = c.grpo, c.train.batch_size
   # (with model.fp8, the amax histories beside the params: the rollouts run at their scales)
   eng = engine_lib.Engine(c.model, fp8.merge(s.abstract_state.params, s.abstract_state.fp8),
-                          _Vocabulary(c.model.vocab_size),
+                          engine_plan.Vocabulary(c.model.vocab_size),
                           slots=objective.rollout_slots(c),
                           context=objective.engine_context(c, step.prompt_tokens),
                           chunk=rollout.ROLLOUT_CHUNK, mesh=s.mesh,
@@ -239,23 +232,15 @@ def rollout_calls(step: Step, u: Update, kv_cache_dtype: str) -> Rollout:
   prefills, decodes = scheduled_calls(eng, B // g.num_samples, g.num_samples, step.prompt_tokens,
                                       g.max_new_tokens)
   largest = max((p.shape for p in prefills), key=lambda x: (x.rows * x.length, x.copies))
-  t0 = time.perf_counter()
-  prefill = eng.lower_prefill(largest.rows, largest.length, largest.copies).compile()
   prefill_report = {'rows': largest.rows, 'length': largest.length, 'copies': largest.copies,
-                    **plan_lib.call_report(prefill, t, during,
-                                           largest.rows * largest.length * eng.devices,
-                                           time.perf_counter() - t0)}
+                    **engine_plan.call_plan(eng, largest, t, during,
+                                            largest.rows * largest.length * eng.devices)}
   waves = -(-B // eng.slots)
-  decode_reports = []
-  for live, calls in sorted(decodes.items()):
-    t0 = time.perf_counter()
-    # The decode holds a sort (sampling's top-k/top-p branch): CUB's sort asks the GPU at compile
-    # time, which a machine without one lacks ('invalid device ordinal'); XLA's own compiles.
-    decode = eng.lower_decode(eng.local_slots, live).compile(
-        compiler_options=None if t.name == 'cpu' else {'xla_gpu_enable_cub_radix_sort': False})
-    decode_reports.append({'live': live, 'calls_per_wave': calls // waves, **plan_lib.call_report(
-        decode, t, during, eng.slots * eng.chunk, time.perf_counter() - t0,
-        unknown_trips=eng.chunk)})
+  decode_reports = [
+      {'live': live, 'calls_per_wave': calls // waves, **engine_plan.call_plan(
+          eng, scheduler_lib.DecodeShape(eng.local_slots, live), t, during,
+          eng.slots * eng.chunk)}
+      for live, calls in sorted(decodes.items())]
   return Rollout(eng, memory.device_bytes(eng.params), prefill_report, len(prefills),
                  sum(len({i for _, i, _ in x}) for p in prefills for x in p.slots),
                  decode_reports, waves, kv_cache_dtype)
@@ -317,18 +302,6 @@ def kv_cache_comparison(step: Step, u: Update, r: Rollout) -> dict:
   return {x.kv_cache_dtype: summary(x) for x in (r, other)}
 
 
-def _call_line(name: str, c: dict, what: str) -> str:
-  """One engine call's (or the scoring pass's) line of the report."""
-  line = f'{name:<12} {what}: {plan_lib.memory_text(c)}'
-  if c['call_s'] is not None:
-    line += f'; roofline {c["call_s"]:.3f} s a call -> {c["tokens_per_s"]:,.0f} tokens/s'
-  moved = [f'{k} {c["collective_counts_per_call"][k]:g} × = {plan_lib.gb_text(v)}'
-           for k, v in c['collective_bytes_per_call'].items() if v]
-  if moved:
-    line += f'; collectives {"; ".join(moved)} a call'
-  return line + (f'; compiled in {c["compile_s"]:.1f} s' if c['compile_s'] is not None else '')
-
-
 def format_report(r: dict) -> str:
   """`plan`'s dict as the report `python -m jax_pretrain.plan --grpo` prints."""
   g, u, ro = r['grpo'], r['update'], r['rollout']
@@ -347,13 +320,14 @@ def format_report(r: dict) -> str:
       f'{g["devices"]} devices ({g["slots_per_device"]} each): KV cache '
       f'{g["engine_cache_gib"]:.1f} GiB and bf16 weights {g["engine_params_gib"]:.1f} GiB per '
       'device',
-      _call_line('prefill', p, f'{p["rows"]} prompts × {p["length"]:,} tokens a device' + (
+      plan_lib.call_line('prefill', p, f'{p["rows"]} prompts × {p["length"]:,} tokens a device' + (
           f' and their keys and values into {p["copies"]} more slots' if p['copies'] else '') +
           f' (the largest call; {ro["prefill_calls"]} a step, {ro["prompts_prefilled"]} prompts '
           f'run once for {g["completions_per_step"]} completions: at most '
           f'{ro["prefill_flops"] / 1e12:,.1f} TFLOP a step)')]
-  lines += [_call_line('decode', d, f'{g["slots_per_device"]} slots a device × {g["chunk"]} steps '
-                       f'over {d["live"]:,} positions ({d["calls_per_wave"]} calls a wave)')
+  lines += [plan_lib.call_line('decode', d, f'{g["slots_per_device"]} slots a device × '
+                                f'{g["chunk"]} steps over {d["live"]:,} positions '
+                                f'({d["calls_per_wave"]} calls a wave)')
             for d in r['decode_by_live']]
   lines.append(f'             per generated token and device the decode reads '
                f'{plan_lib.gb_text(ro["bytes_per_token"])}; the least it could: '
@@ -376,10 +350,11 @@ def format_report(r: dict) -> str:
     lines.append(line + (' (used: grpo.kv_cache_dtype)' if kind == g['kv_cache_dtype'] else ''))
   if r['score']:
     sc = r['score']
-    lines.append(_call_line('scoring', sc, f'a forward of the {g["completions_per_step"]} rows, '
-                            f'{sc["calls_per_step"]} a step (' + ' and '.join(
-                                (['logp_ref'] if g['beta'] else []) +
-                                (['logp_old'] if g['num_iterations'] > 1 else [])) + ')'))
+    lines.append(plan_lib.call_line(
+        'scoring', sc, f'a forward of the {g["completions_per_step"]} rows, '
+        f'{sc["calls_per_step"]} a step (' + ' and '.join(
+            (['logp_ref'] if g['beta'] else []) +
+            (['logp_old'] if g['num_iterations'] > 1 else [])) + ')'))
   if ro['step_s'] is not None:
     updates = (f'{ro["updates_per_step"]} × {ro["update_s"]:.2f} s of updates'
                if ro['updates_per_step'] > 1 else f'{ro["update_s"]:.2f} s of update')
