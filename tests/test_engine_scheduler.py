@@ -411,3 +411,35 @@ def test_prompts_sharing_a_cached_prefix_reuse_it_within_prefill_tokens_of_atten
       (PrefillShape(2, 16, 0, prefix=True), 2, ((0, 0),)),
       (PrefillShape(2, 16, 0, prefix=True), 2, ((0, 0),)),
       (PrefillShape(1, 16, 0, prefix=True), 1, ((0,),))]
+
+
+def test_the_prefix_cache_places_new_prompts_within_the_rows_decoding_runs():
+  """8 slots each holding a cached prompt, freed from the last to the first (slot 7's the least
+  recently used): two new prompts that match none take slots 0 and 1, so their decode calls run
+  2 rows, not slot 7's 8 as recency alone would choose; with slots 2-3 taken again, a new one
+  takes slot 0 (of the fewest rows), though slot 1 is the least recently used."""
+  s = scheduler_lib.Scheduler(local_slots=8, devices=1, context=128, chunk=8, prefill_tokens=1024,
+                              prefix_cache=True)
+  old = [Sequence(prompt=[k] * 20, max_new_tokens=4) for k in range(1, 9)]
+  for seq in old:
+    s.submit(seq)
+  s.admit()
+  assert s.busy == old
+  for g in reversed(range(8)):
+    s.free(g, old[g])
+  new = [Sequence(prompt=[k] * 20, max_new_tokens=4) for k in (20, 21)]
+  for seq in new:
+    s.submit(seq)
+  s.admit()
+  assert s.busy[:2] == new and s.decode().shape.rows == 2
+  s.free(1, new[1])
+  s.free(0, new[0])
+  again = [Sequence(prompt=[*old[g].prompt, 9], max_new_tokens=4) for g in (2, 3)]
+  for seq in again:
+    s.submit(seq)
+  s.admit()
+  assert s.busy[2:4] == again  # (their cached prefixes reused in place: 4 rows decoding)
+  third = Sequence(prompt=[22] * 20, max_new_tokens=4)
+  s.submit(third)
+  s.admit()
+  assert s.busy[0] is third

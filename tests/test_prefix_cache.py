@@ -97,15 +97,19 @@ def test_a_prompt_reuses_its_cached_prefix_and_decodes_as_without_the_cache(tiny
 
 
 def test_the_least_recently_used_prefix_is_evicted_first(tiny):
-  eng = _engine(tiny, False, 'auto', prefix_cache=True, slots=2)
+  """A new prompt takes a free slot of the fewest decode rows (slot 0, then 1, then 2-3: powers of
+  two), the least recently used among those: a kept prefix is reused, the older one of slots
+  2-3 evicted."""
+  eng = _engine(tiny, False, 'auto', prefix_cache=True, slots=4)
   rng = random.Random(1)
-  a, b, c = ([rng.randrange(1, 250) for _ in range(50)] for _ in range(3))
-  run = lambda prompt: eng.generate([engine.Sequence(prompt=prompt, max_new_tokens=4)])[0]
-  assert run(a).cached_tokens == run(b).cached_tokens == 0  # the two slots: a's, b's
-  assert run(a + [7, 8]).cached_tokens == 48  # a's prefix used again: b's now the older
-  assert run(c).cached_tokens == 0  # evicts b's slot, not a's
-  assert run(b + [9]).cached_tokens == 0  # b's is gone (and it evicts a's)
-  assert run(c + [5]).cached_tokens == 48
+  p0, p1, p2, p3, q0, q1, q2 = ([rng.randrange(1, 250) for _ in range(50)] for _ in range(7))
+  run = lambda *prompts: [s.cached_tokens for s in eng.generate(
+      [engine.Sequence(prompt=p, max_new_tokens=4) for p in prompts])]
+  assert run(p0, p1, p2, p3) == [0] * 4  # slots 0-3
+  assert run(p2 + [7, 8]) == [48]  # p2's slot used again: p3's is now the older of slots 2-3
+  assert run(q0, q1, q2) == [0] * 3  # slots 0, 1, then 3 (p3's), not 2 (p2's)
+  assert run(p2 + [9]) == [48]
+  assert run(p3 + [9]) == [0]
   assert eng.scheduler.stats() == {'busy': 0, 'waiting': 0}
 
 

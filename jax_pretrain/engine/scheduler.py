@@ -196,12 +196,19 @@ class PrefixCache:
             content: dict[int, tuple[int, ...]]) -> tuple[int, int, int]:
     """(slot, cached prefix length, its source slot) for a sequence whose prompt no other one
     admitted now has: the slot with the longest cached prefix of its prompt when it is free, or a
-    free slot of that one's device; else the free slot to evict (never used first, then the least
-    recently used; without prefix caching the free slot of lowest local index, over the devices
-    in turn: the first). content: what the slots admitted now keep (admit)."""
+    free slot of that one's device; else the free slot to evict: one of the fewest decode rows
+    (the power of two over its local index that a decode call's rows round to, DecodeShape.rows)
+    and, among those, never used first, then the least recently used. So a slot taken for a
+    cache's sake never makes the decode calls run more rows than the sequences need (by recency
+    alone, 32 sequences in 128 slots spread over all of them: 128 rows a call, 3.5 x the CPU's
+    work a token); the price: at low concurrency the cache keeps fewer prompts (the lowest
+    slots' are evicted first). Without prefix caching the free slot of lowest local index, over
+    the devices in turn: the first. content: what the slots admitted now keep (admit)."""
     if not self.enabled:
       return free[0], 0, -1
-    evict = lambda slots: min(slots, key=lambda g: (bool(self.cached[g]), self.used[g]))
+    L = self.local_slots
+    evict = lambda slots: min(slots, key=lambda g: (bucket(g % L + 1, L), bool(self.cached[g]),
+                                                    self.used[g]))
     most = (len(seq.prompt) - 1) // BLOCK * BLOCK
     matches = []
     for g, cached in enumerate(self.cached):
