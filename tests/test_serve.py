@@ -959,7 +959,9 @@ def test_a_streamed_chat_sends_each_choices_role_then_its_content(local):
   for i, choice in enumerate(whole.choices):
     mine = [chunk.choices[0] for chunk in chunks if chunk.choices and chunk.choices[0].index == i]
     assert mine[0].delta.role == 'assistant' and mine[0].delta.content == ''
-    assert len(mine) >= 4 and all(d.delta.role is None for d in mine[1:])  # (chunks of 4 tokens)
+    # (its role, then its content in one piece or more: a reader slower than the decoding gets
+    # the pending updates merged, test_engine_client; seen under a CPU hog)
+    assert len(mine) >= 2 and all(d.delta.role is None for d in mine[1:])
     assert ''.join(d.delta.content or '' for d in mine) == choice.message.content
     assert [d.finish_reason for d in mine] == [None] * (len(mine) - 1) + [choice.finish_reason]
   assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
