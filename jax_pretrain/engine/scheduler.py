@@ -20,7 +20,8 @@ one program per (rows, live).
 Prefix caching (prefix_cache, vLLM's automatic prefix caching on this layout): a slot keeps the
 keys and values of what it held after its sequence ends (`cached`: its prompt and every generated
 token whose keys and values were written), until a new sequence takes it: a sequence that needs a
-slot takes a never-used one first, else the least recently used. A new prompt that starts with
+slot takes one of the fewest decode rows (PrefixCache.place), a never-used one first among those,
+else the least recently used. A new prompt that starts with
 BLOCK or more tokens of what a slot holds (the longest such prefix, in whole BLOCKs, at most its
 length - 1: its last token is run for its logits) reuses them: it takes that slot when it is free,
 or a free slot of that slot's device whose prefill first copies the row (a slot still decoding:
