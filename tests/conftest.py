@@ -67,6 +67,35 @@ def build_setup(config, devices=None):
   return state_lib.build(resolved, run, devices)
 
 
+def train_steps(s, batches):
+  """The jitted train step of a Setup run from its initial state over `batches` (tokens [B, T+1]):
+  ([(loss, grad_norm)] a step, the final state)."""
+  from jax_pretrain import state as state_lib  # noqa: PLC0415
+  state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
+  metrics = []
+  for tokens in batches:
+    state, m = step(state, {'tokens': tokens})
+    metrics.append((float(m['loss']), float(m['grad_norm'])))
+  return metrics, state
+
+
+def tiny_model():
+  """The test preset's model config (init_std 0.2: logits that spread, for decoding tests) and
+  its params, initialized on one device: (config, params)."""
+  import dataclasses  # noqa: PLC0415
+
+  from flax.linen import meta  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from jax_pretrain import config as config_lib  # noqa: PLC0415
+  from jax_pretrain import model as model_lib  # noqa: PLC0415
+  config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
+  cfg = dataclasses.replace(config.model, init_std=0.2)
+  params = jax.jit(model_lib.Transformer(cfg).init)(jax.random.key(0),
+                                                    jnp.zeros((1, 8), jnp.int32))['params']
+  return cfg, meta.unbox(params)
+
+
 # A trainer run in a subprocess, as users run it: the test preset, a loss logged every step.
 STEPS = 40
 

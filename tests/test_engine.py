@@ -1,21 +1,18 @@
 """The engine's programs move what a decode needs and no more (the cache written in place, split
 over a mesh's devices, the live window read), its rows decode the same anywhere, and its
 incremental detokenization gives the tokenizer's own text."""
-import dataclasses
 import json
 from pydoc_data import topics
 import random
 import re
 import threading
 
-from flax.linen import meta
 import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
 
-from jax_pretrain import config as config_lib
 from jax_pretrain import engine
 from jax_pretrain import hlo
 from jax_pretrain import model as model_lib
@@ -24,15 +21,12 @@ from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.engine import grammar as grammar_lib
 from jax_pretrain.engine import runner
 from jax_pretrain.grpo import rollout
+from tests.conftest import tiny_model
 
 
 @pytest.fixture(scope='module')
 def tiny():
-  config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
-  cfg = dataclasses.replace(config.model, init_std=0.2)
-  params = jax.jit(model_lib.Transformer(cfg).init)(jax.random.key(0),
-                                                    jnp.zeros((1, 8), jnp.int32))['params']
-  return cfg, meta.unbox(params)
+  return tiny_model()
 
 
 def _layer_bytes(cfg, slots: int, context: int) -> int:

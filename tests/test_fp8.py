@@ -26,6 +26,7 @@ from jax_pretrain.engine import runner
 from jax_pretrain.grpo import objective
 from tests import tiny_run
 from tests.conftest import build_setup
+from tests.conftest import train_steps
 from tests.test_plan import requires_plugin
 
 
@@ -173,11 +174,7 @@ def test_weights_quantized_once_a_step_train_exactly_as_quantized_in_every_micro
              for i in range(3)]
 
   def run():
-    state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
-    metrics = []
-    for tokens in batches:
-      state, m = step(state, {'tokens': tokens})
-      metrics.append((float(m['loss']), float(m['grad_norm'])))
+    metrics, state = train_steps(s, batches)
     return metrics, jax.tree.leaves((state.params, state.fp8))
 
   once = run()

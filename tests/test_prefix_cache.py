@@ -2,31 +2,23 @@
 longest cached prefix of it, in whole blocks, and decodes what it decodes without the cache, on one
 device and a mesh, in a 16-bit and an 8-bit cache; the least recently used prefix is evicted
 first."""
-import dataclasses
 import random
 
-from flax.linen import meta
 import jax
-import jax.numpy as jnp
 import pytest
 
-from jax_pretrain import config as config_lib
 from jax_pretrain import engine
-from jax_pretrain import model as model_lib
 from jax_pretrain import sharding
 from jax_pretrain.data import tokenizer as tokenizer_lib
 from jax_pretrain.engine import scheduler as scheduler_lib
+from tests.conftest import tiny_model
 
 BLOCK = scheduler_lib.BLOCK
 
 
 @pytest.fixture(scope='module')
 def tiny():
-  config, _ = config_lib.resolve(config_lib.preset('test'), num_devices=1, backend='cpu')
-  cfg = dataclasses.replace(config.model, init_std=0.2)
-  params = jax.jit(model_lib.Transformer(cfg).init)(jax.random.key(0),
-                                                    jnp.zeros((1, 8), jnp.int32))['params']
-  return cfg, meta.unbox(params)
+  return tiny_model()
 
 
 def _engine(tiny, mesh: bool, kv_cache_dtype: str, prefix_cache: bool, slots: int = 16,

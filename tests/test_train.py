@@ -16,6 +16,7 @@ from jax_pretrain import workdir as workdir_lib
 from jax_pretrain.data import corpus
 from jax_pretrain.data.tokenizer import ByteTokenizer
 from tests.conftest import build_setup
+from tests.conftest import train_steps
 
 
 def unigram_entropy_nats(tokens: np.ndarray) -> float:
@@ -85,7 +86,6 @@ def test_weights_cast_once_a_step_train_exactly_as_casting_them_at_use(monkeypat
   micro-batch): the same losses, gradient norms and params, bit for bit, as the model's own casts
   at use, over steps of 4 micro-batches."""
   from jax_pretrain import model as model_lib  # noqa: PLC0415
-  from jax_pretrain import state as state_lib  # noqa: PLC0415
   c = config_lib.preset('test')
   c.model.dtype = 'bfloat16'
   c.train.batch_size, c.train.micro_batch_size = 16, 4
@@ -100,11 +100,7 @@ def test_weights_cast_once_a_step_train_exactly_as_casting_them_at_use(monkeypat
              for i in range(3)]
 
   def run():
-    state, step = state_lib.init_state(s), state_lib.jit_train_step(s, pad_id=258)
-    metrics = []
-    for tokens in batches:
-      state, m = step(state, {'tokens': tokens})
-      metrics.append((float(m['loss']), float(m['grad_norm'])))
+    metrics, state = train_steps(s, batches)
     return metrics, jax.tree.leaves(state.params)
 
   ours = run()
