@@ -184,8 +184,7 @@ def run_tasks(lm: JaxLM, tasks: list[str], *, include_path: str = '', limit: flo
              num_fewshot: int | None = None, log_samples: bool = False,
              task_manager=None) -> dict:
   """lm_eval's results dict (results, configs, versions, n-samples, and samples if log_samples)."""
-  from lm_eval.tasks import TaskManager  # noqa: PLC0415
-  task_manager = task_manager or TaskManager(include_path=include_path or None)
+  task_manager = task_manager or task_index(include_path, tasks)
   check_known(tasks, task_manager)
   return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, limit=limit,
                                  num_fewshot=num_fewshot, log_samples=log_samples,
@@ -215,17 +214,32 @@ def scalars(results: dict) -> dict[str, float]:
   return out
 
 
-_TASK_MANAGERS: dict[str, object] = {}
+_TASK_INDEXES: dict[tuple[str, bool], object] = {}
+
+
+def task_index(include_path: str, tasks: list[str]):
+  """lm_eval's TaskManager for these tasks, built once per include path: the include path's own
+  index when it holds every one of them (lm_eval's built-in index takes 15-20 s to build), else
+  the include path's and the built-in tasks together. (An include-path group that lists built-in
+  tasks is named in neither alone: ask for its tasks by name, or give no include path.)"""
+  from lm_eval.tasks import TaskManager  # noqa: PLC0415
+
+  def index(built_in: bool):
+    key = (include_path, built_in)
+    if key not in _TASK_INDEXES:
+      _TASK_INDEXES[key] = TaskManager(include_path=include_path or None,
+                                       include_defaults=built_in)
+    return _TASK_INDEXES[key]
+
+  if include_path and all(t in index(False).all_tasks for t in tasks):
+    return index(False)
+  return index(True)
 
 
 def _training_tasks(t: config_lib.TrainConfig) -> tuple[list[str], object]:
-  """The train.lm_eval_tasks names and their task index (built once per include path)."""
-  from lm_eval.tasks import TaskManager  # noqa: PLC0415
-  if t.lm_eval_include_path not in _TASK_MANAGERS:
-    _TASK_MANAGERS[t.lm_eval_include_path] = TaskManager(
-        include_path=t.lm_eval_include_path or None)
-  return ([x.strip() for x in t.lm_eval_tasks.split(',') if x.strip()],
-          _TASK_MANAGERS[t.lm_eval_include_path])
+  """The train.lm_eval_tasks names and their task index."""
+  tasks = [x.strip() for x in t.lm_eval_tasks.split(',') if x.strip()]
+  return tasks, task_index(t.lm_eval_include_path, tasks)
 
 
 def check_tasks(t: config_lib.TrainConfig) -> None:
@@ -282,10 +296,9 @@ def evaluate_during_training(config: config_lib.Config, params,
 
 def main():
   from absl import flags  # noqa: PLC0415
-  from lm_eval.tasks import TaskManager  # noqa: PLC0415
   f = flags.FLAGS
   t0 = time.perf_counter()
-  task_manager = TaskManager(include_path=f.include_path or None)
+  task_manager = task_index(f.include_path, f.tasks)
   check_known(f.tasks, task_manager)  # before the model loads: a typo fails at once
   run = workdir_lib.load(f.workdir, f.step, devices=jax.devices()[:1])
   lm = JaxLM(run.config.model, run.engine_params, run.tokenizer,

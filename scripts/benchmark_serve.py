@@ -11,6 +11,12 @@ with the standard library's HTTP client: the openai client costs ~10 ms of CPU a
 a 2-core machine would be taken from the server. A request that ends at EOS counts the tokens it
 generated. Every client count runs once untimed first.
 
+--system_prompt=K puts the same K characters (the manual's, fixed) before every prompt, as a chat
+application's system prompt: with the server's prefix cache (on by default; off with
+`--serve_args=--noprefix_cache`) each request after the first reuses their keys and values. Give the
+server a --context that holds them (`--serve_args=--context=...`); the table then has the mean
+`usage.prompt_tokens_details.cached_tokens` a request.
+
 --py_spy=BIN (py-spy's command; `pip install py-spy`) samples the server during each timed run
 (`py-spy record --threads --idle`) and splits the engine thread's time: in jax (dispatching the
 compiled calls, running them where the CPU runs them inline, reading their results) against the
@@ -73,12 +79,20 @@ def model_name(url: str, api_key: str = '') -> str:
     return json.load(r)['data'][0]['id']
 
 
-def run(url: str, name: str, clients: int, n: int, max_tokens: int,
-        api_key: str = '') -> tuple[float, int, float]:
-  """(seconds, completion tokens, mean latency) of n requests from `clients` threads."""
-  work = prompts(n)
+def system_prompt(k: int) -> str:
+  """k characters of the manual, the same every call (ASCII: a token a character for a byte
+  tokenizer)."""
+  text = ' '.join(topics.topics[key] for key in sorted(topics.topics)).encode('ascii', 'ignore')
+  return text.decode()[:k]
 
-  def client_loop(k: int) -> list[tuple[int, float]]:
+
+def run(url: str, name: str, clients: int, n: int, max_tokens: int, api_key: str = '',
+        system: str = '') -> tuple[float, int, float, float]:
+  """(seconds, completion tokens, mean latency, mean cached prompt tokens) of n requests from
+  `clients` threads, each prompt after `system`."""
+  work = [system + w for w in prompts(n)]
+
+  def client_loop(k: int) -> list[tuple[int, float, int]]:
     done = []
     for i in range(k, n, clients):
       t0 = time.perf_counter()
@@ -90,14 +104,16 @@ def run(url: str, name: str, clients: int, n: int, max_tokens: int,
       request = urllib.request.Request(f'{url}/completions', data=body, headers=headers)
       with urllib.request.urlopen(request, timeout=600) as r:
         usage = json.load(r)['usage']
-      done.append((usage['completion_tokens'], time.perf_counter() - t0))
+      cached = (usage.get('prompt_tokens_details') or {}).get('cached_tokens') or 0
+      done.append((usage['completion_tokens'], time.perf_counter() - t0, cached))
     return done
 
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(clients) as pool:
     results = [x for part in pool.map(client_loop, range(clients)) for x in part]
   seconds = time.perf_counter() - t0
-  return seconds, sum(t for t, _ in results), sum(s for _, s in results) / len(results)
+  return (seconds, sum(r[0] for r in results), sum(r[1] for r in results) / len(results),
+          sum(r[2] for r in results) / len(results))
 
 
 def thread_cpu(pid: int) -> dict[str, tuple[str, float]]:
@@ -161,16 +177,19 @@ def main():
   p.add_argument('--serve_args', default='', help='Extra flags for jax_pretrain.serve.')
   p.add_argument('--api_key', default=os.environ.get('JAX_PRETRAIN_API_KEY', ''),
                  help="The server's API key, if it asks for one (default: $JAX_PRETRAIN_API_KEY).")
+  p.add_argument('--system_prompt', type=int, default=0,
+                 help='Characters of one system prompt put before every prompt.')
   p.add_argument('--py_spy', default='',
                  help="py-spy's command: profile the engine thread during each timed run.")
   a = p.parse_args()
   server, url = (None, a.url) if a.url else start(a.workdir, a.serve_args)
   try:
     name = model_name(url, a.api_key)
+    system = system_prompt(a.system_prompt)
     print(f'{"clients":>7}  {"requests":>8}  {"seconds":>8}  {"requests/s":>10}  {"tokens/s":>9}  '
-          f'{"latency s":>9}')
+          f'{"latency s":>9}  {"cached":>6}')
     for clients in (int(c) for c in a.clients.split(',')):
-      run(url, name, clients, max(clients, 16), a.max_tokens, a.api_key)  # compiles what it needs
+      run(url, name, clients, max(clients, 16), a.max_tokens, a.api_key, system)  # (compiles)
       spy = None
       if a.py_spy and server is not None:
         out = f'/tmp/benchmark_serve_{server.pid}_{clients}.txt'
@@ -179,9 +198,10 @@ def main():
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1)  # (attached)
       cpu0 = thread_cpu(server.pid) if spy is not None else {}
-      seconds, tokens, latency = run(url, name, clients, a.requests, a.max_tokens, a.api_key)
+      seconds, tokens, latency, cached = run(url, name, clients, a.requests, a.max_tokens,
+                                             a.api_key, system)
       print(f'{clients:>7}  {a.requests:>8}  {seconds:>8.2f}  {a.requests / seconds:>10.2f}  '
-            f'{tokens / seconds:>9.1f}  {latency:>9.2f}', flush=True)
+            f'{tokens / seconds:>9.1f}  {latency:>9.2f}  {cached:>6.0f}', flush=True)
       if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(timeout=120)

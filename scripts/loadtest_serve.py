@@ -171,7 +171,7 @@ def main():
     capacity = a.capacity
     if not capacity:
       benchmark_serve.run(url, name, a.clients, a.clients, a.max_tokens)  # compiles what it needs
-      seconds, _, _ = benchmark_serve.run(url, name, a.clients, 8 * a.clients, a.max_tokens)
+      seconds, _, _, _ = benchmark_serve.run(url, name, a.clients, 8 * a.clients, a.max_tokens)
       capacity = 8 * a.clients / seconds
     rate = a.factor * capacity
     limits = json.load(urllib.request.urlopen(health_url, timeout=10))

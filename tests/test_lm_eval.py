@@ -172,6 +172,17 @@ def test_requests_equal_training_loss_and_sample_generate(loaded, tasks):
   assert {s.length for s in lm.engine.shapes if s.kind == 'prefill'} <= {16, 32, 64}
 
 
+def test_local_tasks_are_indexed_without_lm_evals_built_in_ones(tasks):
+  """Tasks all from --include_path need not wait for lm_eval's built-in index (15-20 s to build);
+  a built-in task named beside them is found in the index of both."""
+  folder = tasks[0]
+  own = lm_eval_lib.task_index(folder, TASKS)
+  assert set(TASKS) <= set(own.all_tasks) and 'arc_easy' not in own.all_tasks
+  both = lm_eval_lib.task_index(folder, [*TASKS, 'arc_easy'])
+  assert set(TASKS) | {'arc_easy'} <= set(both.all_tasks)
+  assert lm_eval_lib.task_index(folder, TASKS) is own  # built once
+
+
 def test_command_line_table_results_json_and_unknown_task(run, tasks, tmp_path):
   folder = tasks[0]
   stdout = run_cli('-m', 'jax_pretrain.lm_eval', f'--workdir={run}', '--tasks=local_mc,local_gen',
