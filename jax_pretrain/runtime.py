@@ -30,12 +30,7 @@ XLA_CLIENT_MEM_FRACTION=0.9, unless it or its deprecated name XLA_PYTHON_CLIENT_
 The persistent compilation cache: jax_compilation_cache_dir = $JAX_COMPILATION_CACHE_DIR, else
   $XDG_CACHE_HOME/jax_pretrain/xla (~/.cache/jax_pretrain/xla), so a restarted run (or the same
   step compiled by the plan or the benchmarks) loads the compiled program instead of compiling it
-  again. JAX_ENABLE_COMPILATION_CACHE=false turns it off. Its size is bounded,
-  jax_compilation_cache_max_size = $JAX_COMPILATION_CACHE_MAX_SIZE, else CACHE_MAX_BYTES (the least
-  recently used programs go first), and so read and written under a file lock: unbounded, jax
-  writes an entry in place without one, and another run sharing the folder (a second job, the
-  processes of a node, a test worker) that reads it half-written loads a truncated program and
-  dies (SIGSEGV). The lock costs a walk of the folder each time a program is written.
+  again. JAX_ENABLE_COMPILATION_CACHE=false turns it off.
 """
 import os
 
@@ -44,7 +39,6 @@ GPU_XLA_FLAGS = (
     '--xla_gpu_enable_pipelined_all_gather=true',
 )
 MEM_FRACTION = '0.9'
-CACHE_MAX_BYTES = 20 << 30
 _MEM_FRACTION_VARIABLES = ('XLA_CLIENT_MEM_FRACTION', 'XLA_PYTHON_CLIENT_MEM_FRACTION')
 
 
@@ -79,11 +73,8 @@ def configure(cache: bool = True) -> list[str]:
   import jax  # noqa: PLC0415
   if not cache:
     jax.config.update('jax_enable_compilation_cache', False)
-    return settings('gpu')
-  if not jax.config.jax_compilation_cache_dir:
+  elif not jax.config.jax_compilation_cache_dir:
     jax.config.update('jax_compilation_cache_dir', default_cache_dir())
-  if jax.config.jax_compilation_cache_max_size == -1:  # (jax's default: unbounded, unlocked)
-    jax.config.update('jax_compilation_cache_max_size', CACHE_MAX_BYTES)
   return settings('gpu')
 
 
@@ -93,10 +84,7 @@ def settings(platform: str) -> list[str]:
   import jax  # noqa: PLC0415
   cache = (jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache
            else 'off') or 'off'
-  size = jax.config.jax_compilation_cache_max_size
-  bound = (f', at most {size / 2**30:.3g} GiB (JAX_COMPILATION_CACHE_MAX_SIZE)'
-           if cache != 'off' and size > 0 else '')
-  lines = [f'compile cache     {cache} (JAX_COMPILATION_CACHE_DIR){bound}']
+  lines = [f'compile cache     {cache} (JAX_COMPILATION_CACHE_DIR)']
   if platform == 'gpu':
     lines = [f'XLA_FLAGS         {os.environ.get("XLA_FLAGS", "")}',
              f'GPU memory        {mem_fraction():.0%} preallocated (XLA_CLIENT_MEM_FRACTION)',

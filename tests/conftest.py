@@ -16,10 +16,6 @@ CACHE_DIR = os.path.join(tempfile.gettempdir(), 'jax_pretrain_test_compile_cache
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', CACHE_DIR)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
-# With a size limit jax reads and writes the cache under a file lock (filelock); without one an
-# entry is written in place, unlocked, and a worker or trainer subprocess reading it half-written
-# deserializes a truncated executable and dies (SIGSEGV: a CI run lost a worker to it).
-os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(16 << 30))
 
 # torch's CUDA build (requirements-dev.txt: the transformers agreement tests) imports triton, whose
 # native library crashes the process (SIGSEGV) if TensorFlow (clu's TensorBoard writer, tfds) was
