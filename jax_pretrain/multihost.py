@@ -127,13 +127,15 @@ def gather(tree, on_device: bool = False):
   return jax.device_put(full, jax.local_devices()[0]) if on_device else full
 
 
-def global_array(x, sharding):
-  """A host array that every process holds whole (the same values), as one global array in
-  `sharding`: each process places its devices' blocks of it."""
+def global_array(tree, sharding):
+  """Host arrays (a tree of them) that every process holds whole (the same values), as global
+  arrays in `sharding`: each process places its devices' blocks of them (one process: one
+  device_put for the whole tree)."""
   if jax.process_count() == 1:
-    return jax.device_put(x, sharding)
-  x = np.asarray(x)
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return jax.device_put(tree, sharding)
+  place = lambda x: jax.make_array_from_callback(np.shape(x), sharding,
+                                                 lambda index: np.asarray(x)[index])
+  return jax.tree.map(place, tree)
 
 
 def barrier(name: str) -> None:

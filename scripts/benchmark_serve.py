@@ -17,13 +17,16 @@ application's system prompt: with the server's prefix cache (on by default; off 
 server a --context that holds them (`--serve_args=--context=...`); the table then has the mean
 `usage.prompt_tokens_details.cached_tokens` a request.
 
---py_spy=BIN (py-spy's command; `pip install py-spy`) samples the server during each timed run
-(`py-spy record --threads --idle`) and splits the engine thread's time: in jax (dispatching the
-compiled calls, running them where the CPU runs them inline, reading their results) against the
-host's own Python (scheduling, output processing, detokenization, callbacks), with the host's
-largest functions by own time; the time it waited for work is left out. It also prints the CPU
-time each of the server's threads took (/proc/PID/task), per generated token: the engine thread's
-own, the other Python threads' (the HTTP server's), XLA's pools' (the model's work on the CPU).
+--py_spy=BIN (py-spy's command; `pip install py-spy`) measures the engine thread: `py-spy dump`
+names it (Python threads share the interpreter's name in /proc), then /proc/PID/task gives the CPU
+time each of the server's threads took during the timed run, per generated token — the engine
+thread's own (scheduling, dispatching the compiled calls, reading their results, output
+processing: the host's work on a step), the other Python threads' (the HTTP server's), XLA's
+pools' (the model's work on the CPU) — and the engine thread's share of the run's wall time (the
+host's share of a step; the rest it waits for the device). Nothing samples the process during that
+run (py-spy attached takes ~40% of the throughput on 2 cores). A second run of the same requests
+is then sampled (`py-spy record --threads --idle`) for where the engine thread's time goes: in
+jax (dispatch, reading results) against its own Python, with its largest functions by own time.
 """
 import argparse
 import collections
@@ -133,16 +136,23 @@ def thread_cpu(pid: int) -> dict[str, tuple[str, float]]:
   return cpu
 
 
-def cpu_report(cpu0: dict, cpu1: dict, raw: str, tokens: int) -> str:
-  """The CPU time a run took by thread (the engine's own apart: py-spy's raw output names its
-  id), in microseconds per generated token."""
-  engine = next((line.split('(')[1].split(')')[0] for line in raw.splitlines()
-                 if line.split(';')[0].endswith(': engine')), None)
+def engine_thread(py_spy: str, pid: int) -> str | None:
+  """The OS id of the server's engine thread (`py-spy dump` lists each thread's id and name)."""
+  out = subprocess.run([py_spy, 'dump', '--pid', str(pid)], capture_output=True, text=True,
+                       timeout=120).stdout
+  return next((line.split()[1] for line in out.splitlines()
+               if line.startswith('Thread ') and line.rstrip().endswith('"engine"')), None)
+
+
+def cpu_report(cpu0: dict, cpu1: dict, engine: str | None, tokens: int, seconds: float) -> str:
+  """The CPU time a run took by thread (the engine's own apart), in microseconds per generated
+  token, and the engine thread's share of the run's wall time."""
   used: collections.Counter = collections.Counter()
   for tid, (name, secs) in cpu1.items():
     used['engine thread' if tid == engine else name] += secs - cpu0.get(tid, (name, 0.0))[1]
-  return '  CPU µs a generated token by thread: ' + ', '.join(
-      f'{k} {1e6 * v / max(tokens, 1):.0f}' for k, v in used.most_common() if v >= 0.05)
+  return ('  CPU µs a generated token by thread: ' + ', '.join(
+      f'{k} {1e6 * v / max(tokens, 1):.1f}' for k, v in used.most_common() if v >= 0.05)
+      + f'\n  engine thread on the CPU {100 * used["engine thread"] / seconds:.1f}% of the run')
 
 
 def engine_profile(raw: str, top: int = 8) -> str:
@@ -180,7 +190,7 @@ def main():
   p.add_argument('--system_prompt', type=int, default=0,
                  help='Characters of one system prompt put before every prompt.')
   p.add_argument('--py_spy', default='',
-                 help="py-spy's command: profile the engine thread during each timed run.")
+                 help="py-spy's command: the engine thread's CPU in each timed run, then a profile.")
   a = p.parse_args()
   server, url = (None, a.url) if a.url else start(a.workdir, a.serve_args)
   try:
@@ -190,26 +200,26 @@ def main():
           f'{"latency s":>9}  {"cached":>6}')
     for clients in (int(c) for c in a.clients.split(',')):
       run(url, name, clients, max(clients, 16), a.max_tokens, a.api_key, system)  # (compiles)
-      spy = None
-      if a.py_spy and server is not None:
+      measure = bool(a.py_spy) and server is not None
+      if measure:
+        engine = engine_thread(a.py_spy, server.pid)
+        cpu0 = thread_cpu(server.pid)
+      seconds, tokens, latency, cached = run(url, name, clients, a.requests, a.max_tokens,
+                                             a.api_key, system)
+      print(f'{clients:>7}  {a.requests:>8}  {seconds:>8.2f}  {a.requests / seconds:>10.2f}  '
+            f'{tokens / seconds:>9.1f}  {latency:>9.2f}  {cached:>6.0f}', flush=True)
+      if measure:
+        print(cpu_report(cpu0, thread_cpu(server.pid), engine, tokens, seconds))
         out = f'/tmp/benchmark_serve_{server.pid}_{clients}.txt'
         spy = subprocess.Popen([a.py_spy, 'record', '--pid', str(server.pid), '--threads',
                                 '--idle', '--rate', '200', '--format', 'raw', '-o', out],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1)  # (attached)
-      cpu0 = thread_cpu(server.pid) if spy is not None else {}
-      seconds, tokens, latency, cached = run(url, name, clients, a.requests, a.max_tokens,
-                                             a.api_key, system)
-      print(f'{clients:>7}  {a.requests:>8}  {seconds:>8.2f}  {a.requests / seconds:>10.2f}  '
-            f'{tokens / seconds:>9.1f}  {latency:>9.2f}  {cached:>6.0f}', flush=True)
-      if spy is not None:
+        run(url, name, clients, a.requests, a.max_tokens, a.api_key, system)
         spy.send_signal(signal.SIGINT)
         spy.wait(timeout=120)
-        cpu1 = thread_cpu(server.pid)
         with open(out) as f:
-          raw = f.read()
-        print(cpu_report(cpu0, cpu1, raw, tokens))
-        print(engine_profile(raw), flush=True)
+          print(engine_profile(f.read()), flush=True)
   finally:
     if server is not None:
       server.terminate()
