@@ -97,15 +97,6 @@ def _encode(tokenizer, text: str, specials: bool) -> list[int]:
   return np.asarray(tokenizer.encode(text), np.int32).tolist() if text else []
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-  n = 0
-  for x, y in zip(a, b):
-    if x != y:
-      break
-    n += 1
-  return n
-
-
 def encode_pair(prompt, chosen, rejected, tokenizer,
                 template: chat.ChatTemplate | None) -> Pair | str:
   """The pair's ids as TRL's tokenize_fn makes them, or what is wrong: prompt, prompt + chosen
@@ -128,7 +119,7 @@ def encode_pair(prompt, chosen, rejected, tokenizer,
                                               (prompt + rejected, False)))
     except Exception as e:  # noqa: BLE001  (jinja2's errors: the template's, for this pair)
       return f'the chat template failed on this pair: {e}'
-  n = min(_common_prefix(p, pc), _common_prefix(p, pr))
+  n = min(len(os.path.commonprefix([p, pc])), len(os.path.commonprefix([p, pr])))
   if n == 0:
     return 'the prompt has no tokens (the completions need a context)'
   if len(pc) == n or len(pr) == n:

@@ -37,6 +37,7 @@ dry_run gives the calls of a workload without a model (plan.py's GRPO rollout).
 """
 import collections
 import dataclasses
+import os
 import threading
 from typing import ClassVar
 
@@ -54,16 +55,6 @@ class EngineStopped(RuntimeError):
 def bucket(n: int, limit: int, smallest: int = 1) -> int:
   """The power of two >= n (and >= smallest), or limit when that is smaller: few distinct shapes."""
   return min(limit, max(smallest, 1 << (max(n, 1) - 1).bit_length()))
-
-
-def _common(a, b, most: int) -> int:
-  """The length of the common prefix of a and b, `most` at most."""
-  n = 0
-  for x, y in zip(a[:most], b[:most]):
-    if x != y:
-      break
-    n += 1
-  return n
 
 
 def live_bucket(n: int, context: int) -> int:
@@ -231,12 +222,13 @@ class PrefixCache:
       return ranked[0], 0, -1
     L = self.local_slots
     most = (len(seq.prompt) - 1) // BLOCK * BLOCK
-    head = tuple(seq.prompt[:BLOCK])
-    candidates = {g for g in self._by_head.get(head, ()) if g not in content}
-    candidates.update(g for g, tokens in content.items() if tokens[:BLOCK] == head)
+    prompt = tuple(seq.prompt[:most])  # (what a cached prefix may cover)
+    candidates = {g for g in self._by_head.get(prompt[:BLOCK], ()) if g not in content}
+    candidates.update(g for g, tokens in content.items() if tokens[:BLOCK] == prompt[:BLOCK])
     matches = []
     for g in candidates if most else ():
-      n = _common(content.get(g, self.cached[g]), seq.prompt, most) // BLOCK * BLOCK
+      n = len(os.path.commonprefix([content.get(g, self.cached[g])[:most], prompt]))
+      n = n // BLOCK * BLOCK
       if n:
         matches.append((-n, g not in ranked, g))
     for n, _, src in sorted(matches):
