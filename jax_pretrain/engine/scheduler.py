@@ -248,6 +248,7 @@ class Scheduler:
                prefill_tokens: int, prefix_cache: bool = False):
     self.local_slots, self.devices, self.context, self.chunk = local_slots, devices, context, chunk
     self.slots = local_slots * devices
+    self._by_index = [d * local_slots + j for j in range(local_slots) for d in range(devices)]
     self.prefill_tokens = prefill_tokens
     self.prefix_cache = prefix_cache
     self.prefix = PrefixCache(self.slots, local_slots, prefix_cache)
@@ -334,11 +335,11 @@ class Scheduler:
 
   def admit(self) -> tuple[list[Prefill], list[Sequence]]:
     """Moves waiting sequences into free slots (PrefixCache.place: with prefix caching the slot
-    of a cached prefix, or one of its device's), but a sequence whose prompt another one admitted
-    now has goes to that one's device while it has a free slot, so that the prompt is prefilled
-    once for both (GRPO's num_samples completions, a request's n choices). Returns the prefill
-    calls of those admitted, a bucket of lengths at a time, and the waiting sequences found
-    cancelled (no longer queued: the caller ends them)."""
+    of a cached prefix, or one of its device's), but one whose prompt another one admitted now
+    has goes to that one's device (its first free slot in PrefixCache.ranked's order), so that the
+    prompt is prefilled once for both (GRPO's num_samples completions, a request's n choices).
+    Returns the prefill calls of those admitted, a bucket of lengths at a time, and the waiting
+    sequences found cancelled (no longer queued: the caller ends them)."""
     admitted: list[int] = []
     cancelled = []
     source: dict[int, int] = {}  # an admitted slot: the slot whose row holds its cached prefix
@@ -346,9 +347,7 @@ class Scheduler:
     # was its own (its prefill writes after it), else nothing.
     content: dict[int, tuple[int, ...]] = {}
     with self._wakeup:
-      free = [d * self.local_slots + j for j in range(self.local_slots)
-              for d in range(self.devices) if self.busy[d * self.local_slots + j] is None]
-      ranked = self.prefix.ranked(free)
+      free = self.prefix.ranked([g for g in self._by_index if self.busy[g] is None])
       # A prompt admitted now: its last device, its cached prefix's length and source.
       first: dict[tuple[int, ...], tuple[int, int, int]] = {}
       while free and self.waiting:
@@ -360,9 +359,8 @@ class Scheduler:
         d, start, src = first.get(prompt, (-1, 0, -1))
         g = next((g for g in free if g // self.local_slots == d), -1)
         if g < 0:
-          g, start, src = self.prefix.place(seq, ranked, content)
+          g, start, src = self.prefix.place(seq, free, content)
         free.remove(g)
-        ranked.remove(g)
         first[prompt] = g // self.local_slots, start, src
         self.busy[g], seq.cached_tokens = seq, start
         self.prefix.taken(g, seq)
