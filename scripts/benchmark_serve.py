@@ -190,7 +190,7 @@ def main():
   p.add_argument('--system_prompt', type=int, default=0,
                  help='Characters of one system prompt put before every prompt.')
   p.add_argument('--py_spy', default='',
-                 help="py-spy's command: the engine thread's CPU in each timed run, then a profile.")
+                 help="py-spy's command: the engine thread's CPU in each run, then a profile.")
   a = p.parse_args()
   server, url = (None, a.url) if a.url else start(a.workdir, a.serve_args)
   try:

@@ -239,7 +239,7 @@ def _unpack(words_NxW, like):
     w = words_NxW[:, at:at + width].reshape(-1, *x.shape[1:])
     out.append(w != 0 if x.dtype == np.bool_ else jax.lax.bitcast_convert_type(w, x.dtype))
     at += width
-  return treedef.unflatten(out)
+  return jax.tree.unflatten(treedef, out)
 
 
 @struct.dataclass
