@@ -31,12 +31,16 @@
 #      buffers are off for this run (XLA_FLAGS), so that every kernel names its HLO instruction;
 #   6. engine: decoding xlarge's model, 64 sequences × (512 + 128) tokens
 #      (scripts/benchmark_engine.py) with its KV cache in bf16, int8 and fp8 (issue 38), and under
-#      it the peer's: transformers generate with a static cache, compiled.
+#      it the peer's: transformers generate with a static cache, compiled;
+#   7. numerics (issue 45): the tests whose claims the device must keep, run on it (pytest; on the
+#      device image: ../shared/tools/device-wheels.sh pytest iniconfig pluggy): FP8 inference gives
+#      a row the same logits alone and in any batch (bit for bit), FP8 under float16 against
+#      float64, the 8-bit KV caches under float16 against dequantizing first; a row each.
 # The plan's predictions to compare with: BENCHMARKS.md, "Compiled for the GPU, not measured".
 #
-# Usage: [STEPS="trainer attention train_step checkpoint precision profile engine"] \
+# Usage: [STEPS="trainer attention train_step checkpoint precision profile engine numerics"] \
 #            bash scripts/gpu_check.sh [--dry-run]
-#   STEPS      which of the seven to run (default all; where one command may last 10 minutes at
+#   STEPS      which of the eight to run (default all; where one command may last 10 minutes at
 #              most, run STEPS=trainer first (about 9 minutes), then STEPS="profile engine", then
 #              STEPS="attention train_step checkpoint", then STEPS=precision)
 #   --dry-run  the same steps at tiny shapes on the CPU, in a few minutes: checks the script
@@ -77,7 +81,7 @@ if [[ ${1:-} == --dry-run ]]; then
   trainer_limit=200
   peer_engine_args=(--config=configs/test.py --sequences=2 --prompt_tokens=8 --new_tokens=4
                     --nocompile --notrain)
-  limits=(300 400 120 300 300 300)
+  limits=(300 400 120 300 300 300 300)
 else
   attention_args=(--batch 8 --seq 2048 --heads 16 --kv_heads 16 --head_dim 128 --iters 20)
   # 32 sequences per step: the preset's micro-batches, fewer of them (tokens/s does not depend on
@@ -100,14 +104,14 @@ else
                --repeats=1 --kv_cache_dtype=auto,int8,fp8)
   peer_engine_args=(--config=configs/xlarge.py --sequences=64 --prompt_tokens=512
                     --new_tokens=128 --notrain)
-  limits=(100 560 90 420 300 420)
+  limits=(100 560 90 420 300 420 300)
   trainer_args=(--config=configs/xlarge.py --config.train.batch_size=16
                 --config.train.micro_batch_size=8 --config.train.steps=300
                 --config.optim.warmup_steps=30 --config.train.log_every=25)
   trainer_limit=290
 fi
 
-steps=" ${STEPS:-trainer attention train_step checkpoint precision profile engine} "
+steps=" ${STEPS:-trainer attention train_step checkpoint precision profile engine numerics} "
 want() { [[ $steps == *" $1 "* ]]; }
 
 # run NAME LIMIT COMMAND...: runs it with a time limit, logs to $out/NAME.log, prints its Markdown
@@ -167,7 +171,17 @@ trainer() {
     --config.model.fp8=true --workdir="$out/trainer_fp8" &&
   "$python" scripts/compare_runs.py default="$out/trainer_default" fp8="$out/trainer_fp8"
 }
-export -f then_peer profile trainer
+# numerics: the device-bound numerics tests (step 7) on this device, a Markdown row each.
+numerics() {
+  set -o pipefail
+  echo '| test | on this device |'
+  echo '|---|---|'
+  local tests='alone_and_in_any_batch or float16_compute_matches or cache_under_float16'
+  JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} "$python" -m pytest -q -p no:cacheprovider -rA \
+    tests/test_fp8.py tests/test_sample.py -k "$tests" |
+    awk '/^(PASSED|FAILED|ERROR) / {print "| " $2 " | " $1 " |"}'
+}
+export -f then_peer profile trainer numerics
 export python out
 
 echo "## GPU check, $(date -u +%Y-%m-%d)"
@@ -203,4 +217,7 @@ run profile "${limits[4]}" bash -c 'profile "$@"' _ "$profile_vocab" "${profile_
 want engine && echo && echo "### Decoding: the engine, its reference and the peer" &&
 run engine "${limits[5]}" bash -c 'then_peer "$@"' _ scripts/benchmark_engine.py \
   "${engine_args[@]}" --markdown -- "${peer_engine_args[@]}"
+
+want numerics && echo && echo "### Numerics: FP8 and the 8-bit caches' tests on the device" &&
+run numerics "${limits[6]}" bash -c numerics
 true  # (a step left out by STEPS is not a failure)

@@ -19,7 +19,8 @@ def test_gpu_check_dry_run_prints_every_table(tmp_path):
                   '### Checkpoint: asynchronous save and restore',
                   '### Precision: bfloat16, float16 with loss scaling, FP8',
                   "### Profile: the trainer's device time a step by kind",
-                  '### Decoding: the engine, its reference and the peer'):
+                  '### Decoding: the engine, its reference and the peer',
+                  "### Numerics: FP8 and the 8-bit caches' tests on the device"):
     assert heading in text
   # Trainer: the default and FP8 runs of the trainer, trained the same steps to near losses.
   trainer = dict(re.findall(r'^\| (default|fp8) \| [\d,]+ \| n/a \| ([\d.]+) \|', text, re.M))
@@ -28,6 +29,7 @@ def test_gpu_check_dry_run_prints_every_table(tmp_path):
   text, precision = text.split('### Precision')
   precision, profile = precision.split('### Profile')
   profile, engine = profile.split('### Decoding')
+  engine, numerics = engine.split('### Numerics')
   rows = {line.split('|')[1].strip(): line for line in text.splitlines()
           if line.startswith('| ') and not line.startswith('| attention')}
   # Attention: cuDNN cannot run on the CPU and says so; Pallas agrees with XLA.
@@ -63,3 +65,10 @@ def test_gpu_check_dry_run_prints_every_table(tmp_path):
       'engine (jax_pretrain)', 'engine (jax_pretrain), int8 KV cache',
       'engine (jax_pretrain), fp8 KV cache', 'transformers generate (static cache)'], engine
   assert len({row.count('|') for row in rows}) == 1, engine
+  # Numerics: the device-bound tests, each run (on the CPU here) and passed.
+  ran = re.findall(r'^\| tests/\S+::(\w+)\S* \| (\w+) \|$', numerics, re.M)
+  assert {name for name, _ in ran} == {
+      'test_fp8_with_float16_compute_matches_float64',
+      'test_fp8_inference_gives_a_row_the_same_logits_alone_and_in_any_batch',
+      'test_a_quantized_cache_under_float16_is_as_accurate_as_dequantizing_first'}, numerics
+  assert len(ran) == 5 and {status for _, status in ran} == {'PASSED'}, numerics
