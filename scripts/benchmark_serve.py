@@ -150,9 +150,11 @@ def cpu_report(cpu0: dict, cpu1: dict, engine: str | None, tokens: int, seconds:
   used: collections.Counter = collections.Counter()
   for tid, (name, secs) in cpu1.items():
     used['engine thread' if tid == engine else name] += secs - cpu0.get(tid, (name, 0.0))[1]
+  share = (f'engine thread on the CPU {100 * used["engine thread"] / seconds:.1f}% of the run'
+           if engine is not None else "engine thread not found by `py-spy dump`: no share")
   return ('  CPU µs a generated token by thread: ' + ', '.join(
       f'{k} {1e6 * v / max(tokens, 1):.1f}' for k, v in used.most_common() if v >= 0.05)
-      + f'\n  engine thread on the CPU {100 * used["engine thread"] / seconds:.1f}% of the run')
+      + f'\n  {share}')
 
 
 def engine_profile(raw: str, top: int = 8) -> str:

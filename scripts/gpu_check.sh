@@ -42,7 +42,7 @@
 #            bash scripts/gpu_check.sh [--dry-run]
 #   STEPS      which of the eight to run (default all; where one command may last 10 minutes at
 #              most, run STEPS=trainer first (about 9 minutes), then STEPS="profile engine", then
-#              STEPS="attention train_step checkpoint", then STEPS=precision)
+#              STEPS="attention train_step checkpoint", then STEPS="precision numerics")
 #   --dry-run  the same steps at tiny shapes on the CPU, in a few minutes: checks the script
 #              (tests/test_gpu_check.py), measures nothing that matters.
 # Environment: PYTHON (default .venv/bin/python, set up with requirements-gpu.txt; the peer's rows

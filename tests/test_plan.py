@@ -18,7 +18,6 @@ from jax_pretrain import gpu_targets
 from jax_pretrain import hlo
 from jax_pretrain import memory
 from jax_pretrain import model as model_lib
-from jax_pretrain import multihost
 from jax_pretrain import plan
 from jax_pretrain import runtime
 from jax_pretrain.grpo import config as grpo_config
@@ -670,9 +669,8 @@ def test_the_engines_lowered_calls_are_the_ones_it_runs():
   r = eng.runner
   prefill, decode = runner_lib._prefill, runner_lib._decode  # noqa: SLF001
   state, (allowed, eos) = r.state(), r.constants()
-  admitted = multihost.global_array(r.admitted(scheduler_lib.Prefill(
-      scheduler_lib.PrefillShape(rows=2, length=16, copies=0), ((), ()))).packed(),
-      r._split)  # noqa: SLF001
+  admitted = r.placed(
+      scheduler_lib.Prefill(scheduler_lib.PrefillShape(rows=2, length=16, copies=0), ((), ())))
   real = prefill.lower(eng.params, state, admitted, allowed, model=eng.model, mesh=eng.mesh)
   assert abstract.lower_prefill(2, 16).as_text() == real.as_text()
   steps, top = (jax.device_put(x, r._replicated) for x in (np.int32(3), np.bool_(True)))  # noqa: SLF001

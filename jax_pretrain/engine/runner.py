@@ -482,9 +482,7 @@ class ModelRunner:
     program = self.programs.get(call.shape)
     self.prompts_prefilled += sum(len({i for _, i, _ in x}) for x in call.slots)
     allowed_V, _ = self.constants()
-    self._state = program(self.params, self.state(),
-                          multihost.global_array(self.admitted(call).packed(), self._split),
-                          allowed_V)
+    self._state = program(self.params, self.state(), self.placed(call), allowed_V)
 
   def decode(self, call: Decode) -> list[jax.Array]:
     """Dispatches the call's steps (the device runs them after the calls before it, the host goes
@@ -563,6 +561,11 @@ class ModelRunner:
     """token_logprobs with these params (on the mesh's devices)."""
     return token_logprobs(self.model, self.params, multihost.global_array(np.asarray(tokens_BxT1),
                                                         self._replicated), top_n=top_n)
+
+  def placed(self, call: Prefill) -> tuple[jax.Array, ...]:
+    """The call's inputs on the mesh, as prefill passes them: Admitted.packed()'s arrays, their
+    rows split over the devices (one transfer)."""
+    return multihost.global_array(self.admitted(call).packed(), self._split)
 
   def admitted(self, call: Prefill) -> Admitted:
     """The call's inputs (Admitted): each device's prompts in its rows, in the order of their
